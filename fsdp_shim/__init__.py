@@ -1,0 +1,153 @@
+"""fsdp_shim: FSDP1's ``summon_full_params`` for FSDP2, HSDP and tensor-parallel models.
+
+Adoption is one line, at start-up::
+
+    import fsdp_shim  # patches FullyShardedDataParallel.summon_full_params
+
+after which existing call sites work on models sharded with ``fully_shard``::
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    with FSDP.summon_full_params(model, writeback=False, recurse=False):
+        model.generate(...)                       # runs with full weights
+
+    for fqn, unit in fsdp_shim.fsdp_units(model):  # weight sync, unit by unit
+        with FSDP.summon_full_params(unit, recurse=False, writeback=False, rank0_only=True):
+            ...                                   # rank 0 sees full tensors
+
+    with FSDP.summon_full_params(model.lm_head, writeback=True):
+        model.lm_head.weight.mul_(0.5)            # persisted into every shard
+
+FSDP1 module trees still go to FSDP1's own implementation. Inside the
+context every DTensor parameter in scope is a plain ``nn.Parameter`` holding
+the full tensor, in its stored dtype, under its usual name; on exit the module
+holds the very same parameter objects as before (optimizers and FSDP2 keep
+their references). The README lists the exact semantics next to FSDP1's.
+
+Set ``FSDP_SHIM_DISABLE=1`` to import without patching, and
+``FSDP_SHIM_BUCKET_MB`` to change the all-gather bucket size.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, ContextManager
+
+import torch
+import torch.nn as nn
+import wrapt
+
+from fsdp_shim import _versions
+from fsdp_shim._units import fsdp_units, is_fsdp_module, param_fqn
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "is_fsdp_module",
+    "fsdp_units",
+    "is_patched",
+    "param_fqn",
+    "patch",
+    "summon_full_params",
+    "unpatch",
+    "__version__",
+]
+
+logger = logging.getLogger("fsdp_shim")
+logger.addHandler(logging.NullHandler())
+
+#: Why the import did not patch, if it did not (``None`` when it did).
+unsupported_reason: str | None = None
+
+
+def _environment_problem() -> str | None:
+    if not _versions.at_least(torch.__version__, _versions.MIN_TORCH):
+        return f"torch {torch.__version__} is older than the supported {_versions.MIN_TORCH}"
+    if not _versions.at_least(wrapt.__version__, _versions.MIN_WRAPT):
+        return f"wrapt {wrapt.__version__} lacks unwrap_object (needs >= {_versions.MIN_WRAPT})"
+    try:
+        from fsdp_shim import _fsdp2_internals  # noqa: F401,PLC0415
+    except ImportError as exc:  # the FSDP2 internals we rely on moved
+        return f"torch {torch.__version__} lacks the FSDP2 internals fsdp_shim uses ({exc})"
+    return None
+
+
+unsupported_reason = _environment_problem()
+if unsupported_reason is None:
+    from fsdp_shim import _patching
+    from fsdp_shim._dispatch import summon as _summon
+
+    if not _versions.is_tested_torch(torch.__version__):
+        logger.warning(
+            "fsdp_shim was tested with torch %s; running on untested torch %s",
+            ", ".join(_versions.TESTED_TORCH), torch.__version__,
+        )
+else:
+    logger.warning("fsdp_shim is inactive: %s", unsupported_reason)
+
+
+def _require_support() -> None:
+    if unsupported_reason is not None:
+        raise RuntimeError(f"fsdp_shim is inactive: {unsupported_reason}")
+
+
+def patch() -> bool:
+    """Make ``FullyShardedDataParallel.summon_full_params`` serve DTensor models too.
+
+    Idempotent: returns True if it installed the wrapper, False if ours was
+    already installed (it never stacks a second one).
+    """
+    _require_support()
+    return _patching.patch()
+
+
+def unpatch() -> bool:
+    """Restore the exact original ``summon_full_params``; returns False if there was nothing to undo."""
+    if unsupported_reason is not None:
+        return False
+    return _patching.unpatch()
+
+
+def is_patched() -> bool:
+    """Whether our wrapper is currently installed on ``FullyShardedDataParallel``."""
+    return unsupported_reason is None and _patching.is_patched()
+
+
+def summon_full_params(
+    module: nn.Module,
+    recurse: bool = True,
+    writeback: bool = True,
+    rank0_only: bool = False,
+    offload_to_cpu: bool = False,
+    with_grads: bool = False,
+    *,
+    bucket_mb: float | None = None,
+) -> ContextManager[Any]:
+    """Gather full parameters for ``module``, with FSDP1's signature and semantics.
+
+    Usable without patching. FSDP1 trees go to FSDP1; DTensor parameters in
+    scope are gathered and swapped in; anything else is a null context.
+
+    Args:
+        recurse: include nested FSDP units; ``False`` keeps to the module's own unit.
+        writeback: on exit, copy each rank's slice of the (edited) full
+            parameters (and gradients, with ``with_grads``) into its shard in place.
+        rank0_only: only global rank 0 gets full parameters.
+        offload_to_cpu: the full parameters live on CPU.
+        with_grads: full parameters carry full gradients (``None`` stays ``None``).
+        bucket_mb: cap on one all-gather bucket, in MiB (default: ``$FSDP_SHIM_BUCKET_MB`` or 4).
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
+        NotImplementedError: ``writeback`` with ``rank0_only``, or ``with_grads`` with ``offload_to_cpu``.
+        AssertionError: called during FSDP2 forward or backward (FSDP1 raises the same).
+    """
+    _require_support()
+    return _summon(
+        module, recurse, writeback, rank0_only, offload_to_cpu, with_grads, bucket_mb=bucket_mb
+    )
+
+
+if unsupported_reason is None and os.environ.get("FSDP_SHIM_DISABLE", "") not in ("1", "true", "True"):
+    patch()

@@ -1,0 +1,114 @@
+"""Route a ``summon_full_params`` call: FSDP1 original, DTensor path, or nothing.
+
+FSDP1 module trees go to FSDP1's own implementation untouched. Trees with
+DTensor parameters in scope (FSDP2, HSDP, tensor parallel) go to ``_swap``.
+Anything else is a null context, as FSDP1's version is for a module without
+FSDP1 state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any, ContextManager, Literal
+
+import torch.nn as nn
+from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.tensor import DTensor
+
+from fsdp_shim import _fsdp2_internals as fsdp2
+from fsdp_shim._gather import bucket_bytes_from_env
+from fsdp_shim._scope import scope_modules
+from fsdp_shim._swap import summon_dtensor_params
+
+logger = logging.getLogger("fsdp_shim")
+
+Route = Literal["fsdp1", "dtensor", "none"]
+
+
+def route_for(module: Any, recurse: bool) -> Route:
+    """Which implementation serves ``summon_full_params(module, recurse=recurse)``."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"summon_full_params expects an nn.Module, got {type(module).__name__}")
+    if recurse:
+        if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
+            return "fsdp1"
+    elif isinstance(module, FullyShardedDataParallel):
+        return "fsdp1"
+    for m in scope_modules(module, recurse):
+        if any(isinstance(p, DTensor) for p in m._parameters.values()):
+            return "dtensor"
+        state = fsdp2.fsdp_state_of(m)
+        if state is not None and any(g.fsdp_params for g in fsdp2.param_groups(state)):
+            return "dtensor"  # a unit left unsharded by forward holds plain tensors
+    return "none"
+
+
+def validate_args(writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_grads: bool) -> None:
+    """Reject what FSDP1's ``_validate_unshard_params_args`` rejects, with the same types."""
+    if with_grads and offload_to_cpu:
+        raise NotImplementedError(
+            f"with_grads={with_grads}, offload_to_cpu={offload_to_cpu} is not supported yet"
+        )
+    if writeback and rank0_only:
+        raise NotImplementedError("writeback=True and rank0_only=True is not supported yet")
+    if offload_to_cpu and not rank0_only:
+        warnings.warn(
+            "offload_to_cpu=True and rank0_only=False may result in the unsharded parameters "
+            "being redundantly copied to CPU memory for GPUs sharing the same CPU memory, which "
+            "risks CPU OOM. We recommend using offload_to_cpu=True with rank0_only=True.",
+            UserWarning,
+            stacklevel=4,  # validate_args <- _summon <- contextlib __enter__ <- caller
+        )
+
+
+@contextlib.contextmanager
+def _summon(
+    module: nn.Module,
+    recurse: bool,
+    writeback: bool,
+    rank0_only: bool,
+    offload_to_cpu: bool,
+    with_grads: bool,
+    bucket_mb: float | None,
+) -> Iterator[None]:
+    validate_args(writeback, rank0_only, offload_to_cpu, with_grads)
+    with summon_dtensor_params(
+        module,
+        recurse=recurse,
+        writeback=writeback,
+        rank0_only=rank0_only,
+        offload_to_cpu=offload_to_cpu,
+        with_grads=with_grads,
+        bucket_bytes=bucket_bytes_from_env(bucket_mb),
+    ):
+        yield
+
+
+def summon(
+    module: nn.Module,
+    recurse: bool = True,
+    writeback: bool = True,
+    rank0_only: bool = False,
+    offload_to_cpu: bool = False,
+    with_grads: bool = False,
+    *,
+    bucket_mb: float | None = None,
+    fsdp1: Callable[..., ContextManager[Any]] | None = None,
+) -> ContextManager[None]:
+    """Dispatch one call. ``fsdp1`` is the original FSDP1 implementation, if known."""
+    route = route_for(module, recurse)
+    logger.debug("summon_full_params(%s): route=%s", type(module).__name__, route)
+    if route == "fsdp1":
+        original = fsdp1 if fsdp1 is not None else _original_fsdp1()
+        return original(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads)
+    if route == "none":
+        return contextlib.nullcontext()
+    return _summon(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads, bucket_mb)
+
+
+def _original_fsdp1() -> Callable[..., ContextManager[Any]]:
+    """FSDP1's entry point; through our patch, if installed, which routes back to the original."""
+    return FullyShardedDataParallel.summon_full_params

@@ -1,0 +1,200 @@
+"""Every touch of FSDP2's private state, in one place.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) exposes ``unshard()`` and
+``reshard()`` but not the per-parameter bookkeeping a faithful
+``summon_full_params`` needs. This module reads and changes that bookkeeping
+and nothing else in the package does.
+
+Verified against torch 2.13 (``_fully_shard/_fsdp_state.py``,
+``_fsdp_param_group.py``, ``_fsdp_param.py``). torch 2.6 keeps a single
+``FSDPState._fsdp_param_group``; ``param_groups`` reads either spelling.
+
+[Note: summoned groups]
+While a context owns a unit's module attributes, FSDP2 must neither all-gather
+over them (its forward pre-hook would) nor put its sharded parameters back
+(its forward post-hook and its ``state_dict()`` pre-hook would). A group
+whose every parameter is summoned is therefore *marked*: its sharded state
+reads UNSHARDED, so ``unshard()`` is a no-op, and ``post_forward_mesh_info``
+is ``None``, so ``reshard()`` in forward is a no-op; its ``to_sharded``
+state-dict pre-hooks are suspended. Its own all-gather buffers stay freed,
+since the group really is sharded underneath. ``unmark`` restores the three
+exactly. FSDP2's lazy init skips its parameter reset for a group that is not
+SHARDED, so ``adopt_module_params`` performs that reset at entry instead.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed._composable_state import _module_state_mapping
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, ShardedState
+from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState, _get_module_fsdp_state
+
+__all__ = [
+    "FSDPParam",
+    "FSDPParamGroup",
+    "FSDPState",
+    "GroupMark",
+    "adopt_module_params",
+    "all_fsdp_states",
+    "busy_training_state",
+    "fsdp_state_of",
+    "is_fsdp2_module",
+    "mark_summoned",
+    "param_dtype_for_forward",
+    "param_groups",
+    "param_slots",
+    "reshard_group",
+]
+
+Slot = tuple[nn.Module, str]
+
+
+def is_fsdp2_module(module: nn.Module) -> bool:
+    return isinstance(module, FSDPModule)
+
+
+def fsdp_state_of(module: nn.Module) -> FSDPState | None:
+    return _get_module_fsdp_state(module)
+
+
+def all_fsdp_states() -> list[FSDPState]:
+    """Every live FSDP2 state in the process, each once (grouped states map several modules)."""
+    seen: dict[int, FSDPState] = {}
+    for ref in list(_module_state_mapping.values()):
+        state = ref()
+        if isinstance(state, FSDPState):
+            seen.setdefault(id(state), state)
+    return list(seen.values())
+
+
+def param_groups(state: FSDPState) -> list[FSDPParamGroup]:
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)  # torch < 2.9
+    return [group] if group is not None else []
+
+
+def param_slots(fsdp_param: FSDPParam) -> list[Slot]:
+    """Every (module, attribute name) through which the parameter is reachable."""
+    info = fsdp_param._module_info
+    slots: list[Slot] = [(info.module, info.param_name)]
+    slots.extend(zip(info.shared_modules, info.shared_param_names))
+    return slots
+
+
+def sharded_param(fsdp_param: FSDPParam) -> nn.Parameter:
+    """The DTensor parameter FSDP2, and every optimizer, hold for this slot."""
+    return fsdp_param.sharded_param
+
+
+def busy_training_state(states: Iterator[FSDPState] | list[FSDPState], groups: list[FSDPParamGroup]) -> str | None:
+    """The name of the first training state that is inside forward or backward, if any."""
+    training_states = [s._training_state for s in states]
+    training_states += [g._training_state for g in groups]
+    for training_state in training_states:
+        if training_state != TrainingState.IDLE:
+            return training_state.name
+    return None
+
+
+def is_sharded(group: FSDPParamGroup) -> bool:
+    return group.is_sharded
+
+
+@torch.no_grad()
+def adopt_module_params(group: FSDPParamGroup) -> None:
+    """Run the parameter reset FSDP2's lazy init would run, if it has not yet.
+
+    Before the first forward, FSDP2 adopts whatever tensor the module attribute
+    holds as the sharded parameter (``model.to()``, ``load_state_dict(assign=True)``).
+    Doing it now, while the attributes are still FSDP2's, means a first forward
+    inside the context cannot adopt a full tensor instead.
+    """
+    if group.is_sharded and not group._reset_sharded_params:
+        for fsdp_param in group.fsdp_params:
+            fsdp_param.reset_sharded_param()
+        group._reset_sharded_params = True
+
+
+def reshard_group(group: FSDPParamGroup) -> None:
+    """Free the unsharded copy and register the sharded parameters, as ``reshard()`` does.
+
+    Used for units an earlier forward left unsharded (the root, or
+    ``reshard_after_forward=False``); ``state_dict()``'s pre-hook does the same.
+    The next forward all-gathers again.
+    """
+    if not group.is_sharded:
+        group._to_sharded()
+
+
+def param_dtype_for_forward(group: FSDPParamGroup, fsdp_param: FSDPParam) -> torch.dtype | None:
+    """The dtype FSDP2 would compute this parameter in, if it differs from the stored one."""
+    dtype = group.mp_policy.param_dtype
+    if dtype is None or dtype == fsdp_param.sharded_param.dtype:
+        return None
+    return dtype
+
+
+def _suspend_hook(hooks: OrderedDict[int, Any], hook_id: int) -> Any:
+    return hooks.pop(hook_id, None)
+
+
+def _resume_hook(hooks: OrderedDict[int, Any], hook_id: int, hook: Any, order: list[int]) -> None:
+    hooks[hook_id] = hook
+    rank = {key: i for i, key in enumerate(order)}
+    for key in sorted(hooks, key=lambda k: rank.get(k, len(order))):
+        hooks.move_to_end(key)
+
+
+@dataclass
+class GroupMark:
+    """What ``mark_summoned`` changed on one group, to undo it exactly."""
+
+    group: FSDPParamGroup
+    sharded_state: ShardedState
+    post_forward_mesh_info: Any
+    suspended: list[tuple[weakref.ref[nn.Module], int, Any, list[int]]] = field(default_factory=list)
+
+    def unmark(self) -> None:
+        """Undo ``mark_summoned``. See [Note: summoned groups]."""
+        group = self.group
+        group._sharded_state = self.sharded_state
+        group.post_forward_mesh_info = self.post_forward_mesh_info
+        for module_ref, hook_id, hook, order in self.suspended:
+            module = module_ref()
+            if module is not None and hook is not None:
+                _resume_hook(module._state_dict_pre_hooks, hook_id, hook, order)
+        self.suspended.clear()
+
+
+def mark_summoned(group: FSDPParamGroup) -> GroupMark:
+    """Make FSDP2 leave the group's module attributes alone. See [Note: summoned groups]."""
+    mark = GroupMark(group, group._sharded_state, group.post_forward_mesh_info)
+    for module, handle in getattr(group, "_module_to_pre_save_state_dict_hook_handle", {}).items():
+        hooks = module._state_dict_pre_hooks
+        order = list(hooks)
+        hook = _suspend_hook(hooks, handle.id)
+        mark.suspended.append((weakref.ref(module), handle.id, hook, order))
+    group._sharded_state = ShardedState.UNSHARDED
+    group.post_forward_mesh_info = None
+    return mark
+
+
+def group_modules(group: FSDPParamGroup) -> tuple[nn.Module, ...]:
+    """The modules whose forward hooks drive this group (``fully_shard``'s arguments)."""
+    return tuple(group.modules)
+
+
+def iter_group_params(group: FSDPParamGroup) -> Iterator[FSDPParam]:
+    return iter(group.fsdp_params)

@@ -1,0 +1,279 @@
+"""The gather engine: DTensors in, full tensors out, and the local writeback.
+
+Stateless functions with explicit inputs, in the manner of FSDP2's
+``_fsdp_collectives.py``. Nothing here knows about modules, FSDP state or
+swapping; ``_swap`` decides *what* to gather and where the results go.
+
+[Note: dim-0 layout]
+FSDP2 and DTensor's ``Shard(0)`` both split dim 0 the way ``torch.chunk`` does:
+with ``W`` ranks on the shard mesh dim and ``n`` rows, every rank's chunk has
+``c = ceil(n / W)`` rows except the trailing ones, which are shorter or empty.
+Rank ``r`` holds rows ``[r * c, min(n, (r + 1) * c))``. Padding each local
+shard to ``c`` rows makes all contributions the same size, so one
+``all_gather_into_tensor`` per bucket gathers many parameters at once.
+
+[Note: bucket layout]
+A bucket is a list of parameters sharing one process group, dtype and device.
+Each rank's all-gather input is the concatenation of its padded shards
+(``c_i * row_i`` elements each, ``S`` in all). The output is ``W`` such blocks
+back to back, so viewed as ``(W, S)`` column ranges ``[off_i, off_i + c_i *
+row_i)`` hold parameter ``i``'s rank blocks, and one ``split_with_sizes_copy``
+scatters every parameter into its own padded ``(W * c_i, *rest)`` buffer. The
+full tensor handed out is a view of that buffer's first ``n_i`` rows: the only
+memory beyond the full size is the padding (at most ``W - 1`` rows a tensor).
+
+[Note: writeback needs no collective]
+Every rank already holds the whole (possibly edited) full tensor inside the
+context, so each rank copies rows ``[r * c, r * c + local_rows)`` of it into its
+own local shard, in place. HSDP replicas hold identical full tensors and so
+write identical shards. This is what FSDP1's ``_writeback_to_local_shard``
+does with its flat parameter.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+logger = logging.getLogger("fsdp_shim")
+
+#: Environment variable that overrides the default bucket cap, in MiB.
+BUCKET_ENV = "FSDP_SHIM_BUCKET_MB"
+#: Default cap on one bucket's gathered (full, padded) size. Chosen with
+#: ``fsdp-shim bench --bucket-mb``: see README "Performance".
+DEFAULT_BUCKET_MB = 4.0
+
+
+def bucket_bytes_from_env(explicit: float | None = None) -> int:
+    """The bucket cap in bytes: ``explicit`` MiB, else ``$FSDP_SHIM_BUCKET_MB``, else the default."""
+    if explicit is None:
+        raw = os.environ.get(BUCKET_ENV)
+        if raw:
+            try:
+                explicit = float(raw)
+            except ValueError:
+                raise ValueError(f"{BUCKET_ENV}={raw!r} is not a number of MiB") from None
+    mib = DEFAULT_BUCKET_MB if explicit is None else explicit
+    if mib <= 0:
+        raise ValueError(f"bucket size must be positive, got {mib} MiB")
+    return int(mib * 1024 * 1024)
+
+
+class Dim0Layout(NamedTuple):
+    """Where one rank's local shard sits in the full tensor. See [Note: dim-0 layout]."""
+
+    group: dist.ProcessGroup
+    world_size: int  # W: ranks on the shard mesh dim
+    rank: int  # r: this rank's coordinate on it
+    chunk_rows: int  # c = ceil(n / W)
+    row_numel: int  # elements per dim-0 row
+    local_rows: int  # rows this rank holds, c or fewer
+
+    @property
+    def padded_numel(self) -> int:  # one rank's padded contribution
+        return self.chunk_rows * self.row_numel
+
+    @property
+    def row_offset(self) -> int:  # first full-tensor row of this rank's shard
+        return self.rank * self.chunk_rows
+
+
+def dim0_layout(dtensor: DTensor) -> Dim0Layout | None:
+    """The batched-gather layout of ``dtensor``, or ``None`` if only ``full_tensor()`` applies.
+
+    The fast path covers placements with exactly one plain ``Shard(0)`` and
+    ``Replicate`` everywhere else (FSDP, HSDP, dim-0 tensor parallel), provided
+    the local tensor really is the ``torch.chunk`` slice. Anything else
+    (another shard dim, ``_StridedShard``, ``Partial``, several shardings)
+    falls back.
+    """
+    placements = dtensor.placements
+    shard_dims = [i for i, p in enumerate(placements) if p.is_shard(0)]
+    if len(shard_dims) != 1 or dtensor.ndim == 0:
+        return None
+    if not all(p.is_replicate() for i, p in enumerate(placements) if i != shard_dims[0]):
+        return None
+    mesh_dim = shard_dims[0]
+    mesh = dtensor.device_mesh
+    world_size = mesh.size(mesh_dim)
+    rank = mesh.get_local_rank(mesh_dim)
+    rows = dtensor.shape[0]
+    chunk_rows = -(-rows // world_size)
+    expected_rows = max(0, min(chunk_rows, rows - rank * chunk_rows))
+    local = dtensor._local_tensor
+    if tuple(local.shape) != (expected_rows, *dtensor.shape[1:]) or not local.is_contiguous():
+        return None  # not torch.chunk layout: let DTensor handle it
+    row_numel = 1
+    for size in dtensor.shape[1:]:
+        row_numel *= size
+    return Dim0Layout(mesh.get_group(mesh_dim), world_size, rank, chunk_rows, row_numel, expected_rows)
+
+
+class _Batched(NamedTuple):
+    index: int  # position in the caller's list
+    dtensor: DTensor
+    layout: Dim0Layout
+
+
+def plan_buckets(dtensors: Sequence[DTensor], bucket_bytes: int) -> tuple[list[list[_Batched]], list[int]]:
+    """Split ``dtensors`` into fast-path buckets and fallback indices.
+
+    Buckets hold tensors of one (process group, dtype, device) in the caller's
+    order and close when the next tensor would push the gathered size past
+    ``bucket_bytes``; a tensor larger than the cap gets a bucket of its own.
+    The plan depends only on global metadata, so every rank builds the same
+    one and issues the same collectives in the same order.
+    """
+    buckets: list[list[_Batched]] = []
+    fallback: list[int] = []
+    open_buckets: dict[tuple[object, torch.dtype, torch.device], tuple[list[_Batched], list[int]]] = {}
+    for index, dtensor in enumerate(dtensors):
+        layout = dim0_layout(dtensor)
+        if layout is None:
+            fallback.append(index)
+            continue
+        key = (layout.group, dtensor.dtype, dtensor._local_tensor.device)
+        nbytes = layout.world_size * layout.padded_numel * dtensor.element_size()
+        bucket, size = open_buckets.get(key, (None, [0]))
+        if bucket is None or (bucket and size[0] + nbytes > bucket_bytes):
+            bucket, size = [], [0]
+            buckets.append(bucket)
+            open_buckets[key] = (bucket, size)
+        bucket.append(_Batched(index, dtensor, layout))
+        size[0] += nbytes
+    return buckets, fallback
+
+
+#: ``all_gather_into_tensor`` was renamed ``all_gather_single`` (torch 2.13 warns on the old name).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _comm_device(dtensor: DTensor) -> torch.device:
+    """The device collectives on this mesh run on (CPU-offloaded shards are staged there)."""
+    device_type = dtensor.device_mesh.device_type
+    if device_type == "cpu":
+        return torch.device("cpu")
+    handle = getattr(torch, device_type)
+    return torch.device(device_type, handle.current_device())
+
+
+@torch.no_grad()
+def _gather_bucket(bucket: list[_Batched], keep: bool, out_device: torch.device | None) -> list[torch.Tensor]:
+    """One all-gather for ``bucket``; returns full tensors (empty list when not ``keep``).
+
+    See [Note: bucket layout].
+    """
+    first = bucket[0]
+    world_size, group = first.layout.world_size, first.layout.group
+    dtype = first.dtensor.dtype
+    comm_device = _comm_device(first.dtensor)
+    split_sizes = [b.layout.padded_numel for b in bucket]
+    per_rank = sum(split_sizes)
+    gather_input = torch.empty(per_rank, dtype=dtype, device=comm_device)
+    offset = 0
+    for b, padded in zip(bucket, split_sizes):
+        local = b.dtensor._local_tensor.reshape(-1)
+        gather_input.narrow(0, offset, local.numel()).copy_(local, non_blocking=True)
+        if padded > local.numel():  # keep padding deterministic; it is never exposed
+            gather_input.narrow(0, offset + local.numel(), padded - local.numel()).zero_()
+        offset += padded
+    gather_output = torch.empty(world_size * per_rank, dtype=dtype, device=comm_device)
+    _all_gather_single(gather_output, gather_input, group=group)
+    del gather_input
+    if not keep:
+        return []  # rank0_only: this rank holds nothing once the gather is done
+    target = comm_device if out_device is None else out_device
+    if target != comm_device:
+        # offload_to_cpu: move the whole bucket at once, pinned and
+        # asynchronous on accelerators, then split on the host.
+        host = torch.empty(gather_output.shape, dtype=dtype, pin_memory=comm_device.type != "cpu")
+        host.copy_(gather_output, non_blocking=True)
+        if comm_device.type != "cpu":
+            getattr(torch, comm_device.type).current_stream().synchronize()
+        gather_output = host
+    padded_fulls = [torch.empty(world_size * n, dtype=dtype, device=target) for n in split_sizes]
+    torch.split_with_sizes_copy(
+        gather_output.view(world_size, per_rank),
+        split_sizes,
+        dim=1,
+        out=[buf.view(world_size, n) for buf, n in zip(padded_fulls, split_sizes)],
+    )
+    return [
+        buf[: b.dtensor.numel()].view(b.dtensor.shape)
+        for buf, b in zip(padded_fulls, bucket)
+    ]
+
+
+@torch.no_grad()
+def _gather_fallback(dtensor: DTensor, keep: bool, out_device: torch.device | None) -> torch.Tensor | None:
+    full = dtensor.full_tensor()
+    if not keep:
+        return None
+    local = dtensor._local_tensor
+    if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+        full = full.clone()  # replicated: never alias the live shard
+    if out_device is not None and full.device != out_device:
+        full = full.to(out_device)
+    return full
+
+
+def gather_full_tensors(
+    dtensors: Sequence[DTensor],
+    *,
+    keep: bool = True,
+    out_device: torch.device | None = None,
+    bucket_bytes: int | None = None,
+) -> list[torch.Tensor | None]:
+    """All-gather every DTensor in ``dtensors`` to a plain full tensor.
+
+    A collective: every rank of the meshes involved must call it with the same
+    tensors in the same order. ``keep=False`` takes part in the collectives
+    but returns ``None`` for every tensor (``rank0_only`` on other ranks).
+    ``out_device`` moves results there bucket by bucket (``offload_to_cpu``).
+    Results never alias the DTensors' local storage.
+    """
+    cap = bucket_bytes_from_env() if bucket_bytes is None else bucket_bytes
+    buckets, fallback = plan_buckets(dtensors, cap)
+    results: list[torch.Tensor | None] = [None] * len(dtensors)
+    for bucket in buckets:
+        fulls = _gather_bucket(bucket, keep, out_device)
+        for b, full in zip(bucket, fulls):
+            results[b.index] = full
+    for index in fallback:
+        results[index] = _gather_fallback(dtensors[index], keep, out_device)
+    logger.debug(
+        "gathered %d tensors: %d buckets, %d full_tensor() fallbacks",
+        len(dtensors), len(buckets), len(fallback),
+    )
+    return results
+
+
+@torch.no_grad()
+def write_back_local(dtensor: DTensor, full: torch.Tensor) -> None:
+    """Copy this rank's slice of ``full`` into ``dtensor``'s local shard, in place.
+
+    No collective. See [Note: writeback needs no collective].
+    """
+    if tuple(full.shape) != tuple(dtensor.shape):
+        raise RuntimeError(
+            f"cannot write back a tensor of shape {tuple(full.shape)} into a parameter "
+            f"of shape {tuple(dtensor.shape)}: writeback keeps the original shape"
+        )
+    local = dtensor._local_tensor
+    layout = dim0_layout(dtensor)
+    if layout is not None:
+        if layout.local_rows:
+            local.copy_(full.narrow(0, layout.row_offset, layout.local_rows), non_blocking=True)
+        return
+    # Replicate -> any placement is a local chunk, no communication.
+    mesh = dtensor.device_mesh
+    replicated = DTensor.from_local(
+        full.to(local.device), mesh, [Replicate()] * mesh.ndim, run_check=False
+    )
+    local.copy_(replicated.redistribute(mesh, dtensor.placements).to_local())

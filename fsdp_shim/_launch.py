@@ -1,0 +1,171 @@
+"""Spawn local ranks on loopback and run functions on all of them.
+
+Used by ``fsdp-shim check``/``bench`` and by the test suite. A ``RankPool``
+keeps its ranks (and their process group) alive across calls, so a test suite
+pays process start-up and rendezvous once per world size.
+
+Teardown: ``destroy_process_group()`` at interpreter exit sometimes aborts a
+gloo rank with "terminate called without an active exception". Workers
+therefore flush their result pipe and leave with ``os._exit``, and the parent
+kills any rank that does not leave in time.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+FunctionOnRank = Callable[..., Any]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class RankError(RuntimeError):
+    """A function failed on one or more ranks; the message holds their tracebacks."""
+
+
+def _init_process_group(rank: int, world_size: int, port: int, backend: str, timeout_s: float) -> None:
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def _worker(rank: int, world_size: int, port: int, backend: str, timeout_s: float, conn: Connection) -> None:
+    try:
+        _init_process_group(rank, world_size, port, backend, timeout_s)
+        conn.send(("ready", None))
+        while True:
+            message = conn.recv()
+            if message is None:
+                break
+            fn, args = message
+            try:
+                conn.send(("ok", fn(*args)))
+            except BaseException:  # noqa: BLE001  (reported to the parent)
+                conn.send(("error", traceback.format_exc()))
+    except BaseException:  # noqa: BLE001
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except OSError:
+            pass
+    finally:
+        conn.close()
+        os._exit(0)  # see the module docstring: skip gloo's teardown at exit
+
+
+class RankPool:
+    """``world_size`` spawned ranks sharing one process group."""
+
+    def __init__(self, world_size: int, *, backend: str = "gloo", timeout_s: float = 120.0):
+        self.world_size = world_size
+        self.backend = backend
+        self.timeout_s = timeout_s
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self._conns: list[Connection] = []
+        self._procs: list[Any] = []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker, args=(rank, world_size, port, backend, timeout_s, child), daemon=True
+            )
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        self._collect("start-up", timeout_s)
+
+    def _collect(self, what: str, timeout_s: float) -> list[Any]:
+        results: list[Any] = [None] * self.world_size
+        pending = dict(enumerate(self._conns))
+        errors: dict[int, str] = {}
+        deadline = timeout_s
+        while pending:
+            ready = wait(list(pending.values()), timeout=deadline if not errors else min(deadline, 10.0))
+            if not ready:
+                break
+            for conn in ready:
+                rank = self._conns.index(conn)  # type: ignore[arg-type]
+                try:
+                    status, value = conn.recv()  # type: ignore[union-attr]
+                except EOFError:
+                    status, value = "error", "rank exited without a result"
+                del pending[rank]
+                if status == "ok" or status == "ready":
+                    results[rank] = value
+                else:
+                    errors[rank] = value
+        if pending or errors:
+            self.close(force=True)
+            lines = [f"{what} failed on {len(errors)} rank(s); {len(pending)} did not answer"]
+            lines += [f"--- rank {rank} ---\n{tb}" for rank, tb in sorted(errors.items())]
+            if pending and not errors:
+                lines.append(f"(no answer within {timeout_s:.0f} s: a hang or collective mismatch)")
+            raise RankError("\n".join(lines))
+        return results
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def run(self, fn: FunctionOnRank, *args: Any, timeout_s: float | None = None) -> list[Any]:
+        """Call ``fn(*args)`` on every rank; returns the per-rank results in rank order."""
+        if not self.alive:
+            raise RankError("the rank pool is closed")
+        for conn in self._conns:
+            conn.send((fn, args))
+        return self._collect(getattr(fn, "__name__", repr(fn)), timeout_s or self.timeout_s)
+
+    def close(self, force: bool = False) -> None:
+        for conn in self._conns:
+            try:
+                if not force:
+                    conn.send(None)
+            except OSError:
+                pass
+        for proc in self._procs:
+            proc.join(timeout=0 if force else 10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def run_on_ranks(
+    fn: FunctionOnRank, world_size: int, args: Sequence[Any] = (), *, backend: str = "gloo", timeout_s: float = 300.0
+) -> list[Any]:
+    """Spawn ``world_size`` ranks, run ``fn(*args)`` on each, and tear them down."""
+    with RankPool(world_size, backend=backend, timeout_s=timeout_s) as pool:
+        return pool.run(fn, *args)

@@ -1,0 +1,102 @@
+"""A small transformer LM for ``fsdp-shim check``/``bench`` and the tests.
+
+Tied input and output embeddings, pre-norm blocks, greedy ``generate``. Built
+from a seed so an unsharded reference and a sharded copy start bit-identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+@dataclass(frozen=True)
+class LMConfig:
+    vocab: int = 97  # prime: uneven shards on every world size
+    width: int = 32
+    layers: int = 2
+    heads: int = 4
+    tie: bool = True
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.norm2 = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 4 * width)
+        self.fc2 = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, w = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, w // self.heads).unbind(2)
+        att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, w))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, config: LMConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab, config.width)
+        self.blocks = nn.ModuleList(Block(config.width, config.heads) for _ in range(config.layers))
+        self.norm = nn.LayerNorm(config.width)
+        self.lm_head = nn.Linear(config.width, config.vocab, bias=False)
+        if config.tie:
+            self.lm_head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.norm(x))
+
+    @torch.no_grad()
+    def generate(self, tokens: torch.Tensor, steps: int) -> torch.Tensor:
+        for _ in range(steps):
+            logits = self(tokens)
+            tokens = torch.cat([tokens, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        return tokens
+
+
+def build_lm(config: LMConfig = LMConfig(), seed: int = 0) -> TinyLM:
+    torch.manual_seed(seed)
+    model = TinyLM(config)
+    with torch.no_grad():  # LayerNorm starts at ones/zeros; make every value distinct
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    return model
+
+
+def shard_lm(
+    model: TinyLM,
+    mesh: DeviceMesh | None = None,
+    *,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool = True,
+) -> TinyLM:
+    """``fully_shard`` each block, then the root (which owns the tied embedding)."""
+    kwargs: dict[str, object] = {"reshard_after_forward": reshard_after_forward}
+    if mesh is not None:
+        kwargs["mesh"] = mesh
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    for block in model.blocks:
+        fully_shard(block, **kwargs)  # type: ignore[arg-type]
+    fully_shard(model, **kwargs)  # type: ignore[arg-type]
+    return model
+
+
+def tokens_for(config: LMConfig, batch: int = 2, length: int = 8, seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, config.vocab, (batch, length), generator=generator)

@@ -1,0 +1,72 @@
+"""The patch lifecycle: ``FullyShardedDataParallel.summon_full_params`` through wrapt.
+
+[Note: one handle]
+``wrap_function_wrapper`` returns the ``FunctionWrapper`` it installs; that
+object is our handle. ``is_patched`` asks wrapt whether the handle is still
+in the attribute's wrapper chain (a third party may have replaced or wrapped
+it since), and ``unpatch`` removes it by identity with ``unwrap_object``, which
+restores the exact original ``staticmethod`` object. wrapt resolves the
+attribute through the class ``__dict__``, not ``getattr``, which is how the
+``staticmethod`` survives: ``inspect.getattr_static`` then shows the wrapper,
+whose ``__wrapped__`` is the original staticmethod, and
+``inspect.signature`` still reports FSDP1's signature.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+from typing import Any
+
+import wrapt
+from torch.distributed.fsdp import FullyShardedDataParallel
+
+from fsdp_shim._dispatch import summon
+
+logger = logging.getLogger("fsdp_shim")
+
+_TARGET = FullyShardedDataParallel
+_NAME = "summon_full_params"
+_SIGNATURE = inspect.signature(FullyShardedDataParallel.summon_full_params)
+
+_lock = threading.Lock()
+_handle: wrapt.FunctionWrapper | None = None
+
+
+def _summon_full_params_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Route one ``FSDP.summon_full_params(...)`` call (see ``_dispatch``)."""
+    bound = _SIGNATURE.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return summon(**bound.arguments, fsdp1=wrapped)
+
+
+def is_patched() -> bool:
+    current = inspect.getattr_static(_TARGET, _NAME)
+    return _handle is not None and wrapt.is_wrapped_by(current, _handle)
+
+
+def patch() -> bool:
+    """Install the wrapper; returns False (and changes nothing) if ours is already there."""
+    global _handle
+    with _lock:
+        if is_patched():
+            return False
+        _handle = wrapt.wrap_function_wrapper(_TARGET, _NAME, _summon_full_params_wrapper)
+        logger.debug("patched FullyShardedDataParallel.summon_full_params")
+        return True
+
+
+def unpatch() -> bool:
+    """Remove our wrapper by handle; returns False if it was not installed."""
+    global _handle
+    with _lock:
+        if _handle is None:
+            return False
+        removed = wrapt.unwrap_object(_TARGET, _NAME, _handle, missing_ok=True)
+        _handle = None
+        if removed is None:
+            logger.warning("summon_full_params was replaced by someone else; nothing to unpatch")
+            return False
+        logger.debug("restored FullyShardedDataParallel.summon_full_params")
+        return True

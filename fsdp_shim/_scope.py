@@ -1,0 +1,128 @@
+"""Which parameters a call covers: the ``recurse`` rule, ties and FSDP2 ownership.
+
+A *slot* is a ``(module, attribute name)`` pair; a parameter tied across two
+modules has two slots. FSDP2 may hold a plain unsharded tensor in a slot (after
+forward) where the sharded DTensor is what we gather, so slots that FSDP2
+manages are resolved through its ``FSDPParam`` rather than the attribute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from fsdp_shim import _fsdp2_internals as fsdp2
+
+SlotKey = tuple[int, str]
+
+
+def slot_key(module: nn.Module, name: str) -> SlotKey:
+    return (id(module), name)
+
+
+@dataclass
+class ScopedParam:
+    """One distinct DTensor parameter in scope and every slot that holds it."""
+
+    slots: list[tuple[nn.Module, str]]
+    fsdp_param: fsdp2.FSDPParam | None = None  # None: a DTensor FSDP2 does not manage (TP)
+    group: fsdp2.FSDPParamGroup | None = None
+
+    def sharded(self) -> nn.Parameter:
+        """The DTensor parameter: FSDP2's (and the optimizer's) object, or the attribute's."""
+        if self.fsdp_param is not None:
+            return fsdp2.sharded_param(self.fsdp_param)
+        module, name = self.slots[0]
+        return module._parameters[name]  # type: ignore[return-value]
+
+
+@dataclass
+class Scope:
+    root: nn.Module
+    modules: list[nn.Module]
+    params: list[ScopedParam]
+    #: FSDP2 groups owning a scoped parameter, with whether every one of their
+    #: parameters is summoned (by this call or an enclosing one).
+    groups: dict[fsdp2.FSDPParamGroup, bool] = field(default_factory=dict)
+    states: list[fsdp2.FSDPState] = field(default_factory=list)
+
+
+def scope_modules(root: nn.Module, recurse: bool) -> list[nn.Module]:
+    """``root``'s subtree in ``named_modules()`` order; without ``recurse``,
+    nested FSDP2 units and everything below them are left out."""
+    seen: set[int] = set()
+    ordered: list[nn.Module] = []
+    stack = [root]
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        if module is not root and not recurse and fsdp2.is_fsdp2_module(module):
+            continue
+        ordered.append(module)
+        stack.extend(reversed([c for c in module._modules.values() if c is not None]))
+    return ordered
+
+
+def _fsdp_slot_owners() -> dict[SlotKey, tuple[fsdp2.FSDPParam, fsdp2.FSDPParamGroup]]:
+    owners: dict[SlotKey, tuple[fsdp2.FSDPParam, fsdp2.FSDPParamGroup]] = {}
+    for state in fsdp2.all_fsdp_states():
+        for group in fsdp2.param_groups(state):
+            for fsdp_param in group.fsdp_params:
+                for module, name in fsdp2.param_slots(fsdp_param):
+                    owners[slot_key(module, name)] = (fsdp_param, group)
+    return owners
+
+
+def collect_scope(root: nn.Module, recurse: bool, summoned: Iterable[SlotKey] = ()) -> Scope:
+    """The DTensor parameters ``summon_full_params(root, recurse)`` covers.
+
+    ``summoned`` holds the slots an enclosing context already swapped: they are
+    full already and are left to that context.
+    """
+    summoned = set(summoned)
+    modules = scope_modules(root, recurse)
+    owners = _fsdp_slot_owners()
+    by_identity: dict[int, ScopedParam] = {}
+    params: list[ScopedParam] = []
+    covered: set[SlotKey] = set(summoned)
+    for module in modules:
+        for name, value in module._parameters.items():
+            key = slot_key(module, name)
+            if value is None or key in summoned:
+                continue
+            owner = owners.get(key)
+            if owner is not None:
+                identity: object = owner[0]
+            elif isinstance(value, DTensor):
+                identity = value
+            else:
+                continue  # a plain parameter: ignored_params, or not distributed
+            entry = by_identity.get(id(identity))
+            if entry is None:
+                entry = ScopedParam([], *owner) if owner else ScopedParam([])
+                by_identity[id(identity)] = entry
+                params.append(entry)
+            entry.slots.append((module, name))
+            covered.add(key)
+    for entry in params:
+        if entry.fsdp_param is not None:  # a tie reaches out of scope: keep it one object
+            entry.slots = [
+                (m, n) for m, n in fsdp2.param_slots(entry.fsdp_param) if slot_key(m, n) not in summoned
+            ]
+            covered.update(slot_key(m, n) for m, n in entry.slots)
+    scope = Scope(root, modules, params)
+    for entry in params:
+        if entry.group is not None and entry.group not in scope.groups:
+            scope.groups[entry.group] = all(
+                slot_key(m, n) in covered
+                for fsdp_param in entry.group.fsdp_params
+                for m, n in fsdp2.param_slots(fsdp_param)
+            )
+    states = {id(s): s for s in (fsdp2.fsdp_state_of(m) for m in modules) if s is not None}
+    scope.states = list(states.values())
+    return scope

@@ -1,0 +1,263 @@
+"""The swap context: full parameters in under the same names, originals back on exit.
+
+[Note: swap lifecycle]
+Entry, in an order that keeps every rank's collectives aligned and leaves
+nothing changed if it fails part way:
+1. ``collect_scope`` (no side effects) and the training-state check: misuse
+   raises before any collective or swap.
+2. FSDP2 groups in scope are brought to a known state: parameter reset adopted
+   (``adopt_module_params``), units left unsharded by a forward resharded.
+   Both are local.
+3. One batched gather (``gather_full_tensors``), then gradients if asked for.
+4. Rank-local: each full tensor becomes one new ``nn.Parameter`` placed in
+   every slot of its parameter (ties stay one object); fully summoned groups
+   are marked (see [Note: summoned groups] in ``_fsdp2_internals``); forward
+   hooks are installed.
+Exit, always, also when the body raised (as FSDP1 does, writeback happens
+then too): hooks off, writeback if asked (local copies into the original
+shards, see [Note: writeback needs no collective]), then every slot gets back
+the exact object it held and every mark is undone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
+
+from fsdp_shim import _fsdp2_internals as fsdp2
+from fsdp_shim._gather import gather_full_tensors, write_back_local
+from fsdp_shim._scope import Scope, ScopedParam, SlotKey, collect_scope, slot_key
+
+logger = logging.getLogger("fsdp_shim")
+
+#: Slots swapped by a live context in this process, so a nested call leaves
+#: them to the context that owns them.
+_SUMMONED_SLOTS: dict[SlotKey, "_Swap"] = {}
+
+
+def _module_label(module: nn.Module) -> str:
+    return type(module).__name__
+
+
+@dataclass
+class _Summoned:
+    """One scoped parameter while summoned."""
+
+    entry: ScopedParam
+    sharded: nn.Parameter  # the DTensor parameter, unchanged, restored on exit
+    full: nn.Parameter  # what every slot holds inside the context
+
+
+@dataclass
+class _Swap:
+    scope: Scope
+    summoned: list[_Summoned] = field(default_factory=list)
+    originals: list[tuple[nn.Module, str, Any]] = field(default_factory=list)
+    marks: list[fsdp2.GroupMark] = field(default_factory=list)
+    hooks: list[RemovableHandle] = field(default_factory=list)
+
+    # -- entry -----------------------------------------------------------
+    def swap_in(self, fulls: list[torch.Tensor], grads: dict[int, torch.Tensor]) -> None:
+        for index, (entry, full) in enumerate(zip(self.scope.params, fulls)):
+            sharded = entry.sharded()
+            param = nn.Parameter(full, requires_grad=sharded.requires_grad)
+            param.grad = grads.get(index)
+            self.summoned.append(_Summoned(entry, sharded, param))
+            for module, name in entry.slots:
+                self.originals.append((module, name, module._parameters[name]))
+                module._parameters[name] = param
+                _SUMMONED_SLOTS[slot_key(module, name)] = self
+
+    def mark_groups(self) -> None:
+        for group, fully_summoned in self.scope.groups.items():
+            if fully_summoned:
+                self.marks.append(fsdp2.mark_summoned(group))
+
+    # -- exit ------------------------------------------------------------
+    def write_back(self, with_grads: bool) -> None:
+        for item in self.summoned:
+            write_back_local(item.sharded, item.full.detach())
+            if with_grads and item.sharded.grad is not None and item.full.grad is not None:
+                write_back_local(item.sharded.grad, item.full.grad)  # type: ignore[arg-type]
+
+    def restore(self) -> None:
+        for module, name, original in reversed(self.originals):
+            module._parameters[name] = original
+            _SUMMONED_SLOTS.pop(slot_key(module, name), None)
+        self.originals.clear()
+        for mark in reversed(self.marks):
+            mark.unmark()
+        self.marks.clear()
+        self.summoned.clear()
+
+    def remove_hooks(self) -> None:
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks.clear()
+
+
+def _raise_on_forward(message: str) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any) -> None:
+        raise RuntimeError(message)
+
+    return hook
+
+
+class _ForwardInParamDtype:
+    """Runs a summoned unit's forward in FSDP2's ``param_dtype``, as FSDP2 would.
+
+    Inside the context the unit's attributes are the full parameters in their
+    stored dtype (fp32 master weights). FSDP2 casts the unit's inputs to
+    ``param_dtype``, so for the forward the slots hold a cast of the current
+    full values (cached until the full parameter is modified), and the full
+    parameters go back afterwards, also when the forward raised.
+    """
+
+    def __init__(self, items: list[tuple[_Summoned, torch.dtype]]):
+        self._items = items
+        self._depth = 0
+        self._cache: dict[int, tuple[int, nn.Parameter]] = {}
+
+    def _cast(self, full: nn.Parameter, dtype: torch.dtype) -> nn.Parameter:
+        version = full._version
+        cached = self._cache.get(id(full))
+        if cached is None or cached[0] != version:
+            with torch.no_grad():
+                cast = nn.Parameter(full.detach().to(dtype), requires_grad=full.requires_grad)
+            cached = (version, cast)
+            self._cache[id(full)] = cached
+        return cached[1]
+
+    def pre_forward(self, module: nn.Module, args: Any) -> None:
+        self._depth += 1
+        if self._depth == 1:
+            self._place(lambda item, dtype: self._cast(item.full, dtype))
+
+    def post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._place(lambda item, dtype: item.full)
+
+    def _place(self, value: Callable[[_Summoned, torch.dtype], nn.Parameter]) -> None:
+        for item, dtype in self._items:
+            param = value(item, dtype)
+            for module, name in item.entry.slots:
+                module._parameters[name] = param
+
+
+def _install_forward_hooks(swap: _Swap, rank0_only: bool, keep: bool) -> None:
+    scope = swap.scope
+    if rank0_only:
+        # Ranks would disagree on which units need an all-gather: refuse on
+        # every rank, before FSDP2's own pre-forward runs.
+        message = (
+            f"forward inside summon_full_params({_module_label(scope.root)}, rank0_only=True) "
+            "is not supported: only rank 0 holds full parameters"
+        )
+        guarded = {id(m): m for g in scope.groups for m in fsdp2.group_modules(g)}
+        guarded.setdefault(id(scope.root), scope.root)
+        for module in guarded.values():
+            swap.hooks.append(module.register_forward_pre_hook(_raise_on_forward(message), prepend=True))
+        return
+    if not keep:
+        return
+    by_group: dict[fsdp2.FSDPParamGroup, list[tuple[_Summoned, torch.dtype]]] = {}
+    for item in swap.summoned:
+        group = item.entry.group
+        if group is None:
+            continue
+        if not scope.groups[group]:
+            continue
+        dtype = fsdp2.param_dtype_for_forward(group, item.entry.fsdp_param)  # type: ignore[arg-type]
+        if dtype is not None:
+            by_group.setdefault(group, []).append((item, dtype))
+    for group, fully_summoned in scope.groups.items():
+        modules = fsdp2.group_modules(group)
+        if not fully_summoned:
+            message = (
+                f"forward through FSDP unit {', '.join(_module_label(m) for m in modules)} while only some "
+                "of its parameters are summoned is not supported: summon the unit itself"
+            )
+            for module in modules:
+                swap.hooks.append(module.register_forward_pre_hook(_raise_on_forward(message), prepend=True))
+        elif group in by_group:
+            switch = _ForwardInParamDtype(by_group[group])
+            for module in modules:
+                swap.hooks.append(module.register_forward_pre_hook(switch.pre_forward))
+                swap.hooks.append(module.register_forward_hook(switch.post_forward, always_call=True))
+
+
+def _gather_grads(
+    dtensors: list[nn.Parameter], keep: bool, out_device: torch.device | None, bucket_bytes: int | None
+) -> dict[int, torch.Tensor]:
+    with_grad = [i for i, d in enumerate(dtensors) if d.grad is not None]
+    gathered = gather_full_tensors(
+        [dtensors[i].grad for i in with_grad],  # type: ignore[misc]
+        keep=keep,
+        out_device=out_device,
+        bucket_bytes=bucket_bytes,
+    )
+    return {i: g for i, g in zip(with_grad, gathered) if g is not None}
+
+
+@contextlib.contextmanager
+def summon_dtensor_params(
+    module: nn.Module,
+    *,
+    recurse: bool,
+    writeback: bool,
+    rank0_only: bool,
+    offload_to_cpu: bool,
+    with_grads: bool,
+    bucket_bytes: int | None = None,
+) -> Iterator[None]:
+    """The DTensor implementation of ``summon_full_params``. See [Note: swap lifecycle]."""
+    scope = collect_scope(module, recurse, _SUMMONED_SLOTS)
+    if not scope.params:
+        yield  # no-op: nothing distributed in scope, or all summoned by an enclosing call
+        return
+    busy = fsdp2.busy_training_state(scope.states, list(scope.groups))
+    if busy is not None:
+        raise AssertionError(
+            f"Cannot summon full parameters of {_module_label(module)} during FSDP2 "
+            f"forward/backward (training state {busy})"
+        )
+    for group in scope.groups:
+        fsdp2.adopt_module_params(group)
+        fsdp2.reshard_group(group)
+    dtensors = [entry.sharded() for entry in scope.params]
+    for dtensor, entry in zip(dtensors, scope.params):
+        if not isinstance(dtensor, DTensor):
+            raise AssertionError(f"expected a DTensor parameter at {entry.slots[0][1]!r}, got {type(dtensor)}")
+    keep = not rank0_only or dist.get_rank() == 0
+    out_device = torch.device("cpu") if offload_to_cpu else None
+    fulls = gather_full_tensors(dtensors, keep=keep, out_device=out_device, bucket_bytes=bucket_bytes)
+    grads = _gather_grads(dtensors, keep, out_device, bucket_bytes) if with_grads else {}
+    swap = _Swap(scope)
+    try:
+        if keep:
+            swap.swap_in(fulls, grads)  # type: ignore[arg-type]
+            swap.mark_groups()
+        del fulls, grads
+        _install_forward_hooks(swap, rank0_only, keep)
+        logger.debug(
+            "summoned %d parameters of %s (recurse=%s, rank0_only=%s, kept=%s)",
+            len(dtensors), _module_label(module), recurse, rank0_only, keep,
+        )
+        yield
+    finally:
+        swap.remove_hooks()
+        try:
+            if writeback:
+                swap.write_back(with_grads)
+        finally:
+            swap.restore()
