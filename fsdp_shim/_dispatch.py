@@ -16,11 +16,9 @@ from typing import Any, ContextManager, Literal
 
 import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel
-from torch.distributed.tensor import DTensor
 
-from fsdp_shim import _fsdp2_internals as fsdp2
 from fsdp_shim._gather import bucket_bytes_from_env
-from fsdp_shim._scope import scope_modules
+from fsdp_shim._scope import has_distributed_params
 from fsdp_shim._swap import summon_dtensor_params
 
 logger = logging.getLogger("fsdp_shim")
@@ -37,12 +35,8 @@ def route_for(module: Any, recurse: bool) -> Route:
             return "fsdp1"
     elif isinstance(module, FullyShardedDataParallel):
         return "fsdp1"
-    for m in scope_modules(module, recurse):
-        if any(isinstance(p, DTensor) for p in m._parameters.values()):
-            return "dtensor"
-        state = fsdp2.fsdp_state_of(m)
-        if state is not None and any(g.fsdp_params for g in fsdp2.param_groups(state)):
-            return "dtensor"  # a unit left unsharded by forward holds plain tensors
+    if has_distributed_params(module, recurse):
+        return "dtensor"
     return "none"
 
 

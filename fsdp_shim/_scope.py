@@ -78,6 +78,15 @@ def _fsdp_slot_owners() -> dict[SlotKey, tuple[fsdp2.FSDPParam, fsdp2.FSDPParamG
     return owners
 
 
+def has_distributed_params(root: nn.Module, recurse: bool) -> bool:
+    """Whether ``collect_scope(root, recurse)`` could find anything to gather (cheap check first)."""
+    modules = scope_modules(root, recurse)
+    if any(isinstance(p, DTensor) for m in modules for p in m._parameters.values()):
+        return True
+    owners = _fsdp_slot_owners()  # slots FSDP2 left unsharded hold plain tensors
+    return any(slot_key(m, name) in owners for m in modules for name in m._parameters)
+
+
 def collect_scope(root: nn.Module, recurse: bool, summoned: Iterable[SlotKey] = ()) -> Scope:
     """The DTensor parameters ``summon_full_params(root, recurse)`` covers.
 

@@ -1,0 +1,102 @@
+"""Rank-side helpers shared by the tests (imported inside spawned ranks)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import fsdp_shim
+from fsdp_shim._models import LMConfig, TinyLM, build_lm, shard_lm, tokens_for
+
+__all__ = [
+    "LMConfig", "TinyLM", "build_lm", "shard_lm", "tokens_for",
+    "assert_params_equal", "full_state", "mesh1d", "patched", "snapshot", "assert_unchanged", "rank",
+]
+
+
+def rank() -> int:
+    return dist.get_rank()
+
+
+def mesh1d():
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+@contextlib.contextmanager
+def patched() -> Iterator[None]:
+    """The suite's ranks are shared: leave the patch as found."""
+    was = fsdp_shim.is_patched()
+    fsdp_shim.patch()
+    try:
+        yield
+    finally:
+        if not was:
+            fsdp_shim.unpatch()
+
+
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter as a full tensor, through DTensor itself (not the shim)."""
+    out = {}
+    for name, p in model.named_parameters():
+        out[name] = p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
+    return out
+
+
+def assert_params_equal(model: nn.Module, reference: nn.Module, *, exact: bool = True) -> None:
+    got = list(model.named_parameters())
+    want = list(reference.named_parameters())
+    assert [n for n, _ in got] == [n for n, _ in want]
+    for (name, p), (_, r) in zip(got, want):
+        assert not isinstance(p, DTensor), f"{name} is still a DTensor"
+        assert type(p) is nn.Parameter, f"{name}: {type(p)}"
+        assert p.shape == r.shape and p.dtype == r.dtype, (name, p.shape, r.shape, p.dtype, r.dtype)
+        if exact:
+            assert torch.equal(p.detach(), r.detach()), f"{name} differs"
+        else:
+            torch.testing.assert_close(p.detach(), r.detach(), msg=lambda m: f"{name}: {m}")
+
+
+def snapshot(model: nn.Module) -> dict[str, object]:
+    """Identity and content of every slot, gradient and FSDP2 group state."""
+    from fsdp_shim import _fsdp2_internals as fsdp2
+
+    slots = {}
+    for mod_name, module in model.named_modules():
+        for name, p in module._parameters.items():
+            if p is None:
+                continue
+            local = p._local_tensor if isinstance(p, DTensor) else p
+            grad = p.grad
+            grad_local = grad._local_tensor if isinstance(grad, DTensor) else grad
+            slots[f"{mod_name}.{name}"] = (
+                p, local.detach().clone(), grad, None if grad_local is None else grad_local.clone()
+            )
+    groups = []
+    for m in model.modules():
+        state = fsdp2.fsdp_state_of(m)
+        if state is not None:
+            for g in fsdp2.param_groups(state):
+                groups.append((g, g._sharded_state, g.post_forward_mesh_info, g._training_state))
+    return {"slots": slots, "groups": groups}
+
+
+def assert_unchanged(model: nn.Module, before: dict[str, object], *, values: bool = True) -> None:
+    after = snapshot(model)
+    assert before["slots"].keys() == after["slots"].keys()
+    for key, (p, local, grad, grad_local) in before["slots"].items():
+        q, local2, grad2, grad_local2 = after["slots"][key]
+        assert q is p, f"{key}: parameter object replaced"
+        assert grad2 is grad, f"{key}: grad object replaced"
+        if values:
+            assert torch.equal(local, local2), f"{key}: shard values changed"
+            if grad_local is not None:
+                assert torch.equal(grad_local, grad_local2), f"{key}: grad values changed"
+    assert [(g, s, m, t) for g, s, m, t in before["groups"]] == [
+        (g, s, m, t) for g, s, m, t in after["groups"]
+    ], "FSDP2 group state changed"

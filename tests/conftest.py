@@ -1,0 +1,40 @@
+"""Real process groups for the tests: gloo on loopback, one pool per world size.
+
+``dist_run(world_size, fn, *args)`` runs ``fn`` (a top-level function of a
+test module) on every rank and returns the per-rank results. Pools live for
+the session; a pool whose ranks failed or hung is torn down and the next test
+gets a fresh one.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from fsdp_shim._launch import RankPool  # noqa: E402
+
+_pools: dict[int, RankPool] = {}
+
+
+def _pool(world_size: int) -> RankPool:
+    pool = _pools.get(world_size)
+    if pool is None or not pool.alive:
+        pool = _pools[world_size] = RankPool(world_size, timeout_s=120)
+    return pool
+
+
+@pytest.fixture(scope="session")
+def dist_run() -> Iterator[Callable[..., list[Any]]]:
+    def run(world_size: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        return _pool(world_size).run(fn, *args)
+
+    yield run
+    for pool in _pools.values():
+        pool.close()
+    _pools.clear()

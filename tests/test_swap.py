@@ -1,0 +1,461 @@
+"""FSDP1 semantics of summon_full_params, exercised on FSDP2 models (2 gloo ranks).
+
+Each ``rank_*`` function runs on every rank; the ``test_*`` function names the
+FSDP1 behaviour it proves.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+
+from _helpers import (
+    LMConfig, assert_params_equal, assert_unchanged, build_lm, full_state, patched, rank, shard_lm,
+    snapshot, tokens_for,
+)
+
+
+def _models(**shard_kwargs):
+    return build_lm(), shard_lm(build_lm(), **shard_kwargs)
+
+
+# --------------------------------------------------------------------------- scope and values
+def rank_recurse_true_gives_full_reference_values():
+    ref, model = _models()
+    before = snapshot(model)
+    with patched(), FSDP.summon_full_params(model, writeback=False):
+        assert_params_equal(model, ref)
+        assert model.lm_head.weight is model.embed.weight  # ties stay one object
+        sd = model.state_dict()
+        for name, value in ref.state_dict().items():
+            assert not isinstance(sd[name], DTensor) and torch.equal(sd[name], value), name
+    assert_unchanged(model, before)
+
+
+def test_recurse_true_gives_full_reference_values(dist_run):
+    dist_run(2, rank_recurse_true_gives_full_reference_values)
+
+
+def rank_recurse_false_is_the_units_own_parameters():
+    ref, model = _models()
+    with patched():
+        with FSDP.summon_full_params(model, recurse=False, writeback=False):
+            full = {n for n, p in model.named_parameters() if not isinstance(p, DTensor)}
+            assert full == {"embed.weight", "norm.weight", "norm.bias"}  # lm_head is tied
+            assert isinstance(model.blocks[0].qkv.weight, DTensor)
+            assert torch.equal(model.embed.weight, ref.embed.weight)
+        with FSDP.summon_full_params(model.blocks[1], recurse=False, writeback=False):
+            full = {n for n, p in model.named_parameters() if not isinstance(p, DTensor)}
+            assert full == {f"blocks.1.{n}" for n, _ in ref.blocks[1].named_parameters()}
+            assert_params_equal(model.blocks[1], ref.blocks[1])
+        # a plain container: recurse=True covers its sharded blocks ...
+        with FSDP.summon_full_params(model.blocks, writeback=False):
+            assert_params_equal(model.blocks, ref.blocks)
+            assert isinstance(model.embed.weight, DTensor)
+        # ... and recurse=False does not descend into them (FSDP1: null context)
+        with FSDP.summon_full_params(model.blocks, recurse=False, writeback=False):
+            assert all(isinstance(p, DTensor) for p in model.blocks.parameters())
+        # a plain submodule inside a unit
+        with FSDP.summon_full_params(model.blocks[0].fc1, writeback=False):
+            assert_params_equal(model.blocks[0].fc1, ref.blocks[0].fc1)
+            assert isinstance(model.blocks[0].fc2.weight, DTensor)
+
+
+def test_recurse_false_is_the_units_own_parameters(dist_run):
+    dist_run(2, rank_recurse_false_is_the_units_own_parameters)
+
+
+def rank_original_dtype_and_requires_grad_are_kept():
+    ref = build_lm()
+    model = build_lm()
+    model.blocks[0].fc1.weight.requires_grad_(False)
+    ref.blocks[0].fc1.weight.requires_grad_(False)
+    shard_lm(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    model(tokens_for(LMConfig()))  # root now holds bf16 unsharded tensors
+    with patched(), FSDP.summon_full_params(model, writeback=False):
+        assert_params_equal(model, ref)  # fp32 master weights, exact
+        for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+            assert p.requires_grad == r.requires_grad, name
+
+
+def test_mixed_precision_yields_fp32_master_weights_and_requires_grad(dist_run):
+    dist_run(2, rank_original_dtype_and_requires_grad_are_kept)
+
+
+# --------------------------------------------------------------------------- writeback
+def rank_writeback_persists_in_place():
+    ref, model = _models()
+    before = snapshot(model)
+    with patched(), FSDP.summon_full_params(model, writeback=True):
+        with torch.no_grad():
+            model.lm_head.weight.mul_(0.5)  # tied: the embedding too
+            model.blocks[1].fc2.bias.add_(1.0)
+    with torch.no_grad():
+        ref.lm_head.weight.mul_(0.5)
+        ref.blocks[1].fc2.bias.add_(1.0)
+    assert_unchanged(model, before, values=False)  # same objects, same FSDP2 state
+    got = full_state(model)
+    for name, value in ref.named_parameters():
+        assert torch.equal(got[name], value), name
+
+
+def test_writeback_persists_in_place(dist_run):
+    dist_run(2, rank_writeback_persists_in_place)
+
+
+def rank_writeback_false_discards_edits():
+    _, model = _models()
+    before = snapshot(model)
+    with patched(), FSDP.summon_full_params(model, writeback=False):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(7.0)
+    assert_unchanged(model, before)
+
+
+def test_writeback_false_discards_edits(dist_run):
+    dist_run(2, rank_writeback_false_discards_edits)
+
+
+def rank_tied_head_edit_with_full_like_mask():
+    ref, model = _models()
+    with patched(), FSDP.summon_full_params(model, writeback=True, recurse=False):
+        head = model.lm_head.weight
+        mask = torch.full_like(head, -1.0)  # no DTensor rule needed: plain tensors
+        mask[:, ::2] = 2.0
+        with torch.no_grad():
+            head.copy_(mask)
+    got = full_state(model)
+    assert torch.equal(got["embed.weight"], mask)
+    assert model.lm_head.weight is model.embed.weight
+    assert isinstance(model.lm_head.weight, DTensor)
+
+
+def test_writeback_of_tied_head_reaches_embedding(dist_run):
+    dist_run(2, rank_tied_head_edit_with_full_like_mask)
+
+
+# --------------------------------------------------------------------------- rank0_only / offload / grads
+def rank_rank0_only_other_ranks_keep_shards():
+    ref, model = _models()
+    before = snapshot(model)
+    with patched(), FSDP.summon_full_params(model, writeback=False, rank0_only=True):
+        if rank() == 0:
+            assert_params_equal(model, ref)
+        else:
+            for key, (p, *_rest) in before["slots"].items():
+                mod, _, name = key.rpartition(".")
+                assert model.get_submodule(mod)._parameters[name] is p
+    assert_unchanged(model, before)
+
+
+def test_rank0_only_other_ranks_keep_shards(dist_run):
+    dist_run(2, rank_rank0_only_other_ranks_keep_shards)
+
+
+def rank_offload_to_cpu_warns_like_fsdp1():
+    ref, model = _models()
+    with patched():
+        with pytest.warns(UserWarning, match="offload_to_cpu=True and rank0_only=False") as record:
+            with FSDP.summon_full_params(model, writeback=False, offload_to_cpu=True):
+                assert all(p.device.type == "cpu" for p in model.parameters())
+                assert_params_equal(model, ref)
+        assert record[0].filename == __file__  # points at the caller
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with FSDP.summon_full_params(model, writeback=False, offload_to_cpu=True, rank0_only=True):
+                pass
+
+
+def test_offload_to_cpu_full_params_on_cpu_and_warning(dist_run):
+    dist_run(2, rank_offload_to_cpu_warns_like_fsdp1)
+
+
+def rank_with_grads():
+    ref, model = _models()
+    tokens = tokens_for(LMConfig())
+    with patched():
+        with FSDP.summon_full_params(model, writeback=False, with_grads=True):
+            assert all(p.grad is None for p in model.parameters())  # missing stays None
+        model(tokens).sum().backward()
+        ref(tokens).sum().backward()
+        model.blocks[0].fc1.bias.grad = None  # one missing gradient among present ones
+        ref.blocks[0].fc1.bias.grad = None
+        before = snapshot(model)
+        with FSDP.summon_full_params(model, writeback=False, with_grads=True):
+            for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+                if r.grad is None:
+                    assert p.grad is None, name
+                else:
+                    assert p.grad is not None and not isinstance(p.grad, DTensor), name
+                    torch.testing.assert_close(p.grad, r.grad, rtol=0, atol=1e-6)
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.fill_(3.0)
+        assert_unchanged(model, before)  # writeback=False: gradients untouched
+        with FSDP.summon_full_params(model, writeback=True, with_grads=True):
+            model.blocks[1].fc2.weight.grad.fill_(5.0)
+        grad = model.blocks[1].fc2.weight.grad
+        assert isinstance(grad, DTensor) and torch.all(grad.full_tensor() == 5.0)
+
+
+def test_with_grads_gathers_and_writes_back_gradients(dist_run):
+    dist_run(2, rank_with_grads)
+
+
+# --------------------------------------------------------------------------- misuse
+def rank_misuse_raises_fsdp1_types_before_any_swap():
+    _, model = _models()
+    before = snapshot(model)
+    with patched():
+        with pytest.raises(NotImplementedError, match="rank0_only"):
+            with FSDP.summon_full_params(model, writeback=True, rank0_only=True):
+                pass
+        with pytest.raises(NotImplementedError, match="with_grads"):
+            with FSDP.summon_full_params(model, with_grads=True, offload_to_cpu=True):
+                pass
+        with pytest.raises(TypeError, match="nn.Module"):
+            FSDP.summon_full_params("model")
+        seen = []
+
+        def hook(module, args):
+            with pytest.raises(AssertionError, match="TinyLM.*forward/backward"):
+                with FSDP.summon_full_params(model):
+                    pass
+            seen.append(True)
+
+        handle = model.blocks[0].register_forward_pre_hook(hook)
+        model(tokens_for(LMConfig()))
+        handle.remove()
+        assert seen
+    model.reshard()
+    assert_unchanged(model, before)
+
+
+def test_misuse_raises_what_fsdp1_raises(dist_run):
+    dist_run(2, rank_misuse_raises_fsdp1_types_before_any_swap)
+
+
+# --------------------------------------------------------------------------- exceptions and forwards inside
+def rank_exception_in_body_restores_everything():
+    ref, model = _models()
+    before = snapshot(model)
+    with patched():
+        with pytest.raises(KeyError, match="boom"):
+            with FSDP.summon_full_params(model, writeback=False):
+                with torch.no_grad():
+                    model.embed.weight.zero_()
+                raise KeyError("boom")
+    assert_unchanged(model, before)
+    # writeback=True keeps edits made before the exception, as FSDP1 does
+    with patched():
+        with pytest.raises(KeyError):
+            with FSDP.summon_full_params(model, writeback=True):
+                with torch.no_grad():
+                    model.norm.bias.fill_(4.0)
+                raise KeyError("boom")
+    assert torch.all(full_state(model)["norm.bias"] == 4.0)
+    assert_unchanged(model, before, values=False)
+
+
+def test_exception_in_body_restores_objects_and_state(dist_run):
+    dist_run(2, rank_exception_in_body_restores_everything)
+
+
+def rank_forward_inside_context(mixed: bool, first_forward_inside: bool):
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if mixed else None
+    ref, model = _models(mp_policy=mp)
+    tokens = tokens_for(LMConfig())
+    if not first_forward_inside:
+        model(tokens)  # leaves the root unsharded
+    expected = None
+    if mixed:  # FSDP2's own numerics, no context
+        expected = _models(mp_policy=mp)[1].generate(tokens, 4)
+    with patched():
+        with FSDP.summon_full_params(model, writeback=False, recurse=False):
+            got = model.generate(tokens, 4)
+            assert model.embed.weight.dtype == torch.float32
+            assert not isinstance(model.embed.weight, DTensor)
+            assert torch.equal(model.embed.weight, ref.embed.weight)
+        with FSDP.summon_full_params(model, writeback=False):
+            got_all = model.generate(tokens, 4)
+            assert_params_equal(model, ref)
+    want = expected if mixed else ref.generate(tokens, 4)
+    assert torch.equal(got, want) and torch.equal(got_all, want)
+    # training continues and matches the reference
+    if not mixed:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        for _ in range(2):
+            for m, o in ((model, opt), (ref, ref_opt)):
+                m(tokens).pow(2).mean().backward()
+                o.step()
+                o.zero_grad()
+        got = full_state(model)
+        for name, value in ref.named_parameters():
+            assert torch.equal(got[name], value), name
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16-policy"])
+@pytest.mark.parametrize("first_forward_inside", [False, True], ids=["after-forward", "first-forward-inside"])
+def test_generate_inside_context_matches_reference(dist_run, mixed, first_forward_inside):
+    dist_run(2, rank_forward_inside_context, mixed, first_forward_inside)
+
+
+def rank_unsharded_units_are_summoned_from_master_weights():
+    ref, model = _models(reshard_after_forward=False)
+    tokens = tokens_for(LMConfig())
+    model(tokens)  # every unit now unsharded: plain tensors in the slots
+    unsharded = model.blocks[0].fc1.weight
+    assert not isinstance(unsharded, DTensor)
+    sharded = {n: fp for n, fp in _sharded_params(model)}
+    with patched(), FSDP.summon_full_params(model.blocks[0].fc1, writeback=True):
+        assert model.blocks[0].fc1.weight is not unsharded  # ours, not FSDP2's copy
+        assert_params_equal(model.blocks[0].fc1, ref.blocks[0].fc1)
+        with torch.no_grad():
+            model.blocks[0].fc1.weight.add_(1.0)
+    with torch.no_grad():
+        ref.blocks[0].fc1.weight.add_(1.0)
+    for name, p in _sharded_params(model):
+        assert p is sharded[name]
+    assert torch.equal(model(tokens), ref(tokens))  # FSDP2 re-gathers the written-back shards
+
+
+def _sharded_params(model):
+    from fsdp_shim import _fsdp2_internals as fsdp2
+
+    for m in model.modules():
+        state = fsdp2.fsdp_state_of(m)
+        for g in fsdp2.param_groups(state) if state else []:
+            for fp in g.fsdp_params:
+                yield fp._param_fqn or id(fp), fp.sharded_param
+
+
+def test_units_left_unsharded_by_forward(dist_run):
+    dist_run(2, rank_unsharded_units_are_summoned_from_master_weights)
+
+
+def rank_parameter_replaced_before_first_forward_is_adopted(forward_inside: bool):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from _helpers import mesh1d
+
+    ref, model = _models()
+    new_weight = torch.randn_like(ref.blocks[0].fc1.weight)
+    with torch.no_grad():
+        ref.blocks[0].fc1.weight.copy_(new_weight)
+    model.blocks[0].fc1.weight = nn.Parameter(distribute_tensor(new_weight, mesh1d(), [Shard(0)]))
+    tokens = tokens_for(LMConfig())
+    with patched(), FSDP.summon_full_params(model, writeback=False):
+        assert torch.equal(model.blocks[0].fc1.weight, new_weight)
+        if forward_inside:  # FSDP2's lazy init runs here, with full tensors in the slots
+            assert torch.equal(model(tokens), ref(tokens))
+    assert torch.equal(model(tokens), ref(tokens))
+    assert torch.equal(full_state(model)["blocks.0.fc1.weight"], new_weight)
+
+
+@pytest.mark.parametrize("forward_inside", [False, True])
+def test_parameter_replaced_before_first_forward_is_adopted(dist_run, forward_inside):
+    """FSDP2 adopts a reassigned parameter at lazy init; the context sees it first."""
+    dist_run(2, rank_parameter_replaced_before_first_forward_is_adopted, forward_inside)
+
+
+def rank_nesting_child_inside_parent_and_parent_inside_child():
+    ref, model = _models()
+    before = snapshot(model)
+    with patched():
+        with FSDP.summon_full_params(model, writeback=False):
+            with FSDP.summon_full_params(model.blocks[0], writeback=False):
+                assert_params_equal(model, ref)
+            assert_params_equal(model, ref)
+        assert_unchanged(model, before)
+        with FSDP.summon_full_params(model.blocks[0], writeback=True):
+            with FSDP.summon_full_params(model, writeback=False):
+                assert_params_equal(model, ref)
+                block_weight = model.blocks[0].fc1.weight
+            assert model.blocks[0].fc1.weight is block_weight
+            assert isinstance(model.blocks[1].fc1.weight, DTensor)
+            with torch.no_grad():
+                model.blocks[0].fc1.weight.zero_()
+    assert_unchanged(model, before, values=False)
+    assert torch.all(full_state(model)["blocks.0.fc1.weight"] == 0)
+
+
+def test_nested_contexts_restore_everything(dist_run):
+    dist_run(2, rank_nesting_child_inside_parent_and_parent_inside_child)
+
+
+def rank_state_dict_hooks_and_repeated_use():
+    ref, model = _models()
+    tokens = tokens_for(LMConfig())
+    with patched():
+        for _ in range(3):
+            model(tokens)
+            with FSDP.summon_full_params(model, writeback=False):
+                sd = model.state_dict()
+                assert all(torch.equal(sd[k], v) for k, v in ref.state_dict().items())
+        sd = model.state_dict()  # outside: FSDP2's sharded state dict again
+        assert all(isinstance(v, DTensor) for v in sd.values())
+
+
+def test_state_dict_inside_is_full_and_outside_sharded(dist_run):
+    dist_run(2, rank_state_dict_hooks_and_repeated_use)
+
+
+def rank_direct_api_without_patch():
+    import fsdp_shim
+
+    ref, model = _models()
+    was = fsdp_shim.is_patched()
+    fsdp_shim.unpatch()
+    try:
+        with FSDP.summon_full_params(model):  # FSDP1's own: silently nothing
+            assert isinstance(model.embed.weight, DTensor)
+        with fsdp_shim.summon_full_params(model, writeback=False, bucket_mb=0.001):
+            assert_params_equal(model, ref)
+    finally:
+        if was:
+            fsdp_shim.patch()
+
+
+def test_direct_api_works_unpatched(dist_run):
+    dist_run(2, rank_direct_api_without_patch)
+
+
+def rank_plain_module_is_null_context():
+    model = nn.Linear(3, 3)
+    with patched(), FSDP.summon_full_params(model):
+        assert type(model.weight) is nn.Parameter
+
+
+def test_module_without_dtensors_is_null_context(dist_run):
+    dist_run(2, rank_plain_module_is_null_context)
+
+
+def rank_unsupported_forwards_raise_on_every_rank():
+    _, model = _models()
+    tokens = tokens_for(LMConfig())
+    before = snapshot(model)
+    with patched():
+        with FSDP.summon_full_params(model, writeback=False, rank0_only=True):
+            with pytest.raises(RuntimeError, match="rank0_only=True"):
+                model(tokens)
+        with FSDP.summon_full_params(model.blocks[0].fc1, writeback=False):
+            with pytest.raises(RuntimeError, match="only some of its parameters"):
+                model(tokens)  # raised inside the root's forward, like any forward error:
+            model.reset_iter_state()  # FSDP2's own recovery, inside the context
+            assert isinstance(model.blocks[0].fc2.weight, DTensor)
+            assert not isinstance(model.blocks[0].fc1.weight, DTensor)
+    assert_unchanged(model, before)
+    model(tokens)  # FSDP2 still works
+
+
+def test_forwards_that_would_desynchronise_ranks_raise(dist_run):
+    dist_run(2, rank_unsupported_forwards_raise_on_every_rank)
