@@ -1,0 +1,103 @@
+"""Side by side with FSDP1's own summon_full_params on the same architecture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+from torch.distributed.tensor import DTensor
+
+from _helpers import LMConfig, build_lm, patched, rank, shard_lm, tokens_for
+from fsdp_shim._models import Block
+
+CASES = [
+    dict(recurse=True, writeback=False),
+    dict(recurse=False, writeback=False),
+    dict(recurse=True, writeback=False, rank0_only=True),
+    # FSDP1's own offload_to_cpu=True kills its ranks when the FSDP1 device is
+    # the CPU (torch 2.13, gloo): not comparable here; test_swap covers ours.
+    dict(recurse=True, writeback=False, with_grads=True),
+]
+MISUSE = [
+    dict(writeback=True, rank0_only=True),
+    dict(with_grads=True, offload_to_cpu=True),
+]
+
+
+def _fsdp1():
+    return FSDP(
+        build_lm(), auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True, device_id=torch.device("cpu")
+    )
+
+
+def _seen(model, kwargs):
+    """What a caller sees inside the context: {name: full tensor or None if still sharded}.
+
+    FSDP1's sharded views are flat, so a matrix of its full shape is summoned;
+    1-D parameters can sit whole in one rank's flat shard and are not judged.
+    """
+    reference = dict(build_lm().named_parameters())
+    out = {}
+    with FSDP.summon_full_params(model, **kwargs):
+        for name, p in model.named_parameters():
+            name = name.replace("_fsdp_wrapped_module.", "")
+            if reference[name].ndim < 2:
+                continue
+            full = not isinstance(p, DTensor) and p.shape == reference[name].shape
+            grad = None if p.grad is None else p.grad.detach().clone()
+            out[name] = (p.detach().clone() if full else None, grad if full else None, p.device.type)
+    return out
+
+
+def rank_same_view_as_fsdp1():
+    tokens = tokens_for(LMConfig())
+    with patched():
+        fsdp1, fsdp2 = _fsdp1(), shard_lm(build_lm())
+        for model in (fsdp1, fsdp2):
+            model(tokens).sum().backward()
+        for kwargs in CASES:
+            one, two = _seen(fsdp1, kwargs), _seen(fsdp2, kwargs)
+            full_one = {k for k, v in one.items() if v[0] is not None}
+            full_two = {k for k, v in two.items() if v[0] is not None}
+            assert full_one == full_two, (kwargs, full_one ^ full_two)
+            for name in full_one:
+                assert torch.equal(one[name][0], two[name][0]), (kwargs, name)
+                assert one[name][2] == two[name][2], (kwargs, name)
+                if kwargs.get("with_grads"):
+                    torch.testing.assert_close(one[name][1], two[name][1], rtol=0, atol=1e-6)
+            if kwargs.get("rank0_only") and rank() != 0:
+                assert not full_two
+        for kwargs in MISUSE:
+            errors = []
+            for model in (fsdp1, fsdp2):
+                with pytest.raises(Exception) as info:
+                    with FSDP.summon_full_params(model, **kwargs):
+                        pass
+                errors.append(type(info.value))
+            assert errors[0] is errors[1] is NotImplementedError, (kwargs, errors)
+
+
+def test_every_argument_combination_matches_fsdp1(dist_run):
+    dist_run(2, rank_same_view_as_fsdp1)
+
+
+def rank_writeback_matches_fsdp1():
+    with patched():
+        results = []
+        for model in (_fsdp1(), shard_lm(build_lm())):
+            with FSDP.summon_full_params(model, writeback=True):
+                with torch.no_grad():
+                    for name, p in model.named_parameters():
+                        if "fc1" in name or "embed" in name:
+                            p.mul_(3.0)
+            with FSDP.summon_full_params(model, writeback=False):
+                results.append({n.replace("_fsdp_wrapped_module.", ""): p.detach().clone()
+                                for n, p in model.named_parameters()})
+        assert results[0].keys() == results[1].keys()
+        for name in results[0]:
+            assert torch.equal(results[0][name], results[1][name]), name
+
+
+def test_writeback_matches_fsdp1(dist_run):
+    dist_run(2, rank_writeback_matches_fsdp1)

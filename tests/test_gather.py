@@ -1,0 +1,126 @@
+"""The gather engine: bucket boundaries, fast and fallback paths, local writeback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from _helpers import mesh1d
+from fsdp_shim._gather import (
+    BUCKET_ENV, DEFAULT_BUCKET_MB, bucket_bytes_from_env, dim0_layout, gather_full_tensors, plan_buckets,
+    write_back_local,
+)
+
+
+def _tensors(specs, seed=0):
+    """Same full tensors on every rank, then distributed."""
+    torch.manual_seed(seed)
+    mesh = mesh1d()
+    fulls, dtensors = [], []
+    for shape, dtype, placements in specs:
+        full = (torch.randn(shape) * 100).to(dtype)
+        fulls.append(full)
+        dtensors.append(distribute_tensor(full.clone(), mesh, placements))  # Replicate keeps its input
+    return fulls, dtensors
+
+
+def _check_roundtrip(specs, bucket_bytes):
+    fulls, dtensors = _tensors(specs)
+    got = gather_full_tensors(dtensors, bucket_bytes=bucket_bytes)
+    for full, out, d in zip(fulls, got, dtensors):
+        assert out is not None and out.dtype == full.dtype and torch.equal(out, full)
+        assert out.untyped_storage().data_ptr() != d._local_tensor.untyped_storage().data_ptr()
+    # writeback: edit every full tensor, write back locally, gather again
+    for out in got:
+        out.add_(1)
+    for d, out in zip(dtensors, got):
+        write_back_local(d, out)
+    again = gather_full_tensors(dtensors, bucket_bytes=bucket_bytes)
+    for full, out in zip(fulls, again):
+        assert torch.equal(out, full + 1)
+    buckets, fallback = plan_buckets(dtensors, bucket_bytes)
+    return [[b.index for b in bucket] for bucket in buckets], fallback
+
+
+def rank_bucket_boundaries():
+    s0 = [Shard(0)]
+    world = dist.get_world_size()
+    # many tiny parameters share one bucket
+    tiny = [((3,), torch.float32, s0)] * 20
+    assert _check_roundtrip(tiny, 1 << 20) == ([list(range(20))], [])
+    # a parameter larger than the cap gets a bucket of its own; the cap splits the rest
+    big = [((4,), torch.float32, s0), ((64, 64), torch.float32, s0), ((4,), torch.float32, s0),
+           ((4,), torch.float32, s0)]
+    cap = 4 * world * 2 * 4  # room for two small tensors' padded full size
+    assert _check_roundtrip(big, cap) == ([[0], [1], [2, 3]], [])
+    # mixed dtypes never share a bucket
+    mixed = [((6, 2), torch.float32, s0), ((6, 2), torch.bfloat16, s0), ((5,), torch.int64, s0),
+             ((6, 2), torch.float32, s0)]
+    assert _check_roundtrip(mixed, 1 << 20) == ([[0, 3], [1], [2]], [])
+    # uneven and empty shards (dim 0 smaller than the world size)
+    uneven = [((1, 3), torch.float32, s0), ((world + 1,), torch.float32, s0), ((97, 5), torch.float32, s0)]
+    assert _check_roundtrip(uneven, 1 << 20) == ([[0, 1, 2]], [])
+
+
+def rank_fallback_placements_are_bit_identical():
+    specs = [
+        ((4, 6), torch.float32, [Shard(1)]),
+        ((5, 3), torch.float32, [Replicate()]),
+        ((8, 2), torch.float32, [_StridedShard(0, split_factor=2)]),
+        ((7, 3), torch.float32, [Shard(0)]),  # the fast path, alongside
+    ]
+    buckets, fallback = _check_roundtrip(specs, 1 << 20)
+    assert buckets == [[3]] and fallback == [0, 1, 2]
+
+
+def rank_partial_falls_back_and_keep_false_returns_nothing():
+    mesh = mesh1d()
+    local = torch.full((3,), float(dist.get_rank() + 1))
+    from torch.distributed.tensor import DTensor
+
+    partial = DTensor.from_local(local, mesh, [Partial()])
+    assert dim0_layout(partial) is None
+    expected = sum(range(1, dist.get_world_size() + 1))
+    (full,) = gather_full_tensors([partial])
+    assert torch.equal(full, torch.full((3,), float(expected)))
+    _, dtensors = _tensors([((5, 2), torch.float32, [Shard(0)])])
+    assert gather_full_tensors(dtensors, keep=False) == [None]
+
+
+def rank_offload_moves_results_to_cpu():
+    fulls, dtensors = _tensors([((9, 3), torch.float32, [Shard(0)]), ((4, 4), torch.float32, [Shard(1)])])
+    got = gather_full_tensors(dtensors, out_device=torch.device("cpu"))
+    assert all(g.device.type == "cpu" and torch.equal(g, f) for g, f in zip(got, fulls))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_bucket_boundaries(dist_run, world_size):
+    dist_run(world_size, rank_bucket_boundaries)
+
+
+def test_fallback_placements_are_bit_identical(dist_run):
+    dist_run(2, rank_fallback_placements_are_bit_identical)
+
+
+def test_partial_and_keep_false(dist_run):
+    dist_run(2, rank_partial_falls_back_and_keep_false_returns_nothing)
+
+
+def test_offload_moves_results_to_cpu(dist_run):
+    dist_run(2, rank_offload_moves_results_to_cpu)
+
+
+def test_bucket_size_from_keyword_env_and_default(monkeypatch):
+    monkeypatch.delenv(BUCKET_ENV, raising=False)
+    assert bucket_bytes_from_env() == int(DEFAULT_BUCKET_MB * 2**20)
+    monkeypatch.setenv(BUCKET_ENV, "0.5")
+    assert bucket_bytes_from_env() == 2**19
+    assert bucket_bytes_from_env(2) == 2 * 2**20  # the keyword wins
+    monkeypatch.setenv(BUCKET_ENV, "lots")
+    with pytest.raises(ValueError, match=BUCKET_ENV):
+        bucket_bytes_from_env()
+    with pytest.raises(ValueError, match="positive"):
+        bucket_bytes_from_env(0)
