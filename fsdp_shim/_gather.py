@@ -34,11 +34,13 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 logger = logging.getLogger("fsdp_shim")
@@ -84,6 +86,19 @@ class Dim0Layout(NamedTuple):
         return self.rank * self.chunk_rows
 
 
+_mesh_dims: dict[tuple[int, int], tuple[weakref.ref[DeviceMesh], tuple[dist.ProcessGroup, int, int]]] = {}
+
+
+def _mesh_dim(mesh: DeviceMesh, mesh_dim: int) -> tuple[dist.ProcessGroup, int, int]:
+    """(group, size, local rank) of one mesh dim, cached: DeviceMesh's lookups cost ~10 us each."""
+    key = (id(mesh), mesh_dim)
+    cached = _mesh_dims.get(key)
+    if cached is None or cached[0]() is not mesh:
+        info = (mesh.get_group(mesh_dim), mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim))
+        cached = _mesh_dims[key] = (weakref.ref(mesh), info)
+    return cached[1]
+
+
 def dim0_layout(dtensor: DTensor) -> Dim0Layout | None:
     """The batched-gather layout of ``dtensor``, or ``None`` if only ``full_tensor()`` applies.
 
@@ -99,10 +114,7 @@ def dim0_layout(dtensor: DTensor) -> Dim0Layout | None:
         return None
     if not all(p.is_replicate() for i, p in enumerate(placements) if i != shard_dims[0]):
         return None
-    mesh_dim = shard_dims[0]
-    mesh = dtensor.device_mesh
-    world_size = mesh.size(mesh_dim)
-    rank = mesh.get_local_rank(mesh_dim)
+    group, world_size, rank = _mesh_dim(dtensor.device_mesh, shard_dims[0])
     rows = dtensor.shape[0]
     chunk_rows = -(-rows // world_size)
     expected_rows = max(0, min(chunk_rows, rows - rank * chunk_rows))
@@ -112,7 +124,7 @@ def dim0_layout(dtensor: DTensor) -> Dim0Layout | None:
     row_numel = 1
     for size in dtensor.shape[1:]:
         row_numel *= size
-    return Dim0Layout(mesh.get_group(mesh_dim), world_size, rank, chunk_rows, row_numel, expected_rows)
+    return Dim0Layout(group, world_size, rank, chunk_rows, row_numel, expected_rows)
 
 
 class _Batched(NamedTuple):
@@ -175,14 +187,14 @@ def _gather_bucket(bucket: list[_Batched], keep: bool, out_device: torch.device 
     comm_device = _comm_device(first.dtensor)
     split_sizes = [b.layout.padded_numel for b in bucket]
     per_rank = sum(split_sizes)
-    gather_input = torch.empty(per_rank, dtype=dtype, device=comm_device)
-    offset = 0
+    pieces: list[torch.Tensor] = []
     for b, padded in zip(bucket, split_sizes):
         local = b.dtensor._local_tensor.reshape(-1)
-        gather_input.narrow(0, offset, local.numel()).copy_(local, non_blocking=True)
-        if padded > local.numel():  # keep padding deterministic; it is never exposed
-            gather_input.narrow(0, offset + local.numel(), padded - local.numel()).zero_()
-        offset += padded
+        pieces.append(local if local.device == comm_device else local.to(comm_device, non_blocking=True))
+        if padded > local.numel():  # zeros: padding is never exposed, but stays deterministic
+            pieces.append(torch.zeros(padded - local.numel(), dtype=dtype, device=comm_device))
+    gather_input = torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
+    del pieces
     gather_output = torch.empty(world_size * per_rank, dtype=dtype, device=comm_device)
     _all_gather_single(gather_output, gather_input, group=group)
     del gather_input
@@ -223,13 +235,18 @@ def _gather_fallback(dtensor: DTensor, keep: bool, out_device: torch.device | No
     return full
 
 
+class Gathered(NamedTuple):
+    tensors: list[torch.Tensor | None]  # full tensors, None where not kept
+    layouts: list[Dim0Layout | None]  # fast-path layouts, for ``write_back_local``
+
+
 def gather_full_tensors(
     dtensors: Sequence[DTensor],
     *,
     keep: bool = True,
     out_device: torch.device | None = None,
     bucket_bytes: int | None = None,
-) -> list[torch.Tensor | None]:
+) -> Gathered:
     """All-gather every DTensor in ``dtensors`` to a plain full tensor.
 
     A collective: every rank of the meshes involved must call it with the same
@@ -241,8 +258,11 @@ def gather_full_tensors(
     cap = bucket_bytes_from_env() if bucket_bytes is None else bucket_bytes
     buckets, fallback = plan_buckets(dtensors, cap)
     results: list[torch.Tensor | None] = [None] * len(dtensors)
+    layouts: list[Dim0Layout | None] = [None] * len(dtensors)
     for bucket in buckets:
         fulls = _gather_bucket(bucket, keep, out_device)
+        for b in bucket:
+            layouts[b.index] = b.layout
         for b, full in zip(bucket, fulls):
             results[b.index] = full
     for index in fallback:
@@ -251,14 +271,15 @@ def gather_full_tensors(
         "gathered %d tensors: %d buckets, %d full_tensor() fallbacks",
         len(dtensors), len(buckets), len(fallback),
     )
-    return results
+    return Gathered(results, layouts)
 
 
 @torch.no_grad()
-def write_back_local(dtensor: DTensor, full: torch.Tensor) -> None:
+def write_back_local(dtensor: DTensor, full: torch.Tensor, layout: Dim0Layout | None = None) -> None:
     """Copy this rank's slice of ``full`` into ``dtensor``'s local shard, in place.
 
-    No collective. See [Note: writeback needs no collective].
+    No collective. See [Note: writeback needs no collective]. ``layout`` is
+    the one the gather used, if it took the fast path.
     """
     if tuple(full.shape) != tuple(dtensor.shape):
         raise RuntimeError(
@@ -266,7 +287,8 @@ def write_back_local(dtensor: DTensor, full: torch.Tensor) -> None:
             f"of shape {tuple(dtensor.shape)}: writeback keeps the original shape"
         )
     local = dtensor._local_tensor
-    layout = dim0_layout(dtensor)
+    if layout is None:
+        layout = dim0_layout(dtensor)
     if layout is not None:
         if layout.local_rows:
             local.copy_(full.narrow(0, layout.row_offset, layout.local_rows), non_blocking=True)

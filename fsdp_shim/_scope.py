@@ -68,9 +68,12 @@ def scope_modules(root: nn.Module, recurse: bool) -> list[nn.Module]:
     return ordered
 
 
-def _fsdp_slot_owners() -> dict[SlotKey, tuple[fsdp2.FSDPParam, fsdp2.FSDPParamGroup]]:
-    owners: dict[SlotKey, tuple[fsdp2.FSDPParam, fsdp2.FSDPParamGroup]] = {}
-    for state in fsdp2.all_fsdp_states():
+Owners = dict[SlotKey, tuple[fsdp2.FSDPParam, fsdp2.FSDPParamGroup]]
+
+
+def _fsdp_slot_owners(states: Iterable[fsdp2.FSDPState]) -> Owners:
+    owners: Owners = {}
+    for state in states:
         for group in fsdp2.param_groups(state):
             for fsdp_param in group.fsdp_params:
                 for module, name in fsdp2.param_slots(fsdp_param):
@@ -83,7 +86,7 @@ def has_distributed_params(root: nn.Module, recurse: bool) -> bool:
     modules = scope_modules(root, recurse)
     if any(isinstance(p, DTensor) for m in modules for p in m._parameters.values()):
         return True
-    owners = _fsdp_slot_owners()  # slots FSDP2 left unsharded hold plain tensors
+    owners = _fsdp_slot_owners(fsdp2.all_fsdp_states())  # unsharded slots hold plain tensors
     return any(slot_key(m, name) in owners for m in modules for name in m._parameters)
 
 
@@ -95,7 +98,12 @@ def collect_scope(root: nn.Module, recurse: bool, summoned: Iterable[SlotKey] = 
     """
     summoned = set(summoned)
     modules = scope_modules(root, recurse)
-    owners = _fsdp_slot_owners()
+    states = list({id(s): s for s in (fsdp2.fsdp_state_of(m) for m in modules) if s is not None}.values())
+    # The units in scope usually own every slot; a submodule inside a unit is
+    # owned by a state above it, found only by looking at every state.
+    owners = _fsdp_slot_owners(states)
+    if any(slot_key(m, name) not in owners for m in modules for name, p in m._parameters.items() if p is not None):
+        owners = _fsdp_slot_owners(fsdp2.all_fsdp_states())
     by_identity: dict[int, ScopedParam] = {}
     params: list[ScopedParam] = []
     covered: set[SlotKey] = set(summoned)
@@ -132,6 +140,5 @@ def collect_scope(root: nn.Module, recurse: bool, summoned: Iterable[SlotKey] = 
                 for fsdp_param in entry.group.fsdp_params
                 for m, n in fsdp2.param_slots(fsdp_param)
             )
-    states = {id(s): s for s in (fsdp2.fsdp_state_of(m) for m in modules) if s is not None}
-    scope.states = list(states.values())
+    scope.states = states
     return scope

@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_shim import _fsdp2_internals as fsdp2
-from fsdp_shim._gather import gather_full_tensors, write_back_local
+from fsdp_shim._gather import Dim0Layout, Gathered, gather_full_tensors, write_back_local
 from fsdp_shim._scope import Scope, ScopedParam, SlotKey, collect_scope, slot_key
 
 logger = logging.getLogger("fsdp_shim")
@@ -55,6 +55,7 @@ class _Summoned:
     entry: ScopedParam
     sharded: nn.Parameter  # the DTensor parameter, unchanged, restored on exit
     full: nn.Parameter  # what every slot holds inside the context
+    layout: Dim0Layout | None  # how it was gathered; writeback reuses it
 
 
 @dataclass
@@ -66,12 +67,12 @@ class _Swap:
     hooks: list[RemovableHandle] = field(default_factory=list)
 
     # -- entry -----------------------------------------------------------
-    def swap_in(self, fulls: list[torch.Tensor], grads: dict[int, torch.Tensor]) -> None:
-        for index, (entry, full) in enumerate(zip(self.scope.params, fulls)):
+    def swap_in(self, gathered: Gathered, grads: dict[int, torch.Tensor]) -> None:
+        for index, (entry, full, layout) in enumerate(zip(self.scope.params, *gathered)):
             sharded = entry.sharded()
             param = nn.Parameter(full, requires_grad=sharded.requires_grad)
             param.grad = grads.get(index)
-            self.summoned.append(_Summoned(entry, sharded, param))
+            self.summoned.append(_Summoned(entry, sharded, param, layout))
             for module, name in entry.slots:
                 self.originals.append((module, name, module._parameters[name]))
                 module._parameters[name] = param
@@ -85,7 +86,7 @@ class _Swap:
     # -- exit ------------------------------------------------------------
     def write_back(self, with_grads: bool) -> None:
         for item in self.summoned:
-            write_back_local(item.sharded, item.full.detach())
+            write_back_local(item.sharded, item.full.detach(), item.layout)
             if with_grads and item.sharded.grad is not None and item.full.grad is not None:
                 write_back_local(item.sharded.grad, item.full.grad)  # type: ignore[arg-type]
 
@@ -206,7 +207,7 @@ def _gather_grads(
         out_device=out_device,
         bucket_bytes=bucket_bytes,
     )
-    return {i: g for i, g in zip(with_grad, gathered) if g is not None}
+    return {i: g for i, g in zip(with_grad, gathered.tensors) if g is not None}
 
 
 @contextlib.contextmanager
@@ -240,14 +241,14 @@ def summon_dtensor_params(
             raise AssertionError(f"expected a DTensor parameter at {entry.slots[0][1]!r}, got {type(dtensor)}")
     keep = not rank0_only or dist.get_rank() == 0
     out_device = torch.device("cpu") if offload_to_cpu else None
-    fulls = gather_full_tensors(dtensors, keep=keep, out_device=out_device, bucket_bytes=bucket_bytes)
+    gathered = gather_full_tensors(dtensors, keep=keep, out_device=out_device, bucket_bytes=bucket_bytes)
     grads = _gather_grads(dtensors, keep, out_device, bucket_bytes) if with_grads else {}
     swap = _Swap(scope)
     try:
         if keep:
-            swap.swap_in(fulls, grads)  # type: ignore[arg-type]
+            swap.swap_in(gathered, grads)
             swap.mark_groups()
-        del fulls, grads
+        del gathered, grads
         _install_forward_hooks(swap, rank0_only, keep)
         logger.debug(
             "summoned %d parameters of %s (recurse=%s, rank0_only=%s, kept=%s)",

@@ -29,16 +29,17 @@ def _tensors(specs, seed=0):
 
 def _check_roundtrip(specs, bucket_bytes):
     fulls, dtensors = _tensors(specs)
-    got = gather_full_tensors(dtensors, bucket_bytes=bucket_bytes)
+    got, layouts = gather_full_tensors(dtensors, bucket_bytes=bucket_bytes)
     for full, out, d in zip(fulls, got, dtensors):
         assert out is not None and out.dtype == full.dtype and torch.equal(out, full)
         assert out.untyped_storage().data_ptr() != d._local_tensor.untyped_storage().data_ptr()
     # writeback: edit every full tensor, write back locally, gather again
     for out in got:
         out.add_(1)
-    for d, out in zip(dtensors, got):
-        write_back_local(d, out)
-    again = gather_full_tensors(dtensors, bucket_bytes=bucket_bytes)
+    for d, out, layout in zip(dtensors, got, layouts):
+        assert layout == dim0_layout(d)
+        write_back_local(d, out, layout)
+    again = gather_full_tensors(dtensors, bucket_bytes=bucket_bytes).tensors
     for full, out in zip(fulls, again):
         assert torch.equal(out, full + 1)
     buckets, fallback = plan_buckets(dtensors, bucket_bytes)
@@ -84,15 +85,15 @@ def rank_partial_falls_back_and_keep_false_returns_nothing():
     partial = DTensor.from_local(local, mesh, [Partial()])
     assert dim0_layout(partial) is None
     expected = sum(range(1, dist.get_world_size() + 1))
-    (full,) = gather_full_tensors([partial])
+    (full,) = gather_full_tensors([partial]).tensors
     assert torch.equal(full, torch.full((3,), float(expected)))
     _, dtensors = _tensors([((5, 2), torch.float32, [Shard(0)])])
-    assert gather_full_tensors(dtensors, keep=False) == [None]
+    assert gather_full_tensors(dtensors, keep=False).tensors == [None]
 
 
 def rank_offload_moves_results_to_cpu():
     fulls, dtensors = _tensors([((9, 3), torch.float32, [Shard(0)]), ((4, 4), torch.float32, [Shard(1)])])
-    got = gather_full_tensors(dtensors, out_device=torch.device("cpu"))
+    got = gather_full_tensors(dtensors, out_device=torch.device("cpu")).tensors
     assert all(g.device.type == "cpu" and torch.equal(g, f) for g, f in zip(got, fulls))
 
 

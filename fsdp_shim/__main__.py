@@ -1,0 +1,3 @@
+from fsdp_shim.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,198 @@
+"""``fsdp-shim bench``: the shim against FSDP2 ``unshard()``, FSDP1 and a ``full_tensor()`` loop.
+
+All contenders run on the same architecture, interleaved within each
+repetition (so machine noise hits them alike), and the report gives medians
+of per-repetition ratios. Peak memory is the extra resident memory (CPU,
+``/proc/self`` high-water mark, reset before each contender) or extra
+allocated device memory (CUDA) above what was live before the contender.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+import fsdp_shim
+from fsdp_shim._models import Block, LMConfig, build_lm, shard_lm
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    layers: int = 12
+    width: int = 256
+    vocab: int = 1000
+    reps: int = 10
+    warmup: int = 2
+    device: str = "cpu"
+    bucket_mb: tuple[float, ...] = ()  # extra shim contenders at these bucket sizes
+    per_unit: bool = True  # the weight-sync loop contenders
+    rank0_only: bool = False  # the full-model shim contenders with rank0_only
+    fsdp1: bool = True
+
+
+# -- peak memory --------------------------------------------------------------
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field):
+                return int(line.split()[1])
+    return 0
+
+
+class PeakMemory:
+    """Extra memory a contender needed at its peak, in bytes."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def start(self) -> None:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self._base = torch.cuda.memory_allocated()
+        else:
+            try:
+                with open("/proc/self/clear_refs", "w") as refs:
+                    refs.write("5")  # reset the resident high-water mark
+            except OSError:
+                pass
+            self._base = _rss_kib("VmRSS:") * 1024
+
+    def stop(self) -> int:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - self._base
+        return max(0, _rss_kib("VmHWM:") * 1024 - self._base)
+
+
+# -- contenders ---------------------------------------------------------------
+def _fsdp2_units(model: nn.Module) -> list[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _contenders(cfg: BenchConfig, model: nn.Module, fsdp1_model: nn.Module | None) -> dict[str, Callable[[], None]]:
+    units = _fsdp2_units(model)
+
+    def shim(writeback: bool, bucket_mb: float | None = None, rank0_only: bool = False) -> Callable[[], None]:
+        def run() -> None:
+            with fsdp_shim.summon_full_params(model, writeback=writeback, rank0_only=rank0_only, bucket_mb=bucket_mb):
+                pass
+        return run
+
+    def per_parameter() -> None:
+        fulls = [p.full_tensor() for p in model.parameters()]
+        del fulls
+
+    def unshard() -> None:
+        for unit in units:
+            unit.unshard()
+        for unit in units:
+            unit.reshard()
+
+    def fsdp1() -> None:
+        with FSDP.summon_full_params(fsdp1_model, writeback=False):
+            pass
+
+    def per_unit_shim() -> None:
+        for unit in units:
+            with FSDP.summon_full_params(unit, recurse=False, writeback=False, rank0_only=True):
+                pass
+
+    def per_unit_unshard() -> None:
+        for unit in units:
+            unit.unshard()
+            unit.reshard()
+
+    contenders: dict[str, Callable[[], None]] = {
+        "shim": shim(False),
+        "shim_writeback": shim(True),
+        "unshard": unshard,
+        "full_tensor_loop": per_parameter,
+    }
+    if fsdp1_model is not None:
+        contenders["fsdp1"] = fsdp1
+    if cfg.rank0_only:
+        contenders["shim_rank0_only"] = shim(False, rank0_only=True)
+    for mb in cfg.bucket_mb:
+        contenders[f"shim@{mb:g}MB"] = shim(False, bucket_mb=mb)
+    if cfg.per_unit:
+        contenders["per_unit_shim"] = per_unit_shim
+        contenders["per_unit_unshard"] = per_unit_unshard
+    return contenders
+
+
+RATIOS = [
+    ("shim / unshard", "shim", "unshard"),
+    ("shim / fsdp1", "shim", "fsdp1"),
+    ("shim / full_tensor_loop", "shim", "full_tensor_loop"),
+    ("writeback / no writeback", "shim_writeback", "shim"),
+    ("per-unit loop: shim / unshard", "per_unit_shim", "per_unit_unshard"),
+]
+
+
+def bench_on_rank(cfg: BenchConfig) -> dict[str, object]:
+    fsdp_shim.patch()
+    device = torch.device("cpu") if cfg.device == "cpu" else torch.device(cfg.device, torch.cuda.current_device())
+    model_cfg = LMConfig(vocab=cfg.vocab, width=cfg.width, layers=cfg.layers, heads=4)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    model = shard_lm(build_lm(model_cfg).to(device), mesh)
+    fsdp1_model = None
+    if cfg.fsdp1:
+        fsdp1_model = FSDP(build_lm(model_cfg).to(device), auto_wrap_policy=ModuleWrapPolicy({Block}),
+                           use_orig_params=True, device_id=device)
+    contenders = _contenders(cfg, model, fsdp1_model)
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    peaks: dict[str, int] = {name: 0 for name in contenders}
+    memory = PeakMemory(device)
+    is_rank0 = dist.get_rank() == 0
+    for rep in range(cfg.warmup + cfg.reps):
+        if is_rank0:
+            label = "warm-up" if rep < cfg.warmup else f"rep {rep - cfg.warmup + 1}/{cfg.reps}"
+            print(f"\rfsdp-shim bench: {label}   ", end="", file=sys.stderr, flush=True)
+        for name, run in contenders.items():
+            memory.start()
+            dist.barrier()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            run()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+            peak = memory.stop()
+            if rep >= cfg.warmup:
+                times[name].append(elapsed)
+                peaks[name] = max(peaks[name], peak)
+    if is_rank0:
+        print(file=sys.stderr)
+    ratios = {}
+    for label, num, den in RATIOS:
+        if num in times and den in times:
+            ratios[label] = statistics.median(a / b for a, b in zip(times[num], times[den]))
+    for name in contenders:
+        if name.startswith("shim@"):
+            ratios[f"{name} / unshard"] = statistics.median(a / b for a, b in zip(times[name], times["unshard"]))
+    full_bytes = sum(p.numel() * p.element_size() for p in build_lm(model_cfg).parameters())
+    return {
+        "config": asdict(cfg),
+        "world_size": dist.get_world_size(),
+        "backend": dist.get_backend(),
+        "torch": torch.__version__,
+        "model_bytes": full_bytes,
+        "median_ms": {name: statistics.median(t) * 1e3 for name, t in times.items()},
+        "ratios": ratios,
+        "peak_extra_bytes": peaks,
+    }
