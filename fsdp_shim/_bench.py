@@ -2,13 +2,15 @@
 
 All contenders run on the same architecture, interleaved within each
 repetition (so machine noise hits them alike), and the report gives medians
-of per-repetition ratios. Peak memory is the extra resident memory (CPU,
-``/proc/self`` high-water mark, reset before each contender) or extra
-allocated device memory (CUDA) above what was live before the contender.
+of per-repetition ratios. Peak memory is measured in a separate pass after
+the timings: the extra resident memory (CPU, ``/proc/self`` high-water mark,
+reset before each contender) or extra allocated device memory (CUDA) above
+what was live before the contender.
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import statistics
 import sys
@@ -51,11 +53,30 @@ def _rss_kib(field: str) -> int:
     return 0
 
 
+def _release_freed_memory(first: bool = False) -> None:
+    """Hand freed heap memory back to the OS, so reusing it counts again.
+
+    Otherwise a contender reuses memory an earlier one freed without raising
+    the resident high-water mark. The first call also makes glibc mmap every
+    large block: only for the memory pass, since it would distort timings.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        if first:
+            libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+            libc.mallopt(-1, 64 * 1024)  # M_TRIM_THRESHOLD
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class PeakMemory:
     """Extra memory a contender needed at its peak, in bytes."""
 
     def __init__(self, device: torch.device):
         self.device = device
+        if device.type == "cpu":
+            _release_freed_memory(first=True)
 
     def start(self) -> None:
         gc.collect()
@@ -64,6 +85,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats()
             self._base = torch.cuda.memory_allocated()
         else:
+            _release_freed_memory()
             try:
                 with open("/proc/self/clear_refs", "w") as refs:
                     refs.write("5")  # reset the resident high-water mark
@@ -143,6 +165,11 @@ RATIOS = [
 ]
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def bench_on_rank(cfg: BenchConfig) -> dict[str, object]:
     fsdp_shim.patch()
     device = torch.device("cpu") if cfg.device == "cpu" else torch.device(cfg.device, torch.cuda.current_device())
@@ -155,29 +182,28 @@ def bench_on_rank(cfg: BenchConfig) -> dict[str, object]:
                            use_orig_params=True, device_id=device)
     contenders = _contenders(cfg, model, fsdp1_model)
     times: dict[str, list[float]] = {name: [] for name in contenders}
-    peaks: dict[str, int] = {name: 0 for name in contenders}
-    memory = PeakMemory(device)
     is_rank0 = dist.get_rank() == 0
     for rep in range(cfg.warmup + cfg.reps):
         if is_rank0:
             label = "warm-up" if rep < cfg.warmup else f"rep {rep - cfg.warmup + 1}/{cfg.reps}"
             print(f"\rfsdp-shim bench: {label}   ", end="", file=sys.stderr, flush=True)
         for name, run in contenders.items():
-            memory.start()
             dist.barrier()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            _sync(device)
             start = time.perf_counter()
             run()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            elapsed = time.perf_counter() - start
-            peak = memory.stop()
+            _sync(device)
             if rep >= cfg.warmup:
-                times[name].append(elapsed)
-                peaks[name] = max(peaks[name], peak)
+                times[name].append(time.perf_counter() - start)
     if is_rank0:
-        print(file=sys.stderr)
+        print("\rfsdp-shim bench: peak memory pass", file=sys.stderr)
+    memory = PeakMemory(device)
+    peaks: dict[str, int] = {}
+    for name, run in contenders.items():
+        dist.barrier()
+        memory.start()
+        run()
+        peaks[name] = memory.stop()
     ratios = {}
     for label, num, den in RATIOS:
         if num in times and den in times:

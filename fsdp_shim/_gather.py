@@ -49,7 +49,7 @@ logger = logging.getLogger("fsdp_shim")
 BUCKET_ENV = "FSDP_SHIM_BUCKET_MB"
 #: Default cap on one bucket's gathered (full, padded) size. Chosen with
 #: ``fsdp-shim bench --bucket-mb``: see README "Performance".
-DEFAULT_BUCKET_MB = 4.0
+DEFAULT_BUCKET_MB = 8.0
 
 
 def bucket_bytes_from_env(explicit: float | None = None) -> int:

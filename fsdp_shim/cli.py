@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Sequence
 
@@ -70,10 +69,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
         device=args.device, bucket_mb=tuple(args.bucket_mb), per_unit=not args.no_per_unit,
         rank0_only=args.rank0_only, fsdp1=args.fsdp1,
     )
-    if args.device == "cpu":
-        # Make freed tensors go back to the OS at once, so the resident
-        # high-water mark measures what a contender really needed.
-        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     result = run_on_ranks(bench_on_rank, args.ranks, (cfg,), backend=_backend(args.device), timeout_s=args.timeout)[0]
     if args.json:
         print(json.dumps(result, indent=2))
