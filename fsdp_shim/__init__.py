@@ -136,7 +136,7 @@ def summon_full_params(
         rank0_only: only global rank 0 gets full parameters.
         offload_to_cpu: the full parameters live on CPU.
         with_grads: full parameters carry full gradients (``None`` stays ``None``).
-        bucket_mb: cap on one all-gather bucket, in MiB (default: ``$FSDP_SHIM_BUCKET_MB`` or 8).
+        bucket_mb: cap on one all-gather bucket, in MiB (default: ``$FSDP_SHIM_BUCKET_MB`` or 4).
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``.

@@ -22,6 +22,12 @@ scatters every parameter into its own padded ``(W * c_i, *rest)`` buffer. The
 full tensor handed out is a view of that buffer's first ``n_i`` rows: the only
 memory beyond the full size is the padding (at most ``W - 1`` rows a tensor).
 
+[Note: one bucket in flight]
+Bucket ``k + 1``'s all-gather is launched (``async_op=True``) before bucket
+``k`` is copied out, so the copy-out overlaps the next transfer. At most two
+buckets' all-gather outputs are alive at once, so the extra memory beyond the
+full tensors is at most two buckets (the default cap is sized for that).
+
 [Note: writeback needs no collective]
 Every rank already holds the whole (possibly edited) full tensor inside the
 context, so each rank copies rows ``[r * c, r * c + local_rows)`` of it into its
@@ -49,7 +55,7 @@ logger = logging.getLogger("fsdp_shim")
 BUCKET_ENV = "FSDP_SHIM_BUCKET_MB"
 #: Default cap on one bucket's gathered (full, padded) size. Chosen with
 #: ``fsdp-shim bench --bucket-mb``: see README "Performance".
-DEFAULT_BUCKET_MB = 8.0
+DEFAULT_BUCKET_MB = 4.0
 
 
 def bucket_bytes_from_env(explicit: float | None = None) -> int:
@@ -175,18 +181,21 @@ def _comm_device(dtensor: DTensor) -> torch.device:
     return torch.device(device_type, handle.current_device())
 
 
-@torch.no_grad()
-def _gather_bucket(bucket: list[_Batched], keep: bool, out_device: torch.device | None) -> list[torch.Tensor]:
-    """One all-gather for ``bucket``; returns full tensors (empty list when not ``keep``).
+class _InFlight(NamedTuple):
+    bucket: list[_Batched]
+    output: torch.Tensor  # 1D, world_size * sum(split_sizes)
+    split_sizes: list[int]
+    work: dist.Work | None
 
-    See [Note: bucket layout].
-    """
+
+@torch.no_grad()
+def _start_bucket(bucket: list[_Batched]) -> _InFlight:
+    """Copy in this rank's padded shards and launch the bucket's all-gather."""
     first = bucket[0]
     world_size, group = first.layout.world_size, first.layout.group
     dtype = first.dtensor.dtype
     comm_device = _comm_device(first.dtensor)
     split_sizes = [b.layout.padded_numel for b in bucket]
-    per_rank = sum(split_sizes)
     pieces: list[torch.Tensor] = []
     for b, padded in zip(bucket, split_sizes):
         local = b.dtensor._local_tensor.reshape(-1)
@@ -194,32 +203,36 @@ def _gather_bucket(bucket: list[_Batched], keep: bool, out_device: torch.device 
         if padded > local.numel():  # zeros: padding is never exposed, but stays deterministic
             pieces.append(torch.zeros(padded - local.numel(), dtype=dtype, device=comm_device))
     gather_input = torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
-    del pieces
-    gather_output = torch.empty(world_size * per_rank, dtype=dtype, device=comm_device)
-    _all_gather_single(gather_output, gather_input, group=group)
-    del gather_input
+    output = torch.empty(world_size * gather_input.numel(), dtype=dtype, device=comm_device)
+    work = _all_gather_single(output, gather_input, group=group, async_op=True)
+    return _InFlight(bucket, output, split_sizes, work)
+
+
+@torch.no_grad()
+def _finish_bucket(flight: _InFlight, keep: bool, out_device: torch.device | None) -> list[torch.Tensor]:
+    """Wait for the all-gather and copy each tensor out. See [Note: bucket layout]."""
+    if flight.work is not None:
+        flight.work.wait()
     if not keep:
         return []  # rank0_only: this rank holds nothing once the gather is done
-    target = comm_device if out_device is None else out_device
-    if target != comm_device:
+    output, split_sizes = flight.output, flight.split_sizes
+    world_size = flight.bucket[0].layout.world_size
+    if out_device is not None and out_device != output.device:
         # offload_to_cpu: move the whole bucket at once, pinned and
         # asynchronous on accelerators, then split on the host.
-        host = torch.empty(gather_output.shape, dtype=dtype, pin_memory=comm_device.type != "cpu")
-        host.copy_(gather_output, non_blocking=True)
-        if comm_device.type != "cpu":
-            getattr(torch, comm_device.type).current_stream().synchronize()
-        gather_output = host
-    padded_fulls = [torch.empty(world_size * n, dtype=dtype, device=target) for n in split_sizes]
+        host = torch.empty(output.shape, dtype=output.dtype, pin_memory=output.device.type != "cpu")
+        host.copy_(output, non_blocking=True)
+        if output.device.type != "cpu":
+            getattr(torch, output.device.type).current_stream().synchronize()
+        output = host
+    padded_fulls = [torch.empty(world_size * n, dtype=output.dtype, device=output.device) for n in split_sizes]
     torch.split_with_sizes_copy(
-        gather_output.view(world_size, per_rank),
+        output.view(world_size, -1),
         split_sizes,
         dim=1,
         out=[buf.view(world_size, n) for buf, n in zip(padded_fulls, split_sizes)],
     )
-    return [
-        buf[: b.dtensor.numel()].view(b.dtensor.shape)
-        for buf, b in zip(padded_fulls, bucket)
-    ]
+    return [buf[: b.dtensor.numel()].view(b.dtensor.shape) for buf, b in zip(padded_fulls, flight.bucket)]
 
 
 @torch.no_grad()
@@ -259,12 +272,16 @@ def gather_full_tensors(
     buckets, fallback = plan_buckets(dtensors, cap)
     results: list[torch.Tensor | None] = [None] * len(dtensors)
     layouts: list[Dim0Layout | None] = [None] * len(dtensors)
-    for bucket in buckets:
-        fulls = _gather_bucket(bucket, keep, out_device)
-        for b in bucket:
-            layouts[b.index] = b.layout
-        for b, full in zip(bucket, fulls):
-            results[b.index] = full
+    # See [Note: one bucket in flight]
+    in_flight: _InFlight | None = None
+    for bucket in [*buckets, None]:
+        started = _start_bucket(bucket) if bucket is not None else None
+        if in_flight is not None:
+            for b in in_flight.bucket:
+                layouts[b.index] = b.layout
+            for b, full in zip(in_flight.bucket, _finish_bucket(in_flight, keep, out_device)):
+                results[b.index] = full
+        in_flight = started
     for index in fallback:
         results[index] = _gather_fallback(dtensors[index], keep, out_device)
     logger.debug(
@@ -281,21 +298,35 @@ def write_back_local(dtensor: DTensor, full: torch.Tensor, layout: Dim0Layout | 
     No collective. See [Note: writeback needs no collective]. ``layout`` is
     the one the gather used, if it took the fast path.
     """
-    if tuple(full.shape) != tuple(dtensor.shape):
-        raise RuntimeError(
-            f"cannot write back a tensor of shape {tuple(full.shape)} into a parameter "
-            f"of shape {tuple(dtensor.shape)}: writeback keeps the original shape"
-        )
+    write_back_locals([(dtensor, full, layout)])
+
+
+@torch.no_grad()
+def write_back_locals(items: Sequence[tuple[DTensor, torch.Tensor, Dim0Layout | None]]) -> None:
+    """``write_back_local`` for many tensors; the fast-path copies run as one foreach op."""
+    destinations: list[torch.Tensor] = []
+    sources: list[torch.Tensor] = []
+    for dtensor, full, layout in items:
+        if tuple(full.shape) != tuple(dtensor.shape):
+            raise RuntimeError(
+                f"cannot write back a tensor of shape {tuple(full.shape)} into a parameter "
+                f"of shape {tuple(dtensor.shape)}: writeback keeps the original shape"
+            )
+        local = dtensor._local_tensor
+        if layout is None:
+            layout = dim0_layout(dtensor)
+        if layout is None:
+            _write_back_redistribute(dtensor, full)
+        elif layout.local_rows:
+            destinations.append(local)
+            sources.append(full.narrow(0, layout.row_offset, layout.local_rows).to(local.device))
+    if destinations:
+        torch._foreach_copy_(destinations, sources)
+
+
+def _write_back_redistribute(dtensor: DTensor, full: torch.Tensor) -> None:
+    """Replicate -> any placement is a local chunk: no communication."""
     local = dtensor._local_tensor
-    if layout is None:
-        layout = dim0_layout(dtensor)
-    if layout is not None:
-        if layout.local_rows:
-            local.copy_(full.narrow(0, layout.row_offset, layout.local_rows), non_blocking=True)
-        return
-    # Replicate -> any placement is a local chunk, no communication.
     mesh = dtensor.device_mesh
-    replicated = DTensor.from_local(
-        full.to(local.device), mesh, [Replicate()] * mesh.ndim, run_check=False
-    )
+    replicated = DTensor.from_local(full.to(local.device), mesh, [Replicate()] * mesh.ndim, run_check=False)
     local.copy_(replicated.redistribute(mesh, dtensor.placements).to_local())

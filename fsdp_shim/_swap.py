@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_shim import _fsdp2_internals as fsdp2
-from fsdp_shim._gather import Dim0Layout, Gathered, gather_full_tensors, write_back_local
+from fsdp_shim._gather import Dim0Layout, Gathered, gather_full_tensors, write_back_locals
 from fsdp_shim._scope import Scope, ScopedParam, SlotKey, collect_scope, slot_key
 
 logger = logging.getLogger("fsdp_shim")
@@ -85,10 +85,13 @@ class _Swap:
 
     # -- exit ------------------------------------------------------------
     def write_back(self, with_grads: bool) -> None:
-        for item in self.summoned:
-            write_back_local(item.sharded, item.full.detach(), item.layout)
-            if with_grads and item.sharded.grad is not None and item.full.grad is not None:
-                write_back_local(item.sharded.grad, item.full.grad)  # type: ignore[arg-type]
+        write_back_locals([(item.sharded, item.full.detach(), item.layout) for item in self.summoned])
+        if with_grads:
+            write_back_locals([
+                (item.sharded.grad, item.full.grad, None)  # type: ignore[misc]
+                for item in self.summoned
+                if item.sharded.grad is not None and item.full.grad is not None
+            ])
 
     def restore(self) -> None:
         for module, name, original in reversed(self.originals):
