@@ -1,0 +1,84 @@
+"""The command line: check, bench and the run launcher, as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from fsdp_shim._launch import free_port
+
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def _run(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(args), capture_output=True, text=True, env=ENV, cwd=cwd, timeout=timeout)
+
+
+def test_check_passes_and_prints_a_table():
+    result = _run(sys.executable, "-m", "fsdp_shim", "check", "--verbose")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "6 passed, 0 failed" in result.stdout
+    assert "generate() under summon(root, recurse=False)" in result.stdout
+    assert "route=dtensor" in result.stdout and "torch " in result.stdout
+
+
+def test_bench_json_reports_every_contender_and_ratio():
+    result = _run(sys.executable, "-m", "fsdp_shim", "bench", "--layers", "2", "--width", "64",
+                  "--reps", "2", "--warmup", "1", "--bucket-mb", "1", "--rank0-only", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert set(report["median_ms"]) >= {"shim", "shim_writeback", "unshard", "full_tensor_loop", "fsdp1",
+                                        "per_unit_shim", "per_unit_unshard", "shim_rank0_only", "shim@1MB"}
+    assert all(v > 0 for v in report["median_ms"].values())
+    assert set(report["ratios"]) >= {"shim / unshard", "shim / fsdp1", "shim / full_tensor_loop",
+                                     "writeback / no writeback", "per-unit loop: shim / unshard"}
+    assert set(report["peak_extra_bytes"]) == set(report["median_ms"])
+    assert "rep 2/2" in result.stderr  # progress line
+
+
+SCRIPT = textwrap.dedent('''
+    import os, sys
+    import torch, torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, fully_shard
+    from torch.distributed.tensor import DTensor
+
+    # no "import fsdp_shim": the launcher patches
+    print("argv", sys.argv, "name", __name__, "path0", sys.path[0] == os.path.dirname(os.path.abspath(__file__)))
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group("gloo")
+        torch.manual_seed(0)
+        model = fully_shard(torch.nn.Linear(5, 3))
+        with FSDP.summon_full_params(model, writeback=False):
+            ok = not isinstance(model.weight, DTensor) and model.weight.shape == (3, 5)
+        with open(os.path.join(sys.argv[2], f"rank{dist.get_rank()}"), "w") as out:
+            out.write(str(ok))
+        dist.destroy_process_group()
+    sys.exit(int(sys.argv[1]))
+''')
+
+
+def test_run_launcher_behaves_like_python(tmp_path):
+    """Same stdout (argv, __main__, sys.path[0]) and exit status as plain python."""
+    (tmp_path / "train.py").write_text(SCRIPT)
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "train.py").write_text(SCRIPT.replace("os.path.dirname(os.path.abspath(__file__))", "os.getcwd()"))
+    for program in (["train.py", "3", "--flag"], ["-m", "pkg.train", "4", "--help"]):
+        plain = _run(sys.executable, *program, cwd=tmp_path)
+        for launcher in ([sys.executable, "-m", "fsdp_shim.run"], ["fsdp-shim", "run"]):
+            launched = _run(*launcher, *program, cwd=tmp_path)
+            assert (launched.returncode, launched.stdout) == (plain.returncode, plain.stdout), launched.stderr
+        assert plain.returncode == int(program[-2]) and "name __main__ path0 True" in plain.stdout
+
+
+def test_torchrun_with_the_launcher_patches_every_rank(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    result = _run(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                  "--master-port", str(free_port()), "-m", "fsdp_shim.run", str(script), "0", str(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["True", "True"]
