@@ -2,10 +2,10 @@
 
 All contenders run on the same architecture, interleaved within each
 repetition (so machine noise hits them alike), and the report gives medians
-of per-repetition ratios. Peak memory is measured in a separate pass after
-the timings: the extra resident memory (CPU, ``/proc/self`` high-water mark,
-reset before each contender) or extra allocated device memory (CUDA) above
-what was live before the contender.
+of per-repetition ratios. Peak memory is measured in a second, fresh set of
+ranks: the extra resident memory (CPU, ``/proc/self`` high-water mark, reset
+before each contender) or extra allocated device memory (CUDA) above what was
+live before the contender.
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def bench_on_rank(cfg: BenchConfig) -> dict[str, object]:
+def _setup(cfg: BenchConfig) -> tuple[torch.device, LMConfig, dict[str, Callable[[], None]]]:
     fsdp_shim.patch()
     device = torch.device("cpu") if cfg.device == "cpu" else torch.device(cfg.device, torch.cuda.current_device())
     model_cfg = LMConfig(vocab=cfg.vocab, width=cfg.width, layers=cfg.layers, heads=4)
@@ -180,7 +180,12 @@ def bench_on_rank(cfg: BenchConfig) -> dict[str, object]:
     if cfg.fsdp1:
         fsdp1_model = FSDP(build_lm(model_cfg).to(device), auto_wrap_policy=ModuleWrapPolicy({Block}),
                            use_orig_params=True, device_id=device)
-    contenders = _contenders(cfg, model, fsdp1_model)
+    return device, model_cfg, _contenders(cfg, model, fsdp1_model)
+
+
+def time_on_rank(cfg: BenchConfig) -> dict[str, object]:
+    """The timing run: every contender once per repetition, in the same order."""
+    device, model_cfg, contenders = _setup(cfg)
     times: dict[str, list[float]] = {name: [] for name in contenders}
     is_rank0 = dist.get_rank() == 0
     for rep in range(cfg.warmup + cfg.reps):
@@ -196,14 +201,7 @@ def bench_on_rank(cfg: BenchConfig) -> dict[str, object]:
             if rep >= cfg.warmup:
                 times[name].append(time.perf_counter() - start)
     if is_rank0:
-        print("\rfsdp-shim bench: peak memory pass", file=sys.stderr)
-    memory = PeakMemory(device)
-    peaks: dict[str, int] = {}
-    for name, run in contenders.items():
-        dist.barrier()
-        memory.start()
-        run()
-        peaks[name] = memory.stop()
+        print(file=sys.stderr)
     ratios = {}
     for label, num, den in RATIOS:
         if num in times and den in times:
@@ -220,5 +218,22 @@ def bench_on_rank(cfg: BenchConfig) -> dict[str, object]:
         "model_bytes": full_bytes,
         "median_ms": {name: statistics.median(t) * 1e3 for name, t in times.items()},
         "ratios": ratios,
-        "peak_extra_bytes": peaks,
     }
+
+
+def memory_on_rank(cfg: BenchConfig) -> dict[str, int]:
+    """The memory run, in fresh processes (its allocator settings would skew timings).
+
+    Each contender runs once to settle lazy buffers, then once measured.
+    """
+    device, _, contenders = _setup(cfg)
+    memory = PeakMemory(device)
+    peaks: dict[str, int] = {}
+    for name, run in contenders.items():
+        dist.barrier()
+        run()
+        dist.barrier()
+        memory.start()
+        run()
+        peaks[name] = memory.stop()
+    return peaks

@@ -61,7 +61,7 @@ def _format_bytes(n: float) -> str:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from fsdp_shim._bench import BenchConfig, bench_on_rank  # noqa: PLC0415
+    from fsdp_shim._bench import BenchConfig, memory_on_rank, time_on_rank  # noqa: PLC0415
     from fsdp_shim._launch import run_on_ranks  # noqa: PLC0415
 
     cfg = BenchConfig(
@@ -69,7 +69,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         device=args.device, bucket_mb=tuple(args.bucket_mb), per_unit=not args.no_per_unit,
         rank0_only=args.rank0_only, fsdp1=args.fsdp1,
     )
-    result = run_on_ranks(bench_on_rank, args.ranks, (cfg,), backend=_backend(args.device), timeout_s=args.timeout)[0]
+    backend = _backend(args.device)
+    result = run_on_ranks(time_on_rank, args.ranks, (cfg,), backend=backend, timeout_s=args.timeout)[0]
+    print("fsdp-shim bench: peak memory run", file=sys.stderr)
+    result["peak_extra_bytes"] = run_on_ranks(memory_on_rank, args.ranks, (cfg,), backend=backend,
+                                              timeout_s=args.timeout)[0]
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
