@@ -54,8 +54,9 @@ __all__ = [
     "__version__",
 ]
 
+# No NullHandler: with logging unconfigured, Python's last-resort handler
+# still shows our few warnings (an inactive or untested environment).
 logger = logging.getLogger("fsdp_shim")
-logger.addHandler(logging.NullHandler())
 
 #: Why the import did not patch, if it did not (``None`` when it did).
 unsupported_reason: str | None = None

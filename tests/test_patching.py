@@ -111,3 +111,27 @@ def test_versions_are_data_and_the_guard_reads_them():
     setup_cfg = open(os.path.join(os.path.dirname(__file__), "..", "setup.cfg")).read()
     for requirement in _versions.INSTRUMENTS:
         assert requirement.replace(" ", "") in setup_cfg
+
+
+def test_guard_refuses_to_patch_without_the_internals_it_uses():
+    code = (
+        "import sys, logging; logging.basicConfig(level=logging.WARNING)\n"
+        "import torch.distributed.fsdp\n"
+        "sys.modules['torch.distributed.fsdp._fully_shard._fsdp_param_group'] = None\n"
+        "import fsdp_shim\n"
+        "print(fsdp_shim.is_patched(), fsdp_shim.unsupported_reason is not None)\n"
+        "try:\n"
+        "    fsdp_shim.summon_full_params(None)\n"
+        "except RuntimeError as exc:\n"
+        "    print('refused:', 'inactive' in str(exc))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["False", "True", "refused:", "True"]
+    assert "fsdp_shim is inactive" in result.stderr and "FSDP2 internals" in result.stderr
+
+
+def test_guard_refuses_an_unsupported_torch():
+    code = "import torch; torch.__version__ = '2.5.1'; import fsdp_shim; print(fsdp_shim.is_patched())"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
+    assert "older than the supported 2.6" in result.stderr
