@@ -65,8 +65,9 @@ unsupported_reason: str | None = None
 def _environment_problem() -> str | None:
     if not _versions.at_least(torch.__version__, _versions.MIN_TORCH):
         return f"torch {torch.__version__} is older than the supported {_versions.MIN_TORCH}"
-    if not _versions.at_least(wrapt.__version__, _versions.MIN_WRAPT):
-        return f"wrapt {wrapt.__version__} lacks unwrap_object (needs >= {_versions.MIN_WRAPT})"
+    wrapt_version = getattr(wrapt, "__version__", "0")
+    if not _versions.at_least(wrapt_version, _versions.MIN_WRAPT):
+        return f"wrapt {wrapt_version} lacks unwrap_object (needs >= {_versions.MIN_WRAPT})"
     try:
         from fsdp_shim import _fsdp2_internals  # noqa: F401,PLC0415
     except ImportError as exc:  # the FSDP2 internals we rely on moved

@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+from torch.distributed.tensor import DTensor
 
 import fsdp_shim
 from fsdp_shim._models import Block, LMConfig, build_lm, shard_lm
@@ -115,7 +117,7 @@ def _contenders(cfg: BenchConfig, model: nn.Module, fsdp1_model: nn.Module | Non
         return run
 
     def per_parameter() -> None:
-        fulls = [p.full_tensor() for p in model.parameters()]
+        fulls = [cast(DTensor, p).full_tensor() for p in model.parameters()]
         del fulls
 
     def unshard() -> None:
@@ -125,12 +127,12 @@ def _contenders(cfg: BenchConfig, model: nn.Module, fsdp1_model: nn.Module | Non
             unit.reshard()
 
     def fsdp1() -> None:
-        with FSDP.summon_full_params(fsdp1_model, writeback=False):
+        with FSDP.summon_full_params(cast(nn.Module, fsdp1_model), writeback=False):
             pass
 
     def per_unit_shim() -> None:
         for unit in units:
-            with FSDP.summon_full_params(unit, recurse=False, writeback=False, rank0_only=True):
+            with FSDP.summon_full_params(cast(nn.Module, unit), recurse=False, writeback=False, rank0_only=True):
                 pass
 
     def per_unit_unshard() -> None:

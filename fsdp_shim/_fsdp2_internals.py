@@ -25,7 +25,6 @@ SHARDED, so ``adopt_module_params`` performs that reset at entry instead.
 from __future__ import annotations
 
 import weakref
-from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -146,15 +145,17 @@ def param_dtype_for_forward(group: FSDPParamGroup, fsdp_param: FSDPParam) -> tor
     return dtype
 
 
-def _suspend_hook(hooks: OrderedDict[int, Any], hook_id: int) -> Any:
+def _suspend_hook(hooks: dict[int, Any], hook_id: int) -> Any:
     return hooks.pop(hook_id, None)
 
 
-def _resume_hook(hooks: OrderedDict[int, Any], hook_id: int, hook: Any, order: list[int]) -> None:
+def _resume_hook(hooks: dict[int, Any], hook_id: int, hook: Any, order: list[int]) -> None:
+    """Put ``hook`` back where it was among the module's hooks (order matters to hooks)."""
     hooks[hook_id] = hook
     rank = {key: i for i, key in enumerate(order)}
-    for key in sorted(hooks, key=lambda k: rank.get(k, len(order))):
-        hooks.move_to_end(key)
+    ordered = sorted(hooks.items(), key=lambda item: rank.get(item[0], len(order)))
+    hooks.clear()
+    hooks.update(ordered)
 
 
 @dataclass

@@ -134,7 +134,7 @@ def dim0_layout(dtensor: DTensor) -> Dim0Layout | None:
 
 
 class _Batched(NamedTuple):
-    index: int  # position in the caller's list
+    position: int  # in the caller's list
     dtensor: DTensor
     layout: Dim0Layout
 
@@ -278,9 +278,9 @@ def gather_full_tensors(
         started = _start_bucket(bucket) if bucket is not None else None
         if in_flight is not None:
             for b in in_flight.bucket:
-                layouts[b.index] = b.layout
+                layouts[b.position] = b.layout
             for b, full in zip(in_flight.bucket, _finish_bucket(in_flight, keep, out_device)):
-                results[b.index] = full
+                results[b.position] = full
         in_flight = started
     for index in fallback:
         results[index] = _gather_fallback(dtensors[index], keep, out_device)

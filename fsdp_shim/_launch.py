@@ -111,9 +111,9 @@ class RankPool:
             for conn in ready:
                 rank = self._conns.index(conn)  # type: ignore[arg-type]
                 try:
-                    status, value = conn.recv()  # type: ignore[union-attr]
+                    status, value = self._conns[rank].recv()
                 except EOFError:
-                    status, value = "error", "rank exited without a result"
+                    status, value = "error", "rank exited without a result (killed or crashed)"
                 del pending[rank]
                 if status == "ok" or status == "ready":
                     results[rank] = value

@@ -86,14 +86,10 @@ def shard_lm(
     reshard_after_forward: bool = True,
 ) -> TinyLM:
     """``fully_shard`` each block, then the root (which owns the tied embedding)."""
-    kwargs: dict[str, object] = {"reshard_after_forward": reshard_after_forward}
-    if mesh is not None:
-        kwargs["mesh"] = mesh
-    if mp_policy is not None:
-        kwargs["mp_policy"] = mp_policy
+    policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     for block in model.blocks:
-        fully_shard(block, **kwargs)  # type: ignore[arg-type]
-    fully_shard(model, **kwargs)  # type: ignore[arg-type]
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     return model
 
 

@@ -25,7 +25,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -53,7 +53,7 @@ class _Summoned:
     """One scoped parameter while summoned."""
 
     entry: ScopedParam
-    sharded: nn.Parameter  # the DTensor parameter, unchanged, restored on exit
+    sharded: DTensor  # the DTensor parameter, unchanged, restored on exit
     full: nn.Parameter  # what every slot holds inside the context
     layout: Dim0Layout | None  # how it was gathered; writeback reuses it
 
@@ -69,7 +69,8 @@ class _Swap:
     # -- entry -----------------------------------------------------------
     def swap_in(self, gathered: Gathered, grads: dict[int, torch.Tensor]) -> None:
         for index, (entry, full, layout) in enumerate(zip(self.scope.params, *gathered)):
-            sharded = entry.sharded()
+            sharded = cast(DTensor, entry.sharded())
+            assert full is not None  # kept ranks hold every tensor
             param = nn.Parameter(full, requires_grad=sharded.requires_grad)
             param.grad = grads.get(index)
             self.summoned.append(_Summoned(entry, sharded, param, layout))
@@ -201,7 +202,7 @@ def _install_forward_hooks(swap: _Swap, rank0_only: bool, keep: bool) -> None:
 
 
 def _gather_grads(
-    dtensors: list[nn.Parameter], keep: bool, out_device: torch.device | None, bucket_bytes: int | None
+    dtensors: list[DTensor], keep: bool, out_device: torch.device | None, bucket_bytes: int | None
 ) -> dict[int, torch.Tensor]:
     with_grad = [i for i, d in enumerate(dtensors) if d.grad is not None]
     gathered = gather_full_tensors(
@@ -238,10 +239,12 @@ def summon_dtensor_params(
     for group in scope.groups:
         fsdp2.adopt_module_params(group)
         fsdp2.reshard_group(group)
-    dtensors = [entry.sharded() for entry in scope.params]
-    for dtensor, entry in zip(dtensors, scope.params):
+    dtensors: list[DTensor] = []
+    for entry in scope.params:
+        dtensor = entry.sharded()
         if not isinstance(dtensor, DTensor):
             raise AssertionError(f"expected a DTensor parameter at {entry.slots[0][1]!r}, got {type(dtensor)}")
+        dtensors.append(dtensor)
     keep = not rank0_only or dist.get_rank() == 0
     out_device = torch.device("cpu") if offload_to_cpu else None
     gathered = gather_full_tensors(dtensors, keep=keep, out_device=out_device, bucket_bytes=bucket_bytes)

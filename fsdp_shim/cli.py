@@ -20,7 +20,7 @@ def _backend(device: str) -> str:
 
 def _environment_line(ranks: int, device: str) -> str:
     return (
-        f"torch {torch.__version__}, wrapt {wrapt.__version__}, fsdp_shim {fsdp_shim.__version__}; "
+        f"torch {torch.__version__}, wrapt {getattr(wrapt, '__version__', '?')}, fsdp_shim {fsdp_shim.__version__}; "
         f"{ranks} ranks, {_backend(device)} on {device}"
     )
 
