@@ -43,7 +43,7 @@ def _check_roundtrip(specs, bucket_bytes):
     for full, out in zip(fulls, again):
         assert torch.equal(out, full + 1)
     buckets, fallback = plan_buckets(dtensors, bucket_bytes)
-    return [[b.index for b in bucket] for bucket in buckets], fallback
+    return [[b.position for b in bucket] for bucket in buckets], fallback
 
 
 def rank_bucket_boundaries():
