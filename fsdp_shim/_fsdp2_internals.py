@@ -16,7 +16,9 @@ over them (its forward pre-hook would) nor put its sharded parameters back
 whose every parameter is summoned is therefore *marked*: its sharded state
 reads UNSHARDED, so ``unshard()`` is a no-op, and ``post_forward_mesh_info``
 is ``None``, so ``reshard()`` in forward is a no-op; its ``to_sharded``
-state-dict pre-hooks are suspended. Its own all-gather buffers stay freed,
+state-dict save and load pre-hooks are suspended (``suspend_load_post_hooks``
+does the same for the per-parameter load post-hooks of every summoned
+parameter, marked group or not). Its own all-gather buffers stay freed,
 since the group really is sharded underneath. ``unmark`` restores the three
 exactly. FSDP2's lazy init skips its parameter reset for a group that is not
 SHARDED, so ``adopt_module_params`` performs that reset at entry instead.
@@ -49,6 +51,8 @@ __all__ = [
     "fsdp_state_of",
     "is_fsdp2_module",
     "mark_summoned",
+    "SuspendedHooks",
+    "suspend_load_post_hooks",
     "param_dtype_for_forward",
     "param_groups",
     "param_slots",
@@ -145,17 +149,42 @@ def param_dtype_for_forward(group: FSDPParamGroup, fsdp_param: FSDPParam) -> tor
     return dtype
 
 
-def _suspend_hook(hooks: dict[int, Any], hook_id: int) -> Any:
-    return hooks.pop(hook_id, None)
+@dataclass
+class SuspendedHooks:
+    """Module hooks taken out of their dicts for a while, put back in their places."""
+
+    entries: list[tuple[weakref.ref[nn.Module], str, int, Any, list[int]]] = field(default_factory=list)
+
+    def suspend(self, module: nn.Module, hooks_attr: str, hook_id: int) -> None:
+        hooks: dict[int, Any] = getattr(module, hooks_attr)
+        if hook_id in hooks:
+            order = list(hooks)
+            self.entries.append((weakref.ref(module), hooks_attr, hook_id, hooks.pop(hook_id), order))
+
+    def resume(self) -> None:
+        for module_ref, hooks_attr, hook_id, hook, order in reversed(self.entries):
+            module = module_ref()
+            if module is None:
+                continue
+            hooks: dict[int, Any] = getattr(module, hooks_attr)
+            hooks[hook_id] = hook
+            rank = {key: i for i, key in enumerate(order)}
+            ordered = sorted(hooks.items(), key=lambda item: rank.get(item[0], len(order)))
+            hooks.clear()  # hook order matters: restore it exactly
+            hooks.update(ordered)
+        self.entries.clear()
 
 
-def _resume_hook(hooks: dict[int, Any], hook_id: int, hook: Any, order: list[int]) -> None:
-    """Put ``hook`` back where it was among the module's hooks (order matters to hooks)."""
-    hooks[hook_id] = hook
-    rank = {key: i for i, key in enumerate(order)}
-    ordered = sorted(hooks.items(), key=lambda item: rank.get(item[0], len(order)))
-    hooks.clear()
-    hooks.update(ordered)
+def suspend_load_post_hooks(fsdp_params: list[FSDPParam], suspended: SuspendedHooks) -> None:
+    """Keep ``load_state_dict`` inside the context from making FSDP2 adopt a full tensor.
+
+    Each ``FSDPParam`` registers a load post-hook that calls
+    ``reset_sharded_param``, which adopts whatever the attribute holds.
+    """
+    for fsdp_param in fsdp_params:
+        handle = getattr(fsdp_param, "_post_load_hook_handle", None)
+        if handle is not None:
+            suspended.suspend(fsdp_param._module_info.module, "_load_state_dict_post_hooks", handle.id)
 
 
 @dataclass
@@ -165,28 +194,24 @@ class GroupMark:
     group: FSDPParamGroup
     sharded_state: ShardedState
     post_forward_mesh_info: Any
-    suspended: list[tuple[weakref.ref[nn.Module], int, Any, list[int]]] = field(default_factory=list)
+    hooks: SuspendedHooks = field(default_factory=SuspendedHooks)
 
     def unmark(self) -> None:
         """Undo ``mark_summoned``. See [Note: summoned groups]."""
-        group = self.group
-        group._sharded_state = self.sharded_state
-        group.post_forward_mesh_info = self.post_forward_mesh_info
-        for module_ref, hook_id, hook, order in self.suspended:
-            module = module_ref()
-            if module is not None and hook is not None:
-                _resume_hook(module._state_dict_pre_hooks, hook_id, hook, order)
-        self.suspended.clear()
+        self.group._sharded_state = self.sharded_state
+        self.group.post_forward_mesh_info = self.post_forward_mesh_info
+        self.hooks.resume()
 
 
 def mark_summoned(group: FSDPParamGroup) -> GroupMark:
     """Make FSDP2 leave the group's module attributes alone. See [Note: summoned groups]."""
     mark = GroupMark(group, group._sharded_state, group.post_forward_mesh_info)
-    for module, handle in getattr(group, "_module_to_pre_save_state_dict_hook_handle", {}).items():
-        hooks = module._state_dict_pre_hooks
-        order = list(hooks)
-        hook = _suspend_hook(hooks, handle.id)
-        mark.suspended.append((weakref.ref(module), handle.id, hook, order))
+    for attr, handles in (
+        ("_state_dict_pre_hooks", getattr(group, "_module_to_pre_save_state_dict_hook_handle", {})),
+        ("_load_state_dict_pre_hooks", getattr(group, "_module_to_pre_load_state_dict_hook_handle", {})),
+    ):
+        for module, handle in handles.items():
+            mark.hooks.suspend(module, attr, handle.id)
     group._sharded_state = ShardedState.UNSHARDED
     group.post_forward_mesh_info = None
     return mark

@@ -65,6 +65,7 @@ class _Swap:
     originals: list[tuple[nn.Module, str, Any]] = field(default_factory=list)
     marks: list[fsdp2.GroupMark] = field(default_factory=list)
     hooks: list[RemovableHandle] = field(default_factory=list)
+    suspended: fsdp2.SuspendedHooks = field(default_factory=fsdp2.SuspendedHooks)
 
     # -- entry -----------------------------------------------------------
     def swap_in(self, gathered: Gathered, grads: dict[int, torch.Tensor]) -> None:
@@ -83,6 +84,8 @@ class _Swap:
         for group, fully_summoned in self.scope.groups.items():
             if fully_summoned:
                 self.marks.append(fsdp2.mark_summoned(group))
+        fsdp_params = [item.entry.fsdp_param for item in self.summoned if item.entry.fsdp_param is not None]
+        fsdp2.suspend_load_post_hooks(fsdp_params, self.suspended)
 
     # -- exit ------------------------------------------------------------
     def write_back(self, with_grads: bool) -> None:
@@ -102,6 +105,7 @@ class _Swap:
         for mark in reversed(self.marks):
             mark.unmark()
         self.marks.clear()
+        self.suspended.resume()
         self.summoned.clear()
 
     def remove_hooks(self) -> None:

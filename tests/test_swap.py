@@ -459,3 +459,30 @@ def rank_unsupported_forwards_raise_on_every_rank():
 
 def test_forwards_that_would_desynchronise_ranks_raise(dist_run):
     dist_run(2, rank_unsupported_forwards_raise_on_every_rank)
+
+
+def rank_load_state_dict_inside_loads_full_weights(forward_first: bool):
+    ref, model = _models()
+    tokens = tokens_for(LMConfig())
+    if forward_first:  # FSDP2 registers its state-dict hooks at lazy init
+        model(tokens)
+        model.reshard()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.mul_(-1.5)
+    target = {k: v.clone() for k, v in ref.state_dict().items()}
+    sharded = {n: p for n, p in model.named_parameters()}
+    before = snapshot(model)
+    with patched(), FSDP.summon_full_params(model, writeback=True):
+        model.load_state_dict(target)  # full tensors into full parameters
+        assert_params_equal(model, ref)
+    assert_unchanged(model, before, values=False)
+    assert all(p is sharded[n] for n, p in model.named_parameters())
+    got = full_state(model)
+    assert all(torch.equal(got[n], p) for n, p in ref.named_parameters())
+    assert torch.equal(model(tokens), ref(tokens))  # FSDP2 adopted nothing it should not have
+
+
+@pytest.mark.parametrize("forward_first", [False, True])
+def test_load_state_dict_inside_writes_a_full_checkpoint_into_shards(dist_run, forward_first):
+    dist_run(2, rank_load_state_dict_inside_loads_full_weights, forward_first)
