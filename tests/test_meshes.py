@@ -151,3 +151,33 @@ def rank_tensor_parallel_without_fsdp():
 
 def test_tensor_parallel_shard0_shard1_replicate(dist_run):
     dist_run(2, rank_tensor_parallel_without_fsdp)
+
+
+def rank_fsdp_plus_tensor_parallel_2d():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    ref, model = _mlp(), _mlp()
+    parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    placements = {n: p.placements for n, p in model.named_parameters()}
+    assert any(dim0_layout(p) is None for p in model.parameters()), placements  # fallback path in use
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(2))
+    before = snapshot(model)
+    with patched():
+        with FSDP.summon_full_params(model, writeback=False):
+            assert_params_equal(model, ref)
+        assert_unchanged(model, before)
+        with FSDP.summon_full_params(model, writeback=True):
+            with torch.no_grad():
+                model.up.weight.mul_(2.0)
+                model.scale.add_(1.0)
+    with torch.no_grad():
+        ref.up.weight.mul_(2.0)
+        ref.scale.add_(1.0)
+    got = full_state(model)
+    assert all(torch.equal(got[n], p) for n, p in ref.named_parameters())
+    assert_unchanged(model, before, values=False)
+    torch.testing.assert_close(model(x), ref(x))  # TP reduces in another order: close, not equal
+
+
+def test_fsdp_plus_tensor_parallel_on_a_2d_mesh(dist_run):
+    dist_run(4, rank_fsdp_plus_tensor_parallel_2d)

@@ -486,3 +486,24 @@ def rank_load_state_dict_inside_loads_full_weights(forward_first: bool):
 @pytest.mark.parametrize("forward_first", [False, True])
 def test_load_state_dict_inside_writes_a_full_checkpoint_into_shards(dist_run, forward_first):
     dist_run(2, rank_load_state_dict_inside_loads_full_weights, forward_first)
+
+
+def rank_ignored_params_stay_plain_and_untouched():
+    ref = build_lm()
+    model = build_lm()
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block, ignored_params={block.norm1.weight})
+    fully_shard(model)
+    ignored = model.blocks[0].norm1.weight
+    assert type(ignored) is nn.Parameter
+    before = snapshot(model)
+    with patched(), FSDP.summon_full_params(model, writeback=True):
+        assert model.blocks[0].norm1.weight is ignored  # not ours to swap
+        assert_params_equal(model, ref)
+    assert_unchanged(model, before)
+
+
+def test_ignored_params_stay_plain_and_untouched(dist_run):
+    dist_run(2, rank_ignored_params_stay_plain_and_untouched)
