@@ -129,8 +129,10 @@ class Scenarios:
 
     def training(self) -> str:
         reference, model = self.models(mixed=False)
-        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        ref_optim = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+        # SGD, not Adam: Adam turns the last-bit differences of averaging over a
+        # world size that is not a power of two into sign flips of tiny updates.
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
         for _ in range(3):
             with FSDP.summon_full_params(model, writeback=True):
                 pass
@@ -149,8 +151,8 @@ class Scenarios:
                 for (_, p), (_, r) in zip(model.named_parameters(), reference.named_parameters()):
                     torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
             bad, tolerance_note = [], "within 1e-5 (non power-of-two world size)"
-        _require(not bad, f"differs after 3 AdamW steps: {bad[:3]}")
-        return f"3 AdamW steps after summons match the reference, {tolerance_note}"
+        _require(not bad, f"differs after 3 SGD steps: {bad[:3]}")
+        return f"3 SGD steps after summons match the reference, {tolerance_note}"
 
     def misuse(self) -> str:
         _, model = self.models()

@@ -84,3 +84,10 @@ def test_torchrun_with_the_launcher_patches_every_rank(tmp_path):
                   "--master-port", str(free_port()), "-m", "fsdp_shim.run", str(script), "0", str(tmp_path))
     assert result.returncode == 0, result.stdout + result.stderr
     assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["True", "True"]
+
+
+def test_check_passes_on_three_ranks():
+    """Uneven shards everywhere, and gradient averaging that is not exact."""
+    result = _run(sys.executable, "-m", "fsdp_shim", "check", "--ranks", "3")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "6 passed, 0 failed" in result.stdout
