@@ -101,9 +101,23 @@ def sharded_param(fsdp_param: FSDPParam) -> nn.Parameter:
     return fsdp_param.sharded_param
 
 
-def busy_training_state(states: Iterator[FSDPState] | list[FSDPState], groups: list[FSDPParamGroup]) -> str | None:
-    """The name of the first training state that is inside forward or backward, if any."""
-    training_states = [s._training_state for s in states]
+def busy_training_state(states: list[FSDPState], groups: list[FSDPParamGroup]) -> str | None:
+    """Why summoning now would race FSDP2, or None: forward or backward in progress.
+
+    Like FSDP1, this refuses during any forward or backward of the model a
+    unit belongs to, not only of the unit itself: after lazy init all states
+    of one root share ``_state_ctx.all_states``, and the root's state stays
+    FORWARD for the whole forward. Any running autograd graph counts as a
+    backward (FSDP2's own ``is_bw()`` test).
+    """
+    if torch._C._current_graph_task_id() != -1:
+        return "BACKWARD (autograd is running)"
+    related: dict[int, FSDPState] = {}
+    for state in states:
+        related[id(state)] = state
+        for other in getattr(state._state_ctx, "all_states", []):
+            related[id(other)] = other
+    training_states = [s._training_state for s in related.values()]
     training_states += [g._training_state for g in groups]
     for training_state in training_states:
         if training_state != TrainingState.IDLE:

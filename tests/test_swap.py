@@ -229,12 +229,27 @@ def rank_misuse_raises_fsdp1_types_before_any_swap():
             with pytest.raises(AssertionError, match="TinyLM.*forward/backward"):
                 with FSDP.summon_full_params(model):
                     pass
+            with pytest.raises(AssertionError, match="FSDPBlock.*forward/backward.*FORWARD"):
+                with FSDP.summon_full_params(model.blocks[1]):  # idle itself, but its root is not
+                    pass
             seen.append(True)
 
         handle = model.blocks[0].register_forward_pre_hook(hook)
         model(tokens_for(LMConfig()))
         handle.remove()
         assert seen
+
+        def backward_hook(module, grad_output):
+            with pytest.raises(AssertionError, match="FSDPBlock.*forward/backward.*BACKWARD"):
+                with FSDP.summon_full_params(model.blocks[1]):
+                    pass
+            seen.append(True)
+
+        handle = model.blocks[1].register_full_backward_pre_hook(backward_hook)
+        model(tokens_for(LMConfig())).sum().backward()
+        handle.remove()
+        assert len(seen) == 2
+        model.zero_grad(set_to_none=True)
     model.reshard()
     assert_unchanged(model, before)
 
