@@ -109,10 +109,11 @@ def dim0_layout(dtensor: DTensor) -> Dim0Layout | None:
     """The batched-gather layout of ``dtensor``, or ``None`` if only ``full_tensor()`` applies.
 
     The fast path covers placements with exactly one plain ``Shard(0)`` and
-    ``Replicate`` everywhere else (FSDP, HSDP, dim-0 tensor parallel), provided
-    the local tensor really is the ``torch.chunk`` slice. Anything else
-    (another shard dim, ``_StridedShard``, ``Partial``, several shardings)
-    falls back.
+    ``Replicate`` everywhere else (FSDP, HSDP, dim-0 tensor parallel). Anything
+    else (another shard dim, ``_StridedShard``, ``Partial``, several
+    shardings) falls back. The choice depends on placements only, never on
+    this rank's local tensor, so all ranks choose alike and their collectives
+    match.
     """
     placements = dtensor.placements
     shard_dims = [i for i, p in enumerate(placements) if p.is_shard(0)]
@@ -124,9 +125,13 @@ def dim0_layout(dtensor: DTensor) -> Dim0Layout | None:
     rows = dtensor.shape[0]
     chunk_rows = -(-rows // world_size)
     expected_rows = max(0, min(chunk_rows, rows - rank * chunk_rows))
-    local = dtensor._local_tensor
-    if tuple(local.shape) != (expected_rows, *dtensor.shape[1:]) or not local.is_contiguous():
-        return None  # not torch.chunk layout: let DTensor handle it
+    local_shape = tuple(dtensor._local_tensor.shape)
+    if local_shape != (expected_rows, *dtensor.shape[1:]):
+        raise ValueError(
+            f"DTensor of shape {tuple(dtensor.shape)} with {placements} holds a local shard of "
+            f"shape {local_shape} on mesh rank {rank}, not the torch.chunk slice "
+            f"{(expected_rows, *dtensor.shape[1:])} that Shard(0) implies"
+        )
     row_numel = 1
     for size in dtensor.shape[1:]:
         row_numel *= size

@@ -97,6 +97,33 @@ def rank_offload_moves_results_to_cpu():
     assert all(g.device.type == "cpu" and torch.equal(g, f) for g, f in zip(got, fulls))
 
 
+def rank_non_contiguous_shards_and_broken_layouts():
+    from torch.distributed.tensor import DTensor
+
+    mesh = mesh1d()
+    world, me = dist.get_world_size(), dist.get_rank()
+    full = torch.arange(4.0 * world * 3).view(4 * world, 3)
+    local = full[4 * me: 4 * me + 4].t().contiguous().t()  # same values, column-major
+    assert not local.is_contiguous()
+    dtensor = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+    assert dim0_layout(dtensor) is not None
+    got, layouts = gather_full_tensors([dtensor])
+    assert torch.equal(got[0], full)
+    write_back_local(dtensor, got[0] * 2, layouts[0])
+    assert torch.equal(dtensor._local_tensor, full[4 * me: 4 * me + 4] * 2)
+    # a Shard(0) DTensor whose shards are not torch.chunk slices: refused on every rank
+    shape = (2 * world + 1, 2)  # torch.chunk gives the first ranks 3 rows; here the last has them
+    rows = 2 if me < world - 1 else 3
+    odd = DTensor.from_local(torch.ones(rows, 2), mesh, [Shard(0)], run_check=False, shape=shape,
+                             stride=(2, 1))
+    with pytest.raises(ValueError, match="not the torch.chunk slice"):
+        gather_full_tensors([odd])
+
+
+def test_non_contiguous_shards_and_broken_layouts(dist_run):
+    dist_run(2, rank_non_contiguous_shards_and_broken_layouts)
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_bucket_boundaries(dist_run, world_size):
     dist_run(world_size, rank_bucket_boundaries)
