@@ -188,6 +188,7 @@ def _comm_device(dtensor: DTensor) -> torch.device:
 
 class _InFlight(NamedTuple):
     bucket: list[_Batched]
+    input: torch.Tensor  # 1D, kept alive until the collective has finished reading it
     output: torch.Tensor  # 1D, world_size * sum(split_sizes)
     split_sizes: list[int]
     work: dist.Work | None
@@ -210,7 +211,7 @@ def _start_bucket(bucket: list[_Batched]) -> _InFlight:
     gather_input = torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
     output = torch.empty(world_size * gather_input.numel(), dtype=dtype, device=comm_device)
     work = _all_gather_single(output, gather_input, group=group, async_op=True)
-    return _InFlight(bucket, output, split_sizes, work)
+    return _InFlight(bucket, gather_input, output, split_sizes, work)
 
 
 @torch.no_grad()
