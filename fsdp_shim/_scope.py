@@ -68,16 +68,22 @@ def scope_modules(root: nn.Module, recurse: bool) -> list[nn.Module]:
     return ordered
 
 
-Owners = dict[SlotKey, tuple[fsdp2.FSDPParam, fsdp2.FSDPParamGroup]]
+@dataclass
+class _Owners:
+    """Which FSDPParam manages each slot, and every slot of each FSDPParam."""
+
+    by_slot: dict[SlotKey, tuple[fsdp2.FSDPParam, fsdp2.FSDPParamGroup]] = field(default_factory=dict)
+    slots: dict[int, list[tuple[nn.Module, str]]] = field(default_factory=dict)  # id(FSDPParam) -> slots
 
 
-def _fsdp_slot_owners(states: Iterable[fsdp2.FSDPState]) -> Owners:
-    owners: Owners = {}
+def _fsdp_slot_owners(states: Iterable[fsdp2.FSDPState]) -> _Owners:
+    owners = _Owners()
     for state in states:
         for group in fsdp2.param_groups(state):
             for fsdp_param in group.fsdp_params:
-                for module, name in fsdp2.param_slots(fsdp_param):
-                    owners[slot_key(module, name)] = (fsdp_param, group)
+                slots = owners.slots[id(fsdp_param)] = fsdp2.param_slots(fsdp_param)
+                for module, name in slots:
+                    owners.by_slot[slot_key(module, name)] = (fsdp_param, group)
     return owners
 
 
@@ -86,7 +92,7 @@ def has_distributed_params(root: nn.Module, recurse: bool) -> bool:
     modules = scope_modules(root, recurse)
     if any(isinstance(p, DTensor) for m in modules for p in m._parameters.values()):
         return True
-    owners = _fsdp_slot_owners(fsdp2.all_fsdp_states())  # unsharded slots hold plain tensors
+    owners = _fsdp_slot_owners(fsdp2.all_fsdp_states()).by_slot  # unsharded slots hold plain tensors
     return any(slot_key(m, name) in owners for m in modules for name in m._parameters)
 
 
@@ -102,7 +108,9 @@ def collect_scope(root: nn.Module, recurse: bool, summoned: Iterable[SlotKey] = 
     # The units in scope usually own every slot; a submodule inside a unit is
     # owned by a state above it, found only by looking at every state.
     owners = _fsdp_slot_owners(states)
-    if any(slot_key(m, name) not in owners for m in modules for name, p in m._parameters.items() if p is not None):
+    if any(
+        slot_key(m, name) not in owners.by_slot for m in modules for name, p in m._parameters.items() if p is not None
+    ):
         owners = _fsdp_slot_owners(fsdp2.all_fsdp_states())
     by_identity: dict[int, ScopedParam] = {}
     params: list[ScopedParam] = []
@@ -112,7 +120,7 @@ def collect_scope(root: nn.Module, recurse: bool, summoned: Iterable[SlotKey] = 
             key = slot_key(module, name)
             if value is None or key in summoned:
                 continue
-            owner = owners.get(key)
+            owner = owners.by_slot.get(key)
             if owner is not None:
                 identity: object = owner[0]
             elif isinstance(value, DTensor):
@@ -128,9 +136,7 @@ def collect_scope(root: nn.Module, recurse: bool, summoned: Iterable[SlotKey] = 
             covered.add(key)
     for entry in params:
         if entry.fsdp_param is not None:  # a tie reaches out of scope: keep it one object
-            entry.slots = [
-                (m, n) for m, n in fsdp2.param_slots(entry.fsdp_param) if slot_key(m, n) not in summoned
-            ]
+            entry.slots = [(m, n) for m, n in owners.slots[id(entry.fsdp_param)] if slot_key(m, n) not in summoned]
             covered.update(slot_key(m, n) for m, n in entry.slots)
     scope = Scope(root, modules, params)
     for entry in params:
@@ -138,7 +144,7 @@ def collect_scope(root: nn.Module, recurse: bool, summoned: Iterable[SlotKey] = 
             scope.groups[entry.group] = all(
                 slot_key(m, n) in covered
                 for fsdp_param in entry.group.fsdp_params
-                for m, n in fsdp2.param_slots(fsdp_param)
+                for m, n in owners.slots[id(fsdp_param)]
             )
     scope.states = states
     return scope

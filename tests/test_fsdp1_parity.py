@@ -101,3 +101,22 @@ def rank_writeback_matches_fsdp1():
 
 def test_writeback_matches_fsdp1(dist_run):
     dist_run(2, rank_writeback_matches_fsdp1)
+
+
+def rank_unit_discovery_treats_fsdp1_and_fsdp2_alike():
+    import fsdp_shim
+
+    fsdp1, fsdp2 = _fsdp1(), shard_lm(build_lm())
+    assert [n for n, _ in fsdp_shim.fsdp_units(fsdp1)] == ["", "blocks.0", "blocks.1"]
+    assert [n for n, _ in fsdp_shim.fsdp_units(fsdp2)] == ["", "blocks.0", "blocks.1"]
+    assert fsdp_shim.is_fsdp_module(fsdp2.blocks[0]) and fsdp_shim.is_fsdp_module(fsdp1)
+    assert not fsdp_shim.is_fsdp_module(fsdp2.blocks[0].fc1)
+    with patched():
+        assert not isinstance(fsdp2, FSDP)  # FSDP1 code paths must not take FSDP2 modules
+    with patched(), FSDP.summon_full_params(fsdp1, writeback=False):
+        name, param = next(iter(fsdp1.named_parameters()))
+        assert fsdp_shim.param_fqn(fsdp1, param) == "embed.weight"
+
+
+def test_unit_discovery_treats_fsdp1_and_fsdp2_alike(dist_run):
+    dist_run(2, rank_unit_discovery_treats_fsdp1_and_fsdp2_alike)
