@@ -27,7 +27,6 @@ SHARDED, so ``adopt_module_params`` performs that reset at entry instead.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,10 +122,6 @@ def busy_training_state(states: list[FSDPState], groups: list[FSDPParamGroup]) -
         if training_state != TrainingState.IDLE:
             return training_state.name
     return None
-
-
-def is_sharded(group: FSDPParamGroup) -> bool:
-    return group.is_sharded
 
 
 @torch.no_grad()
@@ -235,6 +230,3 @@ def group_modules(group: FSDPParamGroup) -> tuple[nn.Module, ...]:
     """The modules whose forward hooks drive this group (``fully_shard``'s arguments)."""
     return tuple(group.modules)
 
-
-def iter_group_params(group: FSDPParamGroup) -> Iterator[FSDPParam]:
-    return iter(group.fsdp_params)

@@ -59,7 +59,7 @@ def assert_params_equal(model: nn.Module, reference: nn.Module, *, exact: bool =
         if exact:
             assert torch.equal(p.detach(), r.detach()), f"{name} differs"
         else:
-            torch.testing.assert_close(p.detach(), r.detach(), msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(p.detach(), r.detach(), msg=lambda m, name=name: f"{name}: {m}")
 
 
 def snapshot(model: nn.Module) -> dict[str, object]:
