@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_shim import _fsdp2_internals as fsdp2
@@ -121,6 +122,39 @@ def _raise_on_forward(message: str) -> Callable[..., None]:
     return hook
 
 
+class _RefuseBackward(torch.autograd.Function):
+    """Identity in forward; raises in backward, before any hook of the tensors it wraps."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, message: str) -> torch.Tensor:
+        ctx.message = message
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+        raise RuntimeError(ctx.message)
+
+
+def _raise_on_backward(message: str) -> Callable[..., Any]:
+    """A forward hook that makes any backward through the unit's outputs fail clearly.
+
+    FSDP2's post-backward would reduce-scatter gradients of unsharded
+    parameters that a summoned unit never had, and fail deep inside. The
+    outputs FSDP2 returns are wrapped once more, so the refusal comes before
+    FSDP2's own pre-backward hooks and leaves its state untouched.
+    """
+
+    def refuse(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            return _RefuseBackward.apply(leaf, message)
+        return leaf
+
+    def hook(module: nn.Module, args: Any, output: Any) -> Any:
+        return tree_map(refuse, output) if torch.is_grad_enabled() else None
+
+    return hook
+
+
 class _ForwardInParamDtype:
     """Runs a summoned unit's forward in FSDP2's ``param_dtype``, as FSDP2 would.
 
@@ -198,7 +232,14 @@ def _install_forward_hooks(swap: _Swap, rank0_only: bool, keep: bool) -> None:
             )
             for module in modules:
                 swap.hooks.append(module.register_forward_pre_hook(_raise_on_forward(message), prepend=True))
-        elif group in by_group:
+            continue
+        no_backward = _raise_on_backward(
+            f"backward through outputs of FSDP unit {', '.join(_module_label(m) for m in modules)} "
+            "computed inside summon_full_params is not supported (FSDP1 forbids it too)"
+        )
+        for module in modules:
+            swap.hooks.append(module.register_forward_hook(no_backward))
+        if group in by_group:
             switch = _ForwardInParamDtype(by_group[group])
             for module in modules:
                 swap.hooks.append(module.register_forward_pre_hook(switch.pre_forward))

@@ -472,6 +472,29 @@ def rank_unsupported_forwards_raise_on_every_rank():
     model(tokens)  # FSDP2 still works
 
 
+def rank_backward_through_a_summoned_unit_raises_clearly():
+    ref, model = _models()
+    tokens = tokens_for(LMConfig())
+    before = snapshot(model)
+    with patched():
+        with FSDP.summon_full_params(model, writeback=False, recurse=False):
+            loss = model(tokens).sum()
+            with pytest.raises(RuntimeError, match="backward through outputs of FSDP unit FSDPTinyLM"):
+                loss.backward()
+        with torch.no_grad():
+            assert torch.equal(model(tokens), ref(tokens))  # forward inside built no state
+    model.reshard()
+    assert_unchanged(model, before)
+    for m in (model, ref):
+        m(tokens).sum().backward()
+    got = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    assert all(torch.equal(got[n], p.grad) for n, p in ref.named_parameters())
+
+
+def test_backward_through_a_summoned_unit_raises_clearly(dist_run):
+    dist_run(2, rank_backward_through_a_summoned_unit_raises_clearly)
+
+
 def test_forwards_that_would_desynchronise_ranks_raise(dist_run):
     dist_run(2, rank_unsupported_forwards_raise_on_every_rank)
 
