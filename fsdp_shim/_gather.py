@@ -309,15 +309,20 @@ def write_back_local(dtensor: DTensor, full: torch.Tensor, layout: Dim0Layout | 
 
 @torch.no_grad()
 def write_back_locals(items: Sequence[tuple[DTensor, torch.Tensor, Dim0Layout | None]]) -> None:
-    """``write_back_local`` for many tensors; the fast-path copies run as one foreach op."""
-    destinations: list[torch.Tensor] = []
-    sources: list[torch.Tensor] = []
-    for dtensor, full, layout in items:
-        if tuple(full.shape) != tuple(dtensor.shape):
+    """``write_back_local`` for many tensors; the fast-path copies run as one foreach op.
+
+    Every shape is checked before anything is written, so a bad tensor leaves
+    all shards as they were.
+    """
+    for dtensor, full, _ in items:
+        if full.shape != dtensor.shape:
             raise RuntimeError(
                 f"cannot write back a tensor of shape {tuple(full.shape)} into a parameter "
                 f"of shape {tuple(dtensor.shape)}: writeback keeps the original shape"
             )
+    destinations: list[torch.Tensor] = []
+    sources: list[torch.Tensor] = []
+    for dtensor, full, layout in items:
         local = dtensor._local_tensor
         if layout is None:
             layout = dim0_layout(dtensor)

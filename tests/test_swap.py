@@ -545,3 +545,19 @@ def rank_ignored_params_stay_plain_and_untouched():
 
 def test_ignored_params_stay_plain_and_untouched(dist_run):
     dist_run(2, rank_ignored_params_stay_plain_and_untouched)
+
+
+def rank_writeback_of_a_reshaped_parameter_fails_cleanly():
+    _, model = _models()
+    before = snapshot(model)
+    with patched():
+        with pytest.raises(RuntimeError, match="writeback keeps the original shape"):
+            with FSDP.summon_full_params(model, writeback=True):
+                with torch.no_grad():
+                    model.blocks[0].fc1.weight.add_(1.0)  # would persist, were the shapes sound
+                model.blocks[1].fc2.bias.data = torch.zeros(3)
+    assert_unchanged(model, before)  # nothing half-written, every object back
+
+
+def test_writeback_of_a_reshaped_parameter_fails_cleanly(dist_run):
+    dist_run(2, rank_writeback_of_a_reshaped_parameter_fails_cleanly)
