@@ -17,6 +17,7 @@ from typing import Any, ContextManager, Literal
 import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 
+from fsdp_shim._fsdp2_internals import is_fsdp2_module
 from fsdp_shim._gather import bucket_bytes_from_env
 from fsdp_shim._scope import has_distributed_params
 from fsdp_shim._swap import summon_dtensor_params
@@ -35,6 +36,8 @@ def route_for(module: Any, recurse: bool) -> Route:
             return "fsdp1"
     elif isinstance(module, FullyShardedDataParallel):
         return "fsdp1"
+    if is_fsdp2_module(module):  # a unit: the DTensor path validates, then may find nothing
+        return "dtensor"
     if has_distributed_params(module, recurse):
         return "dtensor"
     return "none"

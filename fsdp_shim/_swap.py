@@ -74,7 +74,8 @@ class _Swap:
             sharded = cast(DTensor, entry.sharded())
             assert full is not None  # kept ranks hold every tensor
             param = nn.Parameter(full, requires_grad=sharded.requires_grad)
-            param.grad = grads.get(index)
+            if index in grads:
+                param.grad = grads[index]
             self.summoned.append(_Summoned(entry, sharded, param, layout))
             for module, name in entry.slots:
                 self.originals.append((module, name, module._parameters[name]))
