@@ -15,7 +15,8 @@ shard to ``c`` rows makes all contributions the same size, so one
 [Note: bucket layout]
 A bucket is a list of parameters sharing one process group, dtype and device.
 Each rank's all-gather input is the concatenation of its padded shards
-(``c_i * row_i`` elements each, ``S`` in all). The output is ``W`` such blocks
+(``c_i * row_i`` elements each, ``S`` in all), written straight into its own
+block of the output buffer. The output is ``W`` such blocks
 back to back, so viewed as ``(W, S)`` column ranges ``[off_i, off_i + c_i *
 row_i)`` hold parameter ``i``'s rank blocks, and one ``split_with_sizes_copy``
 scatters every parameter into its own padded ``(W * c_i, *rest)`` buffer. The
@@ -25,8 +26,9 @@ memory beyond the full size is the padding (at most ``W - 1`` rows a tensor).
 [Note: one bucket in flight]
 Bucket ``k + 1``'s all-gather is launched (``async_op=True``) before bucket
 ``k`` is copied out, so the copy-out overlaps the next transfer. At most two
-buckets' all-gather outputs are alive at once, so the extra memory beyond the
-full tensors is at most two buckets (the default cap is sized for that).
+buckets' all-gather outputs are alive at once (inputs live inside them), so
+the extra memory beyond the full tensors is at most two buckets (the default
+cap is sized for that).
 
 [Note: writeback needs no collective]
 Every rank already holds the whole (possibly edited) full tensor inside the
@@ -188,7 +190,7 @@ def _comm_device(dtensor: DTensor) -> torch.device:
 
 class _InFlight(NamedTuple):
     bucket: list[_Batched]
-    input: torch.Tensor  # 1D, kept alive until the collective has finished reading it
+    input: torch.Tensor  # 1D view of this rank's block of ``output``
     output: torch.Tensor  # 1D, world_size * sum(split_sizes)
     split_sizes: list[int]
     work: dist.Work | None
@@ -196,20 +198,26 @@ class _InFlight(NamedTuple):
 
 @torch.no_grad()
 def _start_bucket(bucket: list[_Batched]) -> _InFlight:
-    """Copy in this rank's padded shards and launch the bucket's all-gather."""
+    """Copy in this rank's padded shards and launch the bucket's all-gather.
+
+    As FSDP2 does, the input is this rank's block of the output buffer, so the
+    copy-in needs no buffer of its own and the all-gather runs in place.
+    """
     first = bucket[0]
-    world_size, group = first.layout.world_size, first.layout.group
+    world_size, group, rank = first.layout.world_size, first.layout.group, first.layout.rank
     dtype = first.dtensor.dtype
     comm_device = _comm_device(first.dtensor)
     split_sizes = [b.layout.padded_numel for b in bucket]
+    per_rank = sum(split_sizes)
     pieces: list[torch.Tensor] = []
     for b, padded in zip(bucket, split_sizes):
         local = b.dtensor._local_tensor.reshape(-1)
         pieces.append(local if local.device == comm_device else local.to(comm_device, non_blocking=True))
         if padded > local.numel():  # zeros: padding is never exposed, but stays deterministic
             pieces.append(torch.zeros(padded - local.numel(), dtype=dtype, device=comm_device))
-    gather_input = torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
-    output = torch.empty(world_size * gather_input.numel(), dtype=dtype, device=comm_device)
+    output = torch.empty(world_size * per_rank, dtype=dtype, device=comm_device)
+    gather_input = output.narrow(0, rank * per_rank, per_rank)
+    torch.cat(pieces, out=gather_input)
     work = _all_gather_single(output, gather_input, group=group, async_op=True)
     return _InFlight(bucket, gather_input, output, split_sizes, work)
 
