@@ -29,6 +29,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import DTensor
 
 import fsdp_shim
+from fsdp_shim._launch import rank_device
 from fsdp_shim._models import Block, LMConfig, build_lm, shard_lm
 
 
@@ -103,12 +104,8 @@ class PeakMemory:
 
 
 # -- contenders ---------------------------------------------------------------
-def _fsdp2_units(model: nn.Module) -> list[FSDPModule]:
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
 def _contenders(cfg: BenchConfig, model: nn.Module, fsdp1_model: nn.Module | None) -> dict[str, Callable[[], None]]:
-    units = _fsdp2_units(model)
+    units = [cast(FSDPModule, unit) for _, unit in fsdp_shim.fsdp_units(model)]
 
     def shim(writeback: bool, bucket_mb: float | None = None, rank0_only: bool = False) -> Callable[[], None]:
         def run() -> None:
@@ -174,7 +171,7 @@ def _sync(device: torch.device) -> None:
 
 def _setup(cfg: BenchConfig) -> tuple[torch.device, LMConfig, dict[str, Callable[[], None]]]:
     fsdp_shim.patch()
-    device = torch.device("cpu") if cfg.device == "cpu" else torch.device(cfg.device, torch.cuda.current_device())
+    device = rank_device(cfg.device)
     model_cfg = LMConfig(vocab=cfg.vocab, width=cfg.width, layers=cfg.layers, heads=4)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     model = shard_lm(build_lm(model_cfg).to(device), mesh)

@@ -21,6 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 import fsdp_shim
+from fsdp_shim._launch import rank_device
 from fsdp_shim._models import LMConfig, TinyLM, build_lm, shard_lm, tokens_for
 
 
@@ -179,7 +180,7 @@ class Scenarios:
 def check_on_rank(device_type: str) -> list[Outcome]:
     """Run every scenario on this rank (a collective: all ranks call it)."""
     fsdp_shim.patch()
-    device = torch.device("cpu") if device_type == "cpu" else torch.device(device_type, torch.cuda.current_device())
+    device = rank_device(device_type)
     recorder = _PathRecorder()
     logger = logging.getLogger("fsdp_shim")
     logger.addHandler(recorder)

@@ -19,7 +19,10 @@ import socket
 import traceback
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch import device as torch_device
 
 FunctionOnRank = Callable[..., Any]
 
@@ -32,6 +35,15 @@ def free_port() -> int:
 
 class RankError(RuntimeError):
     """A function failed on one or more ranks; the message holds their tracebacks."""
+
+
+def rank_device(device_type: str) -> torch_device:
+    """The device this rank computes on: the CPU, or the accelerator ``_init_process_group`` selected."""
+    import torch  # noqa: PLC0415
+
+    if device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(device_type, getattr(torch, device_type).current_device())
 
 
 def _init_process_group(rank: int, world_size: int, port: int, backend: str, timeout_s: float) -> None:

@@ -25,7 +25,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -69,9 +69,8 @@ class _Swap:
     suspended: fsdp2.SuspendedHooks = field(default_factory=fsdp2.SuspendedHooks)
 
     # -- entry -----------------------------------------------------------
-    def swap_in(self, gathered: Gathered, grads: dict[int, torch.Tensor]) -> None:
-        for index, (entry, full, layout) in enumerate(zip(self.scope.params, *gathered)):
-            sharded = cast(DTensor, entry.sharded())
+    def swap_in(self, dtensors: list[DTensor], gathered: Gathered, grads: dict[int, torch.Tensor]) -> None:
+        for index, (entry, sharded, full, layout) in enumerate(zip(self.scope.params, dtensors, *gathered)):
             assert full is not None  # kept ranks hold every tensor
             param = nn.Parameter(full, requires_grad=sharded.requires_grad)
             if index in grads:
@@ -298,7 +297,7 @@ def summon_dtensor_params(
     swap = _Swap(scope)
     try:
         if keep:
-            swap.swap_in(gathered, grads)
+            swap.swap_in(dtensors, gathered, grads)
             swap.mark_groups()
         del gathered, grads
         _install_forward_hooks(swap, rank0_only, keep)
