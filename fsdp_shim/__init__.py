@@ -24,6 +24,10 @@ the full tensor, in its stored dtype, under its usual name; on exit the module
 holds the very same parameter objects as before (optimizers and FSDP2 keep
 their references). The README lists the exact semantics next to FSDP1's.
 
+Supported: torch >= 2.7, < 2.15 (verified on every release from 2.7.0 to
+2.14.1) and wrapt >= 2.5. Outside that range the import patches nothing and
+logs why; ``FSDP_SHIM_ALLOW_UNSUPPORTED_TORCH=1`` patches anyway.
+
 Set ``FSDP_SHIM_DISABLE=1`` to import without patching, and
 ``FSDP_SHIM_BUCKET_MB`` to change the all-gather bucket size.
 """
@@ -31,7 +35,6 @@ Set ``FSDP_SHIM_DISABLE=1`` to import without patching, and
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, ContextManager
 
 import torch
@@ -63,8 +66,17 @@ unsupported_reason: str | None = None
 
 
 def _environment_problem() -> str | None:
-    if not _versions.at_least(torch.__version__, _versions.MIN_TORCH):
-        return f"torch {torch.__version__} is older than the supported {_versions.MIN_TORCH}"
+    """Why the shim must stay inactive here, or None. See [Note: version policy] in ``_versions``."""
+    if not _versions.is_supported_torch(torch.__version__):
+        if not _versions.env_flag(_versions.ALLOW_UNSUPPORTED_TORCH_ENV):
+            return (
+                f"torch {torch.__version__} is outside the supported {_versions.SUPPORTED_TORCH} "
+                f"(set {_versions.ALLOW_UNSUPPORTED_TORCH_ENV}=1 to patch anyway, at your own risk)"
+            )
+        logger.warning(
+            "fsdp_shim: patching torch %s, outside the supported %s, because %s is set",
+            torch.__version__, _versions.SUPPORTED_TORCH, _versions.ALLOW_UNSUPPORTED_TORCH_ENV,
+        )
     wrapt_version = getattr(wrapt, "__version__", "0")
     if not _versions.at_least(wrapt_version, _versions.MIN_WRAPT):
         return f"wrapt {wrapt_version} lacks unwrap_object (needs >= {_versions.MIN_WRAPT})"
@@ -79,12 +91,6 @@ unsupported_reason = _environment_problem()
 if unsupported_reason is None:
     from fsdp_shim import _patching
     from fsdp_shim._dispatch import summon as _summon
-
-    if not _versions.is_tested_torch(torch.__version__):
-        logger.warning(
-            "fsdp_shim was tested with torch %s; running on untested torch %s",
-            ", ".join(_versions.TESTED_TORCH), torch.__version__,
-        )
 else:
     logger.warning("fsdp_shim is inactive: %s", unsupported_reason)
 
@@ -151,5 +157,5 @@ def summon_full_params(
     )
 
 
-if unsupported_reason is None and os.environ.get("FSDP_SHIM_DISABLE", "") not in ("1", "true", "True"):
+if unsupported_reason is None and not _versions.env_flag(_versions.DISABLE_ENV):
     patch()

@@ -5,9 +5,18 @@ FSDP2 (``torch.distributed.fsdp.fully_shard``) exposes ``unshard()`` and
 ``summon_full_params`` needs. This module reads and changes that bookkeeping
 and nothing else in the package does.
 
-Verified against torch 2.13 (``_fully_shard/_fsdp_state.py``,
-``_fsdp_param_group.py``, ``_fsdp_param.py``). torch 2.6 keeps a single
-``FSDPState._fsdp_param_group``; ``param_groups`` reads either spelling.
+Read against torch 2.7.0 through 2.14.1 (``_fully_shard/_fsdp_state.py``,
+``_fsdp_param_group.py``, ``_fsdp_param.py``) and exercised on each by the
+version matrix. The differences that matter, each handled where named:
+
+| behaviour                                                  | releases | where              |
+|------------------------------------------------------------|----------|--------------------|
+| one ``FSDPState._fsdp_param_group`` attribute; from 2.12 a | <= 2.11  | ``param_groups``   |
+| list ``_fsdp_param_groups`` (the singular a property)      |          |                    |
+| the root's lazy init sets ``post_forward_mesh_info=None``  | <= 2.7   | ``lazy_init_root`` |
+| unconditionally (later: only with auto reshard)            |          |                    |
+| ``FSDPParamGroup.pre_forward`` reads ``unsharded_param`` of | >= 2.14  | ``mark_summoned``  |
+| every parameter, also when ``unshard()`` was a no-op       |          |                    |
 
 [Note: summoned groups]
 While a context owns a unit's module attributes, FSDP2 must neither all-gather
@@ -19,9 +28,23 @@ is ``None``, so ``reshard()`` in forward is a no-op; its ``to_sharded``
 state-dict save and load pre-hooks are suspended (``suspend_load_post_hooks``
 does the same for the per-parameter load post-hooks of every summoned
 parameter, marked group or not). Its own all-gather buffers stay freed,
-since the group really is sharded underneath. ``unmark`` restores the three
-exactly. FSDP2's lazy init skips its parameter reset for a group that is not
-SHARDED, so ``adopt_module_params`` performs that reset at entry instead.
+since the group really is sharded underneath. From torch 2.14 the forward
+pre-hook also reads each parameter's ``unsharded_param`` after its (no-op)
+``unshard()``; a group never all-gathered has none, so the mark lends the
+summoned full parameter for the duration. ``unmark`` restores all of it
+exactly.
+
+[Note: lazy init on entry]
+FSDP2 decides which unit is the root at the first forward, and the group
+state a context marks must be the post-init one (on torch 2.7 the root's init
+rewrites ``post_forward_mesh_info``; an unmark would undo that). FSDP1's
+``summon_full_params`` lazily initialises too. So entry initialises the
+*topmost* FSDP2 state above the summoned module, the one a forward through
+the whole model would pick, never the summoned unit itself: a cold
+``summon(model.policy)`` followed by ``model.policy.generate()`` must not make
+an inner unit a root of its own (FSDP2 then refuses every later forward
+through the real root). ``adopt_module_params`` remains for groups whose root
+cannot be initialised (``fully_shard([a, b])`` at the top).
 """
 
 from __future__ import annotations
@@ -49,6 +72,7 @@ __all__ = [
     "busy_training_state",
     "fsdp_state_of",
     "is_fsdp2_module",
+    "lazy_init_root",
     "mark_summoned",
     "SuspendedHooks",
     "suspend_load_post_hooks",
@@ -56,6 +80,7 @@ __all__ = [
     "param_groups",
     "param_slots",
     "reshard_group",
+    "root_modules",
 ]
 
 Slot = tuple[nn.Module, str]
@@ -83,7 +108,7 @@ def param_groups(state: FSDPState) -> list[FSDPParamGroup]:
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is not None:
         return list(groups)
-    group = getattr(state, "_fsdp_param_group", None)  # torch < 2.9
+    group = getattr(state, "_fsdp_param_group", None)  # torch <= 2.11
     return [group] if group is not None else []
 
 
@@ -122,6 +147,41 @@ def busy_training_state(states: list[FSDPState], groups: list[FSDPParamGroup]) -
         if training_state != TrainingState.IDLE:
             return training_state.name
     return None
+
+
+def _roots_by_module() -> dict[int, FSDPState]:
+    """For each module below a live FSDP2 state, the topmost state above it (by ``id(module)``)."""
+    states = [s for s in all_fsdp_states() if len(s._modules) == 1]
+    # Largest trees first: a module is claimed by the topmost state above it.
+    trees = sorted(((s, list(s._modules[0].modules())) for s in states), key=lambda t: -len(t[1]))
+    roots: dict[int, FSDPState] = {}
+    for state, modules in trees:
+        if id(state._modules[0]) in roots:
+            continue  # inside a larger tree, already claimed
+        for module in modules:
+            roots.setdefault(id(module), state)
+    return roots
+
+
+def lazy_init_root(states: list[FSDPState]) -> None:
+    """Lazily initialise the FSDP2 root above ``states``, as a first forward would.
+
+    See [Note: lazy init on entry]. Local, no collective; a no-op once FSDP2
+    has initialised (then it costs one attribute read per state). A tree in
+    which some unit already initialised as a root of its own is left alone:
+    FSDP2 raises for it at the next forward through the real root, as it
+    would without us.
+    """
+    if all(s._is_root is not None for s in states):
+        return  # no-op: already initialised
+    roots = _roots_by_module()
+    for state in states:
+        if state._is_root is not None or len(state._modules) != 1:
+            continue
+        root = roots.get(id(state._modules[0]), state)
+        tree = [s for s in all_fsdp_states() if len(s._modules) == 1 and roots.get(id(s._modules[0])) is root]
+        if all(s._is_root is None for s in tree):
+            root._lazy_init()
 
 
 @torch.no_grad()
@@ -204,16 +264,23 @@ class GroupMark:
     sharded_state: ShardedState
     post_forward_mesh_info: Any
     hooks: SuspendedHooks = field(default_factory=SuspendedHooks)
+    lent_unsharded: list[FSDPParam] = field(default_factory=list)
 
     def unmark(self) -> None:
         """Undo ``mark_summoned``. See [Note: summoned groups]."""
         self.group._sharded_state = self.sharded_state
         self.group.post_forward_mesh_info = self.post_forward_mesh_info
+        for fsdp_param in self.lent_unsharded:
+            del fsdp_param._unsharded_param
+        self.lent_unsharded.clear()
         self.hooks.resume()
 
 
 def mark_summoned(group: FSDPParamGroup) -> GroupMark:
-    """Make FSDP2 leave the group's module attributes alone. See [Note: summoned groups]."""
+    """Make FSDP2 leave the group's module attributes alone. See [Note: summoned groups].
+
+    Called once every parameter of the group holds its summoned full parameter.
+    """
     mark = GroupMark(group, group._sharded_state, group.post_forward_mesh_info)
     for attr, handles in (
         ("_state_dict_pre_hooks", getattr(group, "_module_to_pre_save_state_dict_hook_handle", {})),
@@ -221,9 +288,25 @@ def mark_summoned(group: FSDPParamGroup) -> GroupMark:
     ):
         for module, handle in handles.items():
             mark.hooks.suspend(module, attr, handle.id)
+    for fsdp_param in group.fsdp_params:
+        if not hasattr(fsdp_param, "_unsharded_param"):  # torch >= 2.14 reads it in pre_forward
+            info = fsdp_param._module_info
+            fsdp_param._unsharded_param = info.module._parameters[info.param_name]
+            mark.lent_unsharded.append(fsdp_param)
     group._sharded_state = ShardedState.UNSHARDED
     group.post_forward_mesh_info = None
     return mark
+
+
+def root_modules(states: list[FSDPState]) -> list[nn.Module]:
+    """The modules of the initialised FSDP2 roots these states run under (their forward starts it all)."""
+    roots: dict[int, nn.Module] = {}
+    for state in states:
+        for candidate in [state, *getattr(state._state_ctx, "all_states", [])]:
+            if candidate._is_root:
+                for module in candidate._modules:
+                    roots.setdefault(id(module), module)
+    return list(roots.values())
 
 
 def group_modules(group: FSDPParamGroup) -> tuple[nn.Module, ...]:

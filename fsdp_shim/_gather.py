@@ -51,6 +51,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
+from fsdp_shim._compat import all_gather_single, is_dim0_shard, is_replicate, ungatherable_reason
+
 logger = logging.getLogger("fsdp_shim")
 
 #: Environment variable that overrides the default bucket cap, in MiB.
@@ -111,17 +113,18 @@ def dim0_layout(dtensor: DTensor) -> Dim0Layout | None:
     """The batched-gather layout of ``dtensor``, or ``None`` if only ``full_tensor()`` applies.
 
     The fast path covers placements with exactly one plain ``Shard(0)`` and
-    ``Replicate`` everywhere else (FSDP, HSDP, dim-0 tensor parallel). Anything
-    else (another shard dim, ``_StridedShard``, ``Partial``, several
-    shardings) falls back. The choice depends on placements only, never on
-    this rank's local tensor, so all ranks choose alike and their collectives
-    match.
+    ``Replicate`` everywhere else (FSDP, HSDP, dim-0 tensor parallel), tested
+    by exact type (see [Note: torch versions] in ``_compat``). Anything else
+    (another shard dim, ``_StridedShard``, ``Partial``, several shardings, a
+    placement type this code has never seen) falls back. The choice depends
+    on placements only, never on this rank's local tensor, so all ranks choose
+    alike and their collectives match.
     """
     placements = dtensor.placements
-    shard_dims = [i for i, p in enumerate(placements) if p.is_shard(0)]
+    shard_dims = [i for i, p in enumerate(placements) if is_dim0_shard(p)]
     if len(shard_dims) != 1 or dtensor.ndim == 0:
         return None
-    if not all(p.is_replicate() for i, p in enumerate(placements) if i != shard_dims[0]):
+    if not all(is_replicate(p) for i, p in enumerate(placements) if i != shard_dims[0]):
         return None
     group, world_size, rank = _mesh_dim(dtensor.device_mesh, shard_dims[0])
     rows = dtensor.shape[0]
@@ -175,10 +178,6 @@ def plan_buckets(dtensors: Sequence[DTensor], bucket_bytes: int) -> tuple[list[l
     return buckets, fallback
 
 
-#: ``all_gather_into_tensor`` was renamed ``all_gather_single`` (torch 2.13 warns on the old name).
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
 def _comm_device(dtensor: DTensor) -> torch.device:
     """The device collectives on this mesh run on (CPU-offloaded shards are staged there)."""
     device_type = dtensor.device_mesh.device_type
@@ -218,7 +217,7 @@ def _start_bucket(bucket: list[_Batched]) -> _InFlight:
     output = torch.empty(world_size * per_rank, dtype=dtype, device=comm_device)
     gather_input = output.narrow(0, rank * per_rank, per_rank)
     torch.cat(pieces, out=gather_input)
-    work = _all_gather_single(output, gather_input, group=group, async_op=True)
+    work = all_gather_single(output, gather_input, group=group, async_op=True)
     return _InFlight(bucket, gather_input, output, split_sizes, work)
 
 
@@ -281,7 +280,14 @@ def gather_full_tensors(
     but returns ``None`` for every tensor (``rank0_only`` on other ranks).
     ``out_device`` moves results there bucket by bucket (``offload_to_cpu``).
     Results never alias the DTensors' local storage.
+
+    Raises ``NotImplementedError`` before any collective if this torch cannot
+    gather one of the placements correctly (``_compat.ungatherable_reason``).
     """
+    for index, dtensor in enumerate(dtensors):
+        reason = ungatherable_reason(dtensor.placements)
+        if reason is not None:
+            raise NotImplementedError(f"cannot gather tensor {index} of shape {tuple(dtensor.shape)}: {reason}")
     cap = bucket_bytes_from_env() if bucket_bytes is None else bucket_bytes
     buckets, fallback = plan_buckets(dtensors, cap)
     results: list[torch.Tensor | None] = [None] * len(dtensors)

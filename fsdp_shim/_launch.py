@@ -16,6 +16,7 @@ import datetime
 import multiprocessing as mp
 import os
 import socket
+import sys
 import traceback
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
@@ -67,6 +68,11 @@ def _init_process_group(rank: int, world_size: int, port: int, backend: str, tim
 
 
 def _worker(rank: int, world_size: int, port: int, backend: str, timeout_s: float, conn: Connection) -> None:
+    # A rank's stdout belongs to the parent's report: whatever the backend
+    # prints there (gloo 2.8-2.10: "[Gloo] Rank 0 is connected to 1 peer
+    # ranks") goes to stderr instead, so `bench --json` stays valid JSON.
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     try:
         _init_process_group(rank, world_size, port, backend, timeout_s)
         conn.send(("ready", None))

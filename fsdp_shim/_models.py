@@ -6,9 +6,11 @@ from a seed so an unsharded reference and a sharded copy start bit-identical.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
@@ -78,6 +80,41 @@ def build_lm(config: LMConfig = LMConfig(), seed: int = 0) -> TinyLM:
     return model
 
 
+@functools.lru_cache(maxsize=None)
+def gloo_average_sums() -> bool:
+    """Whether this torch's gloo reduce-scatter with ``ReduceOp.AVG`` sums instead.
+
+    A torch bug on CPU in 2.7 and 2.8, not ours: FSDP2's gradients then come
+    out multiplied by the world size. A collective probe on the default group
+    (every rank calls it, once per process), so the workaround follows the
+    behaviour, not a version list.
+    """
+    if not dist.is_initialized() or dist.get_backend() != "gloo" or dist.get_world_size() == 1:
+        return False
+    world_size = dist.get_world_size()
+    out = torch.zeros(1)
+    try:
+        dist.reduce_scatter_tensor(out, torch.ones(world_size), op=dist.ReduceOp.AVG)
+    except RuntimeError:
+        return True
+    return out.item() != 1.0
+
+
+def exact_gradients(policy: MixedPrecisionPolicy | None = None) -> MixedPrecisionPolicy:
+    """``policy``, made to average gradients correctly on every torch this runs on.
+
+    Where gloo's AVG sums (``gloo_average_sums``), reduce in float64: FSDP2
+    then divides by the world size itself around a plain SUM (its
+    overflow-safe path), which gloo gets right. With identical inputs on every
+    rank the result is still exactly the single-model gradient. Used only by
+    the tests and ``fsdp-shim check``, never by the shim.
+    """
+    policy = policy if policy is not None else MixedPrecisionPolicy()
+    if gloo_average_sums():
+        return replace(policy, reduce_dtype=torch.float64)
+    return policy
+
+
 def shard_lm(
     model: TinyLM,
     mesh: DeviceMesh | None = None,
@@ -86,7 +123,7 @@ def shard_lm(
     reshard_after_forward: bool = True,
 ) -> TinyLM:
     """``fully_shard`` each block, then the root (which owns the tied embedding)."""
-    policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
+    policy = exact_gradients(mp_policy)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)

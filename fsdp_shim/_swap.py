@@ -5,9 +5,10 @@ Entry, in an order that keeps every rank's collectives aligned and leaves
 nothing changed if it fails part way:
 1. ``collect_scope`` (no side effects) and the training-state check: misuse
    raises before any collective or swap.
-2. FSDP2 groups in scope are brought to a known state: parameter reset adopted
-   (``adopt_module_params``), units left unsharded by a forward resharded.
-   Both are local.
+2. FSDP2 groups in scope are brought to a known state: the root above them
+   lazily initialised (see [Note: lazy init on entry]), parameter reset
+   adopted (``adopt_module_params``), units left unsharded by a forward
+   resharded. All local.
 3. One batched gather (``gather_full_tensors``), then gradients if asked for.
 4. Rank-local: each full tensor becomes one new ``nn.Parameter`` placed in
    every slot of its parameter (ties stay one object); fully summoned groups
@@ -35,6 +36,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_shim import _fsdp2_internals as fsdp2
+from fsdp_shim._compat import ungatherable_reason
 from fsdp_shim._gather import Dim0Layout, Gathered, gather_full_tensors, write_back_locals
 from fsdp_shim._scope import Scope, ScopedParam, SlotKey, collect_scope, slot_key
 
@@ -47,6 +49,15 @@ _SUMMONED_SLOTS: dict[SlotKey, "_Swap"] = {}
 
 def _module_label(module: nn.Module) -> str:
     return type(module).__name__
+
+
+def _slot_fqn(root: nn.Module, slot: tuple[nn.Module, str]) -> str:
+    """``slot``'s name as seen from ``root`` (for error messages; walks the tree)."""
+    module, name = slot
+    for prefix, candidate in root.named_modules(remove_duplicate=False):
+        if candidate is module:
+            return f"{prefix}.{name}" if prefix else name
+    return f"<{_module_label(module)} outside {_module_label(root)}>.{name}"
 
 
 @dataclass
@@ -197,8 +208,20 @@ class _ForwardInParamDtype:
                 module._parameters[name] = param
 
 
+def _refuse_forwards(swap: _Swap, modules: list[nn.Module], message: str) -> None:
+    """Make a forward through any of ``modules`` raise before FSDP2's own hooks run.
+
+    The FSDP2 root is among them, so a forward through the whole model is
+    refused before the root's pre-forward changes any state.
+    """
+    unique = {id(m): m for m in modules}
+    for module in unique.values():
+        swap.hooks.append(module.register_forward_pre_hook(_raise_on_forward(message), prepend=True))
+
+
 def _install_forward_hooks(swap: _Swap, rank0_only: bool, keep: bool) -> None:
     scope = swap.scope
+    roots = fsdp2.root_modules(_states_of(scope))
     if rank0_only:
         # Ranks would disagree on which units need an all-gather: refuse on
         # every rank, before FSDP2's own pre-forward runs.
@@ -206,10 +229,8 @@ def _install_forward_hooks(swap: _Swap, rank0_only: bool, keep: bool) -> None:
             f"forward inside summon_full_params({_module_label(scope.root)}, rank0_only=True) "
             "is not supported: only rank 0 holds full parameters"
         )
-        guarded = {id(m): m for g in scope.groups for m in fsdp2.group_modules(g)}
-        guarded.setdefault(id(scope.root), scope.root)
-        for module in guarded.values():
-            swap.hooks.append(module.register_forward_pre_hook(_raise_on_forward(message), prepend=True))
+        guarded = [*(m for g in scope.groups for m in fsdp2.group_modules(g)), scope.root, *roots]
+        _refuse_forwards(swap, guarded, message)
         return
     if not keep:
         return
@@ -230,8 +251,7 @@ def _install_forward_hooks(swap: _Swap, rank0_only: bool, keep: bool) -> None:
                 f"forward through FSDP unit {', '.join(_module_label(m) for m in modules)} while only some "
                 "of its parameters are summoned is not supported: summon the unit itself"
             )
-            for module in modules:
-                swap.hooks.append(module.register_forward_pre_hook(_raise_on_forward(message), prepend=True))
+            _refuse_forwards(swap, [*modules, *roots], message)
             continue
         no_backward = _raise_on_backward(
             f"backward through outputs of FSDP unit {', '.join(_module_label(m) for m in modules)} "
@@ -244,6 +264,17 @@ def _install_forward_hooks(swap: _Swap, rank0_only: bool, keep: bool) -> None:
             for module in modules:
                 swap.hooks.append(module.register_forward_pre_hook(switch.pre_forward))
                 swap.hooks.append(module.register_forward_hook(switch.post_forward, always_call=True))
+
+
+def _states_of(scope: Scope) -> list[fsdp2.FSDPState]:
+    """The FSDP2 states of the units in scope and of every group a scoped parameter belongs to."""
+    states = {id(state): state for state in scope.states}
+    for group in scope.groups:
+        for unit in fsdp2.group_modules(group):
+            state = fsdp2.fsdp_state_of(unit)
+            if state is not None:
+                states.setdefault(id(state), state)
+    return list(states.values())
 
 
 def _gather_grads(
@@ -281,12 +312,17 @@ def summon_dtensor_params(
             f"Cannot summon full parameters of {_module_label(module)} during FSDP2 "
             f"forward/backward (training state {busy})"
         )
+    for entry in scope.params:  # refusals come before any collective or change, alike on every rank
+        reason = ungatherable_reason(getattr(entry.sharded(), "placements", ()))
+        if reason is not None:
+            raise NotImplementedError(f"cannot summon parameter {_slot_fqn(module, entry.slots[0])!r}: {reason}")
+    fsdp2.lazy_init_root(_states_of(scope))
     for group in scope.groups:
         fsdp2.adopt_module_params(group)
         fsdp2.reshard_group(group)
     dtensors: list[DTensor] = []
     for entry in scope.params:
-        dtensor = entry.sharded()
+        dtensor = entry.sharded()  # after adoption: FSDP2 may have adopted a replaced parameter
         if not isinstance(dtensor, DTensor):
             raise AssertionError(f"expected a DTensor parameter at {entry.slots[0][1]!r}, got {type(dtensor)}")
         dtensors.append(dtensor)

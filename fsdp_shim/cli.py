@@ -31,9 +31,10 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     print(f"fsdp-shim check: {_environment_line(args.ranks, args.device)}")
     if args.verbose:
-        tested = "tested" if _versions.is_tested_torch(torch.__version__) else "UNTESTED"
-        print(f"  supported: {', '.join(_versions.INSTRUMENTS)}; torch {torch.__version__} is {tested}")
-        print(f"  patched: {fsdp_shim.is_patched()}  (FSDP_SHIM_DISABLE is honoured by the import only)")
+        verified = "verified" if _versions.is_verified_torch(torch.__version__) else (
+            "supported, not itself verified" if _versions.is_supported_torch(torch.__version__) else "UNSUPPORTED")
+        print(f"  supported: {', '.join(_versions.INSTRUMENTS)}; torch {torch.__version__} is {verified}")
+        print(f"  patched: {fsdp_shim.is_patched()}")
     try:
         per_rank = run_on_ranks(check_on_rank, args.ranks, (args.device,), backend=_backend(args.device),
                                 timeout_s=args.timeout)

@@ -63,8 +63,18 @@ def assert_params_equal(model: nn.Module, reference: nn.Module, *, exact: bool =
 
 
 def snapshot(model: nn.Module) -> dict[str, object]:
-    """Identity and content of every slot, gradient and FSDP2 group state."""
+    """Identity and content of every slot, gradient and FSDP2 group state.
+
+    FSDP2 initialises lazily at the first forward, and ``summon_full_params``
+    at entry (as FSDP1 does); that init changes group state on some torch
+    releases. A snapshot is of the initialised model, through FSDP2's own
+    ``_lazy_init`` of the root.
+    """
     from fsdp_shim import _fsdp2_internals as fsdp2
+
+    root_state = fsdp2.fsdp_state_of(model)
+    if root_state is not None and root_state._is_root is None:
+        root_state._lazy_init()
 
     slots = {}
     for mod_name, module in model.named_modules():

@@ -91,3 +91,24 @@ def test_check_passes_on_three_ranks():
     result = _run(sys.executable, "-m", "fsdp_shim", "check", "--ranks", "3")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "6 passed, 0 failed" in result.stdout
+
+
+def test_rank_output_on_stdout_never_reaches_the_report(tmp_path):
+    """Backends print banners on a rank's stdout (gloo 2.8-2.10); `bench --json` must stay JSON."""
+    code = textwrap.dedent('''
+        import json, os
+        from fsdp_shim._launch import run_on_ranks
+
+        def banner():
+            os.write(1, b"[Gloo] Rank 0 is connected to 1 peer ranks\\n")
+            print("python print from a rank", flush=True)
+            return 7
+
+        if __name__ == "__main__":
+            print(json.dumps(run_on_ranks(banner, 2)))
+    ''')
+    (tmp_path / "ranks.py").write_text(code)  # spawned ranks import the function from a file
+    result = _run(sys.executable, "ranks.py", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == [7, 7]
+    assert "[Gloo] Rank 0" in result.stderr

@@ -9,6 +9,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from _helpers import mesh1d
+from fsdp_shim._compat import STRIDED_SHARD_FULL_TENSOR_BROKEN
 from fsdp_shim._gather import (
     BUCKET_ENV, DEFAULT_BUCKET_MB, bucket_bytes_from_env, dim0_layout, gather_full_tensors, plan_buckets,
     write_back_local,
@@ -70,11 +71,29 @@ def rank_fallback_placements_are_bit_identical():
     specs = [
         ((4, 6), torch.float32, [Shard(1)]),
         ((5, 3), torch.float32, [Replicate()]),
-        ((8, 2), torch.float32, [_StridedShard(0, split_factor=2)]),
         ((7, 3), torch.float32, [Shard(0)]),  # the fast path, alongside
     ]
     buckets, fallback = _check_roundtrip(specs, 1 << 20)
-    assert buckets == [[3]] and fallback == [0, 1, 2]
+    assert buckets == [[2]] and fallback == [0, 1]
+
+
+def rank_strided_shard_never_takes_the_fast_path():
+    """On torch <= 2.9 ``_StridedShard(0).is_shard(0)`` is True; the fast path must not believe it."""
+    specs = [((8, 2), torch.float32, [_StridedShard(0, split_factor=2)]), ((7, 3), torch.float32, [Shard(0)])]
+    fulls, dtensors = _tensors(specs)
+    assert dim0_layout(dtensors[0]) is None
+    if STRIDED_SHARD_FULL_TENSOR_BROKEN:  # torch 2.10, 2.11: refused before any collective, never wrong
+        with pytest.raises(NotImplementedError, match=r"_StridedShard.*cannot gather"):
+            gather_full_tensors(dtensors)
+        return "refused"
+    buckets, fallback = _check_roundtrip(specs, 1 << 20)
+    assert buckets == [[1]] and fallback == [0]
+    return "exact"
+
+
+def test_strided_shard_is_exact_or_refused(dist_run):
+    assert dist_run(2, rank_strided_shard_never_takes_the_fast_path) == [
+        "refused" if STRIDED_SHARD_FULL_TENSOR_BROKEN else "exact"] * 2
 
 
 def rank_partial_falls_back_and_keep_false_returns_nothing():

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_shim
 from _helpers import patched, rank
+from fsdp_shim._models import exact_gradients
 
 transformers = pytest.importorskip("transformers")
 
@@ -47,7 +48,7 @@ def _layers(model: nn.Module) -> nn.ModuleList:
 
 
 def _shard(model: nn.Module, mp: MixedPrecisionPolicy | None = None) -> nn.Module:
-    kwargs = {} if mp is None else {"mp_policy": mp}
+    kwargs = {"mp_policy": exact_gradients(mp)}  # torch 2.7/2.8 gloo: AVG sums
     for layer in _layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)

@@ -181,3 +181,34 @@ def rank_fsdp_plus_tensor_parallel_2d():
 
 def test_fsdp_plus_tensor_parallel_on_a_2d_mesh(dist_run):
     dist_run(4, rank_fsdp_plus_tensor_parallel_2d)
+
+
+def rank_strided_shard_parameter_is_exact_or_refused_by_name():
+    import pytest
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from fsdp_shim._compat import STRIDED_SHARD_FULL_TENSOR_BROKEN
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    ref, model = _mlp(), _mlp()
+    strided = distribute_tensor(model.up.weight.detach(), mesh, [_StridedShard(0, split_factor=2)])
+    model.up.weight = nn.Parameter(strided)
+    before = snapshot(model)
+    with patched():
+        if STRIDED_SHARD_FULL_TENSOR_BROKEN:
+            with pytest.raises(NotImplementedError, match=r"parameter 'up.weight'.*_StridedShard"):
+                with FSDP.summon_full_params(model, writeback=True):
+                    pass
+        else:
+            with FSDP.summon_full_params(model, writeback=True):
+                assert torch.equal(model.up.weight, ref.up.weight)
+                with torch.no_grad():
+                    model.up.weight.add_(1.0)
+            assert torch.equal(model.up.weight.full_tensor(), ref.up.weight + 1.0)
+            return
+    assert_unchanged(model, before)
+
+
+def test_strided_shard_parameter_is_exact_or_refused_by_name(dist_run):
+    dist_run(2, rank_strided_shard_parameter_is_exact_or_refused_by_name)

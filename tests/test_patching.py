@@ -104,13 +104,25 @@ def test_fsdp_shim_disable_imports_without_patching():
 def test_versions_are_data_and_the_guard_reads_them():
     assert _versions.parse_version("2.13.0+cpu") == (2, 13, 0)
     assert _versions.parse_version("2.6.0a0+git1") == (2, 6, 0)
-    assert _versions.at_least("2.13.0", _versions.MIN_TORCH)
-    assert not _versions.at_least("2.5.1", _versions.MIN_TORCH)
-    assert _versions.is_tested_torch("2.13.1") and not _versions.is_tested_torch("2.7.0")
+    assert _versions.is_supported_torch("2.7.0") and _versions.is_supported_torch("2.14.1+cu130")
+    assert not _versions.is_supported_torch("2.6.0") and not _versions.is_supported_torch("2.15.0")
+    assert _versions.is_verified_torch("2.13.0+cpu") and not _versions.is_verified_torch("2.13.1")
+    assert all(_versions.is_supported_torch(v) for v in _versions.VERIFIED_TORCH)
     assert fsdp_shim.unsupported_reason is None
+    # setup.cfg declares the same lower bounds (not the upper one: see [Note: version policy])
     setup_cfg = open(os.path.join(os.path.dirname(__file__), "..", "setup.cfg")).read()
-    for requirement in _versions.INSTRUMENTS:
-        assert requirement.replace(" ", "") in setup_cfg
+    assert f"torch>={_versions.MIN_TORCH}\n" in setup_cfg
+    assert f"wrapt>={_versions.MIN_WRAPT}\n" in setup_cfg
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    assert _versions.SUPPORTED_TORCH in readme
+    assert all(f"| {v} " in readme for v in _versions.VERIFIED_TORCH)  # the Supported versions table
+
+
+@pytest.mark.parametrize("value", ["1", "TRUE", "yes", "On"])
+def test_fsdp_shim_disable_takes_the_usual_truthy_spellings(value):
+    code = "import fsdp_shim; print(fsdp_shim.is_patched())"
+    assert _python(code, FSDP_SHIM_DISABLE=value) == "False"
+    assert _python(code, FSDP_SHIM_DISABLE="0") == "True"
 
 
 def test_guard_refuses_to_patch_without_the_internals_it_uses():
@@ -130,8 +142,18 @@ def test_guard_refuses_to_patch_without_the_internals_it_uses():
     assert "fsdp_shim is inactive" in result.stderr and "FSDP2 internals" in result.stderr
 
 
-def test_guard_refuses_an_unsupported_torch():
-    code = "import torch; torch.__version__ = '2.5.1'; import fsdp_shim; print(fsdp_shim.is_patched())"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+@pytest.mark.parametrize("version", ["2.6.0", "2.15.0"])
+def test_guard_refuses_a_torch_outside_the_supported_range_unless_allowed(version):
+    code = (
+        f"import torch; torch.__version__ = '{version}'; import fsdp_shim; "
+        "print(fsdp_shim.is_patched())"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "FSDP_SHIM_ALLOW_UNSUPPORTED_TORCH"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     assert result.stdout.strip() == "False"
-    assert "older than the supported 2.6" in result.stderr
+    assert f"torch {version} is outside the supported torch >= 2.7, < 2.15" in result.stderr
+    assert "FSDP_SHIM_ALLOW_UNSUPPORTED_TORCH=1" in result.stderr
+    allowed = {**env, "FSDP_SHIM_ALLOW_UNSUPPORTED_TORCH": "1"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=allowed)
+    assert result.stdout.strip() == "True"
+    assert "outside the supported" in result.stderr  # still said, loudly

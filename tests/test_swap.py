@@ -464,8 +464,9 @@ def rank_unsupported_forwards_raise_on_every_rank():
                 model(tokens)
         with FSDP.summon_full_params(model.blocks[0].fc1, writeback=False):
             with pytest.raises(RuntimeError, match="only some of its parameters"):
-                model(tokens)  # raised inside the root's forward, like any forward error:
-            model.reset_iter_state()  # FSDP2's own recovery, inside the context
+                model(tokens)  # refused before the root's pre-forward: FSDP2 state untouched
+            with pytest.raises(RuntimeError, match="only some of its parameters"):
+                model.blocks[0](torch.randn(2, 8, LMConfig().width))
             assert isinstance(model.blocks[0].fc2.weight, DTensor)
             assert not isinstance(model.blocks[0].fc1.weight, DTensor)
     assert_unchanged(model, before)

@@ -1,0 +1,74 @@
+"""DTensor and c10d differences between torch releases, named by behaviour.
+
+Everything here was read from each release's wheel and exercised by the
+version matrix (``scripts/matrix.py``) on 2.7.0 through 2.14.1. FSDP2's own
+differences live in ``_fsdp2_internals``, next door.
+
+[Note: torch versions]
+| behaviour                                               | releases           |
+|---------------------------------------------------------|--------------------|
+| placements are Python classes; ``_StridedShard`` is a   | <= 2.9             |
+| subclass of ``Shard``, so ``is_shard(0)`` is True for it |                    |
+| placements are C++ objects; ``_StridedShard`` is not a  | >= 2.10            |
+| ``Shard``                                               |                    |
+| ``full_tensor()`` of a standalone ``_StridedShard``     | 2.10, 2.11         |
+| fails inside torch                                      |                    |
+| ``dist.all_gather_single`` (the old name warns)         | >= 2.13            |
+The fast path therefore tests placement *types* exactly (``type(p) is
+Shard``), never ``is_shard()``: a placement it does not know, today's or a
+future subclass, always takes the ``full_tensor()`` fallback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from fsdp_shim._versions import parse_version
+
+try:  # private, but the only way to name it; present on every release we support
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # pragma: no cover - a future torch without it
+    _StridedShard = None  # type: ignore[assignment,misc]
+
+_TORCH = parse_version(torch.__version__)
+
+#: ``all_gather_into_tensor`` was renamed ``all_gather_single`` in 2.13.
+all_gather_single: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def is_dim0_shard(placement: Placement) -> bool:
+    """Exactly ``Shard(0)``: no subclass (``_StridedShard`` is one on torch <= 2.9)."""
+    return type(placement) is Shard and placement.dim == 0  # type: ignore[attr-defined]
+
+
+def is_replicate(placement: Placement) -> bool:
+    return type(placement) is Replicate
+
+
+def is_strided_shard(placement: Placement) -> bool:
+    return _StridedShard is not None and isinstance(placement, _StridedShard)
+
+
+#: Releases whose ``DTensor.full_tensor()`` rejects a ``_StridedShard`` that
+#: no later mesh dim completes (torch's own redistribute bug, fixed in 2.12).
+STRIDED_SHARD_FULL_TENSOR_BROKEN = (2, 10) <= _TORCH[:2] < (2, 12)
+
+
+def ungatherable_reason(placements: Sequence[Placement]) -> str | None:
+    """Why this torch cannot gather a DTensor with these placements correctly, or None.
+
+    Depends on placements and the torch release only, so every rank answers
+    alike and a refusal comes before any collective.
+    """
+    if STRIDED_SHARD_FULL_TENSOR_BROKEN and any(is_strided_shard(p) for p in placements):
+        return (
+            f"placement {tuple(placements)} contains _StridedShard, which torch {torch.__version__}'s "
+            "DTensor.full_tensor() cannot gather (fixed in torch 2.12)"
+        )
+    return None

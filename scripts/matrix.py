@@ -1,0 +1,195 @@
+#!/usr/bin/env python3
+"""Run the whole suite and ``fsdp-shim check`` on several torch releases; print a table.
+
+    python scripts/matrix.py                 # every release in _versions.VERIFIED_TORCH
+    python scripts/matrix.py 2.7.0 2.14.1    # just these
+    python scripts/matrix.py --remove-venvs  # free each venv's disk once its row is done
+
+One virtual environment per release under ``--cache`` (default
+``~/.cache/fsdp-shim-matrix``), reused while it holds that exact release; the
+project is reinstalled (editable, with its test extras) into it every run.
+Torch wheels are downloaded once into ``CACHE/wheels`` and installed from
+there, so a second run on the same machine downloads nothing. Registry builds
+of torch are CUDA builds: they import and run on the CPU once their
+``nvidia-*`` wheels are installed, a few GB per release.
+
+Standard library only: it runs from any Python 3.10+, outside the venvs it builds.
+Exit status: 0 if every row passed, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _versions_module():
+    """``fsdp_shim/_versions.py`` without importing the package (which imports torch)."""
+    spec = importlib.util.spec_from_file_location("_fsdp_shim_versions", ROOT / "fsdp_shim" / "_versions.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@dataclass
+class Row:
+    torch: str
+    installed: str = ""  # torch.__version__ as the venv reports it
+    install_s: float = 0.0
+    pytest: str = "not run"
+    pytest_ok: bool = False
+    pytest_s: float = 0.0
+    check: str = "not run"
+    check_ok: bool = False
+    check_s: float = 0.0
+    log: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.pytest_ok and self.check_ok
+
+
+def _run(cmd: list[str], log, env: dict[str, str] | None = None, timeout: float | None = None) -> tuple[int, str]:
+    log.write(f"\n$ {' '.join(cmd)}\n")
+    log.flush()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        log.write(out + f"\n[timed out after {timeout} s]\n")
+        return 124, out
+    log.write(proc.stdout + proc.stderr)
+    log.flush()
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+_SUMMARY = re.compile(r"^=*\s*(\d+ (passed|failed|error|errors|skipped)[^=]*?)\s*(in [\d.]+s.*?)?=*\s*$")
+
+
+def _pytest_summary(output: str) -> str:
+    for line in reversed(output.splitlines()):
+        match = _SUMMARY.match(line.strip())
+        if match:
+            return match.group(1).strip().rstrip(",")
+    return "no summary"
+
+
+def _check_summary(output: str) -> str:
+    for line in reversed(output.splitlines()):
+        if re.match(r"^\d+ passed, \d+ failed$", line.strip()):
+            return line.strip()
+    return "no summary"
+
+
+def _venv_torch(python: Path) -> str:
+    if not python.exists():
+        return ""
+    proc = subprocess.run(
+        [str(python), "-c", "import importlib.metadata as m; print(m.version('torch'))"],
+        capture_output=True, text=True,
+    )
+    return proc.stdout.strip() if proc.returncode == 0 else ""
+
+
+def run_release(version: str, cache: Path, logs: Path, pytest_args: list[str], timeout: float) -> Row:
+    row = Row(version)
+    venv = cache / "venvs" / f"torch-{version}"
+    python = venv / "bin" / "python"
+    wheels = cache / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    logs.mkdir(parents=True, exist_ok=True)
+    log_path = logs / f"torch-{version}.log"
+    row.log = str(log_path)
+    env = {**os.environ, "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+           "VIRTUAL_ENV": str(venv), "PYTHONUNBUFFERED": "1"}
+    env.pop("PYTHONPATH", None)
+    with open(log_path, "w") as log:
+        start = time.perf_counter()
+        if _venv_torch(python).split("+")[0] != version:
+            shutil.rmtree(venv, ignore_errors=True)
+            steps = [
+                [sys.executable, "-m", "venv", str(venv)],
+                [str(python), "-m", "pip", "install", "--quiet", "--upgrade", "pip"],
+                [str(python), "-m", "pip", "download", "--quiet", "--dest", str(wheels), f"torch=={version}"],
+                [str(python), "-m", "pip", "install", "--quiet", "--no-index", "--find-links", str(wheels),
+                 f"torch=={version}"],
+            ]
+            for step in steps:
+                code, _ = _run(step, log, env)
+                if code != 0:
+                    row.pytest = row.check = f"install failed (exit {code})"
+                    return row
+        code, _ = _run([str(python), "-m", "pip", "install", "--quiet", "-e", ".[test]"], log, env)
+        if code != 0:
+            row.pytest = row.check = f"project install failed (exit {code})"
+            return row
+        row.installed = _venv_torch(python)
+        row.install_s = time.perf_counter() - start
+
+        start = time.perf_counter()
+        code, out = _run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args], log, env,
+                         timeout)
+        row.pytest_s = time.perf_counter() - start
+        row.pytest, row.pytest_ok = _pytest_summary(out), code == 0
+
+        start = time.perf_counter()
+        code, out = _run([str(python), "-m", "fsdp_shim", "check"], log, env, timeout)
+        row.check_s = time.perf_counter() - start
+        row.check, row.check_ok = _check_summary(out), code == 0
+    return row
+
+
+def print_table(rows: list[Row]) -> None:
+    header = f"| {'torch':<8} | {'installed':<14} | {'pytest':<28} | {'fsdp-shim check':<16} | {'minutes':>7} |"
+    print(header)
+    print("|" + "|".join("-" * (len(cell) + 0) for cell in header.split("|")[1:-1]) + "|")
+    for row in rows:
+        minutes = (row.install_s + row.pytest_s + row.check_s) / 60
+        mark = "" if row.ok else " FAIL"
+        print(f"| {row.torch:<8} | {row.installed:<14} | {row.pytest + mark:<28} | {row.check:<16} | {minutes:>7.1f} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    versions = _versions_module()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("torch", nargs="*", default=list(versions.VERIFIED_TORCH),
+                        help="torch releases to run (default: every verified release)")
+    parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "fsdp-shim-matrix",
+                        help="venvs and downloaded wheels (default: ~/.cache/fsdp-shim-matrix)")
+    parser.add_argument("--logs", type=Path, default=ROOT / ".matrix-logs",
+                        help="one full log per release (default: .matrix-logs)")
+    parser.add_argument("--remove-venvs", action="store_true", help="delete each venv once its row is done")
+    parser.add_argument("--json", type=Path, help="also write the rows to this file")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds for each pytest or check run")
+    parser.add_argument("--pytest-args", default="", help="extra pytest arguments, one string")
+    args = parser.parse_args(argv)
+
+    rows: list[Row] = []
+    for version in args.torch:
+        print(f"matrix: torch {version} ...", flush=True)
+        row = run_release(version, args.cache, args.logs, args.pytest_args.split(), args.timeout)
+        rows.append(row)
+        print(f"matrix: torch {version}: pytest {row.pytest}; check {row.check}; log {row.log}", flush=True)
+        if args.remove_venvs:
+            shutil.rmtree(args.cache / "venvs" / f"torch-{version}", ignore_errors=True)
+    print(f"\nfsdp_shim version matrix, {time.strftime('%Y-%m-%d')}, Python {sys.version.split()[0]}\n")
+    print_table(rows)
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    return 0 if all(r.ok for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
