@@ -52,6 +52,7 @@ __all__ = [
     "is_patched",
     "param_fqn",
     "patch",
+    "sharded_param",
     "summon_full_params",
     "unpatch",
     "__version__",
@@ -120,6 +121,25 @@ def unpatch() -> bool:
 def is_patched() -> bool:
     """Whether our wrapper is currently installed on ``FullyShardedDataParallel``."""
     return unsupported_reason is None and _patching.is_patched()
+
+
+def sharded_param(param: torch.Tensor) -> nn.Parameter | None:
+    """The original (sharded) parameter behind a full parameter of a live context, else ``None``.
+
+    Inside ``summon_full_params`` each slot holds a new full ``nn.Parameter``;
+    FSDP2 and your optimizer keep the sharded one, which comes back on exit.
+    Use this to key a map built before the context::
+
+        names = {p: n for n, p in model.named_parameters()}   # before
+        with FSDP.summon_full_params(model, writeback=False):
+            for p in model.parameters():
+                name = names[fsdp_shim.sharded_param(p)]
+    """
+    if unsupported_reason is not None:
+        return None
+    from fsdp_shim._swap import sharded_param as _sharded_param  # noqa: PLC0415
+
+    return _sharded_param(param)
 
 
 def summon_full_params(

@@ -76,6 +76,7 @@ __all__ = [
     "mark_summoned",
     "SuspendedHooks",
     "suspend_load_post_hooks",
+    "unsharded_param_if_any",
     "param_dtype_for_forward",
     "param_groups",
     "param_slots",
@@ -123,6 +124,11 @@ def param_slots(fsdp_param: FSDPParam) -> list[Slot]:
 def sharded_param(fsdp_param: FSDPParam) -> nn.Parameter:
     """The DTensor parameter FSDP2, and every optimizer, hold for this slot."""
     return fsdp_param.sharded_param
+
+
+def unsharded_param_if_any(fsdp_param: FSDPParam) -> nn.Parameter | None:
+    """FSDP2's unsharded parameter object (what a slot holds after forward), if one was ever made."""
+    return getattr(fsdp_param, "_unsharded_param", None)
 
 
 def busy_training_state(states: list[FSDPState], groups: list[FSDPParamGroup]) -> str | None:

@@ -10,6 +10,16 @@ attribute through the class ``__dict__``, not ``getattr``, which is how the
 ``staticmethod`` survives: ``inspect.getattr_static`` then shows the wrapper,
 whose ``__wrapped__`` is the original staticmethod, and
 ``inspect.signature`` still reports FSDP1's signature.
+
+[Note: the instance form]
+FSDP1's staticmethod is also called through an instance,
+``unit.summon_full_params(unit, ...)``. FSDP2 units have no such attribute,
+so ``patch`` gives ``FSDPModule`` one (a staticmethod that routes like the
+class form) if, and only if, no class in its MRO defines it: torch's own
+attribute is never replaced. ``unpatch`` removes it, by identity.
+
+``patch`` also installs the client instrumentations (``_instrumentation``) and
+``unpatch`` removes them.
 """
 
 from __future__ import annotations
@@ -20,8 +30,9 @@ import threading
 from typing import Any
 
 import wrapt
-from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
+from fsdp_shim import _instrumentation
 from fsdp_shim._dispatch import summon
 
 logger = logging.getLogger("fsdp_shim")
@@ -41,6 +52,25 @@ def _summon_full_params_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ..
     return summon(**bound.arguments, fsdp1=wrapped)
 
 
+def _instance_form(*args: Any, **kwargs: Any) -> Any:
+    """``FSDPModule.summon_full_params``: FSDP1's staticmethod, reached through an FSDP2 unit."""
+    return FullyShardedDataParallel.summon_full_params(*args, **kwargs)
+
+
+_INSTANCE_FORM = staticmethod(_instance_form)
+
+
+def _install_instance_form() -> None:
+    if any(_NAME in vars(cls) for cls in FSDPModule.__mro__):
+        return  # no-op: torch (or someone) defines it; never replace it
+    setattr(FSDPModule, _NAME, _INSTANCE_FORM)
+
+
+def _remove_instance_form() -> None:
+    if vars(FSDPModule).get(_NAME) is _INSTANCE_FORM:
+        delattr(FSDPModule, _NAME)
+
+
 def is_patched() -> bool:
     current = inspect.getattr_static(_TARGET, _NAME)
     return _handle is not None and wrapt.is_wrapped_by(current, _handle)
@@ -53,6 +83,8 @@ def patch() -> bool:
         if is_patched():
             return False
         _handle = wrapt.wrap_function_wrapper(_TARGET, _NAME, _summon_full_params_wrapper)
+        _install_instance_form()
+        _instrumentation.instrument_all()
         logger.debug("patched FullyShardedDataParallel.summon_full_params")
         return True
 
@@ -65,6 +97,8 @@ def unpatch() -> bool:
             return False
         removed = wrapt.unwrap_object(_TARGET, _NAME, _handle, missing_ok=True)
         _handle = None
+        _remove_instance_form()
+        _instrumentation.uninstrument_all()
         if removed is None:
             logger.warning("summon_full_params was replaced by someone else; nothing to unpatch")
             return False

@@ -15,9 +15,21 @@ nothing changed if it fails part way:
    are marked (see [Note: summoned groups] in ``_fsdp2_internals``); forward
    hooks are installed.
 Exit, always, also when the body raised (as FSDP1 does, writeback happens
-then too): hooks off, writeback if asked (local copies into the original
-shards, see [Note: writeback needs no collective]), then every slot gets back
-the exact object it held and every mark is undone.
+then too): hooks off, every slot gets back the exact object it held and every
+mark is undone, conversions made inside are replayed on the shards (see
+[Note: conversions inside]), then writeback if asked (local copies into the
+original shards, see [Note: writeback needs no collective]).
+
+[Note: conversions inside]
+``model.to(...)``, ``.cpu()``, ``.float()`` and friends end in ``_apply``.
+FSDP2's ``_apply`` reshards first, which would put the shards back into the
+slots mid-context (verl's LoRA collection calls ``model.to("cpu")`` there).
+For the context's duration each fully summoned unit gets an instance-level
+``_apply`` that converts the full parameters in place instead and records the
+call; on exit the same call is replayed through FSDP2's own ``_apply`` on the
+restored shards, before writeback. So inside, the slots keep full tensors
+(``state_dict()`` stays full), and after exit the module is as the same call
+outside would have left it, plus the writeback rule.
 """
 
 from __future__ import annotations
@@ -45,6 +57,8 @@ logger = logging.getLogger("fsdp_shim")
 #: Slots swapped by a live context in this process, so a nested call leaves
 #: them to the context that owns them.
 _SUMMONED_SLOTS: dict[SlotKey, "_Swap"] = {}
+#: ``id(full parameter)`` -> what it stands for, while its context is live.
+_FULL_PARAMS: dict[int, "_Summoned"] = {}
 
 
 def _module_label(module: nn.Module) -> str:
@@ -78,6 +92,10 @@ class _Swap:
     marks: list[fsdp2.GroupMark] = field(default_factory=list)
     hooks: list[RemovableHandle] = field(default_factory=list)
     suspended: fsdp2.SuspendedHooks = field(default_factory=fsdp2.SuspendedHooks)
+    #: Units whose ``_apply`` is ours for the context, and the conversions
+    #: (``.to()``, ``.float()``, ...) made through them. See [Note: conversions inside].
+    converting: list[nn.Module] = field(default_factory=list)
+    conversions: list[tuple[nn.Module, tuple[Any, ...], dict[str, Any]]] = field(default_factory=list)
 
     # -- entry -----------------------------------------------------------
     def swap_in(self, dtensors: list[DTensor], gathered: Gathered, grads: dict[int, torch.Tensor]) -> None:
@@ -86,7 +104,9 @@ class _Swap:
             param = nn.Parameter(full, requires_grad=sharded.requires_grad)
             if index in grads:
                 param.grad = grads[index]
-            self.summoned.append(_Summoned(entry, sharded, param, layout))
+            summoned = _Summoned(entry, sharded, param, layout)
+            self.summoned.append(summoned)
+            _FULL_PARAMS[id(param)] = summoned
             for module, name in entry.slots:
                 self.originals.append((module, name, module._parameters[name]))
                 module._parameters[name] = param
@@ -110,6 +130,7 @@ class _Swap:
             ])
 
     def restore(self) -> None:
+        """Every slot gets back the exact object it held; marks and suspended hooks undone."""
         for module, name, original in reversed(self.originals):
             module._parameters[name] = original
             _SUMMONED_SLOTS.pop(slot_key(module, name), None)
@@ -118,12 +139,68 @@ class _Swap:
             mark.unmark()
         self.marks.clear()
         self.suspended.resume()
+        for unit in self.converting:
+            unit.__dict__.pop("_apply", None)
+        self.converting.clear()
+
+    def replay_conversions(self) -> None:
+        """Apply the conversions made inside to the restored (sharded) parameters, through FSDP2."""
+        conversions, self.conversions = self.conversions, []
+        for unit, args, kwargs in conversions:
+            unit._apply(*args, **kwargs)
+
+    def forget(self) -> None:
+        for item in self.summoned:
+            _FULL_PARAMS.pop(id(item.full), None)
         self.summoned.clear()
+
+    def convert_inside(self) -> None:
+        """Route ``_apply`` of fully summoned units to the full parameters. See [Note: conversions inside]."""
+        for group, fully_summoned in self.scope.groups.items():
+            if not fully_summoned:
+                continue
+            for unit in fsdp2.group_modules(group):
+                if "_apply" in unit.__dict__:
+                    continue  # an enclosing context already converts it
+
+                def apply_to_full(*args: Any, _unit: nn.Module = unit, **kwargs: Any) -> nn.Module:
+                    self.conversions.append((_unit, args, kwargs))
+                    return nn.Module._apply(_unit, *args, **kwargs)  # not FSDP2's: it would reshard
+
+                unit.__dict__["_apply"] = apply_to_full
+                self.converting.append(unit)
 
     def remove_hooks(self) -> None:
         for handle in self.hooks:
             handle.remove()
         self.hooks.clear()
+
+
+def sharded_param(param: torch.Tensor) -> nn.Parameter | None:
+    """The sharded parameter a live context's full ``param`` stands for, else None."""
+    summoned = _FULL_PARAMS.get(id(param))
+    if summoned is None or summoned.full is not param:
+        return None
+    return summoned.entry.sharded()
+
+
+def original_params(param: torch.Tensor) -> list[nn.Parameter]:
+    """Every object the slots of a summoned ``param`` held outside contexts.
+
+    The sharded parameter and, for a unit a forward had left unsharded when
+    a map was built, FSDP2's unsharded parameter too. Empty if ``param`` is
+    not a live context's full parameter.
+    """
+    sharded = sharded_param(param)
+    if sharded is None:
+        return []
+    summoned = _FULL_PARAMS[id(param)]
+    found = [sharded]
+    if summoned.entry.fsdp_param is not None:
+        unsharded = fsdp2.unsharded_param_if_any(summoned.entry.fsdp_param)
+        if unsharded is not None:
+            found.append(unsharded)
+    return found
 
 
 def _raise_on_forward(message: str) -> Callable[..., None]:
@@ -335,6 +412,7 @@ def summon_dtensor_params(
         if keep:
             swap.swap_in(dtensors, gathered, grads)
             swap.mark_groups()
+            swap.convert_inside()
         del gathered, grads
         _install_forward_hooks(swap, rank0_only, keep)
         logger.debug(
@@ -345,7 +423,9 @@ def summon_dtensor_params(
     finally:
         swap.remove_hooks()
         try:
+            swap.restore()
+            swap.replay_conversions()
             if writeback:
                 swap.write_back(with_grads)
         finally:
-            swap.restore()
+            swap.forget()
