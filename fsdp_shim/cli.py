@@ -35,6 +35,11 @@ def cmd_check(args: argparse.Namespace) -> int:
             "supported, not itself verified" if _versions.is_supported_torch(torch.__version__) else "UNSUPPORTED")
         print(f"  supported: {', '.join(_versions.INSTRUMENTS)}; torch {torch.__version__} is {verified}")
         print(f"  patched: {fsdp_shim.is_patched()}")
+        if fsdp_shim.unsupported_reason is None:
+            from fsdp_shim._instrumentation import statuses  # noqa: PLC0415
+
+            for module, status in statuses().items():
+                print(f"  instrumentation {module}: {status}")
     try:
         per_rank = run_on_ranks(check_on_rank, args.ranks, (args.device,), backend=_backend(args.device),
                                 timeout_s=args.timeout)
