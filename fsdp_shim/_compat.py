@@ -60,6 +60,35 @@ def is_strided_shard(placement: Placement) -> bool:
 STRIDED_SHARD_FULL_TENSOR_BROKEN = (2, 10) <= _TORCH[:2] < (2, 12)
 
 
+def is_live_group(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` is still registered with c10d (not destroyed, and from this process's world)."""
+    from torch.distributed import distributed_c10d  # noqa: PLC0415
+
+    return dist.is_initialized() and group in distributed_c10d._world.pg_map
+
+
+#: ``Partial`` reduce ops whose full value a writeback can represent locally: the
+#: full tensor on mesh coordinate 0 and zeros elsewhere for sums, the full
+#: tensor everywhere for the others.
+WRITABLE_PARTIAL_OPS = ("sum", "avg", "max", "min")
+
+
+def partial_reduce_op(placement: Placement) -> str | None:
+    """The reduce op of a ``Partial`` placement, lower case; None for any other placement."""
+    if not placement.is_partial():
+        return None
+    return str(getattr(placement, "reduce_op", "sum")).lower().rsplit(".", 1)[-1]
+
+
+def writeback_refusal(placements: Sequence[Placement]) -> str | None:
+    """Why a writeback into a DTensor with these placements cannot be exact, or None."""
+    for placement in placements:
+        op = partial_reduce_op(placement)
+        if op is not None and op not in WRITABLE_PARTIAL_OPS:
+            return f"placement {placement} has a reduce op writeback cannot invert; use writeback=False"
+    return None
+
+
 def ungatherable_reason(placements: Sequence[Placement]) -> str | None:
     """Why this torch cannot gather a DTensor with these placements correctly, or None.
 

@@ -49,12 +49,15 @@ cannot be initialised (``fully_shard([a, b])`` at the top).
 
 from __future__ import annotations
 
+import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn as nn
+import wrapt
 from torch.distributed._composable_state import _module_state_mapping
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
@@ -80,7 +83,10 @@ __all__ = [
     "param_dtype_for_forward",
     "param_groups",
     "param_slots",
+    "refuse_fully_shard_inside",
+    "remove_fully_shard_guard",
     "reshard_group",
+    "shard_rank",
     "root_modules",
 ]
 
@@ -313,6 +319,46 @@ def root_modules(states: list[FSDPState]) -> list[nn.Module]:
                 for module in candidate._modules:
                     roots.setdefault(id(module), module)
     return list(roots.values())
+
+
+def shard_rank(group: FSDPParamGroup) -> int:
+    """This rank's coordinate in the group's FSDP shard group (what FSDP1 calls its rank)."""
+    return int(group.mesh_info.shard_mesh_rank)
+
+
+_fully_shard_guard: Any = None
+
+
+def refuse_fully_shard_inside(in_context: Callable[[int], bool]) -> None:
+    """Make ``fully_shard`` raise while the calling thread has a context open (installed once).
+
+    Inside, the slots hold plain full tensors, so ``fully_shard`` would shard
+    *them* where outside it refuses, and training then diverges silently.
+    The guard sits on ``FSDPState.__init__``: ``fully_shard``'s ``contract``
+    builds the state first, before it registers anything on the module, so a
+    refusal leaves the module untouched. ``remove_fully_shard_guard`` undoes it.
+    """
+    global _fully_shard_guard
+    if _fully_shard_guard is not None:
+        return  # no-op: installed
+
+    def guard(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if in_context(threading.get_ident()):
+            raise RuntimeError(
+                "fully_shard() inside summon_full_params is not supported: the module attributes hold "
+                "full tensors there, which FSDP2 would shard in place of the real parameters. "
+                "Call fully_shard() outside the context."
+            )
+        return wrapped(*args, **kwargs)
+
+    _fully_shard_guard = wrapt.wrap_function_wrapper(FSDPState, "__init__", guard)
+
+
+def remove_fully_shard_guard() -> None:
+    global _fully_shard_guard
+    if _fully_shard_guard is not None:
+        wrapt.unwrap_object(FSDPState, "__init__", _fully_shard_guard, missing_ok=True)
+        _fully_shard_guard = None
 
 
 def group_modules(group: FSDPParamGroup) -> tuple[nn.Module, ...]:

@@ -51,7 +51,15 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from fsdp_shim._compat import all_gather_single, is_dim0_shard, is_replicate, ungatherable_reason
+from fsdp_shim._compat import (
+    WRITABLE_PARTIAL_OPS,
+    all_gather_single,
+    is_dim0_shard,
+    is_live_group,
+    is_replicate,
+    partial_reduce_op,
+    ungatherable_reason,
+)
 
 logger = logging.getLogger("fsdp_shim")
 
@@ -107,6 +115,24 @@ def _mesh_dim(mesh: DeviceMesh, mesh_dim: int) -> tuple[dist.ProcessGroup, int, 
         info = (mesh.get_group(mesh_dim), mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim))
         cached = _mesh_dims[key] = (weakref.ref(mesh), info)
     return cached[1]
+
+
+def mesh_groups(dtensor: DTensor) -> list[dist.ProcessGroup]:
+    """The process group of every dim of ``dtensor``'s mesh (what gathering it may use)."""
+    mesh = dtensor.device_mesh
+    return [_mesh_dim(mesh, dim)[0] for dim in range(mesh.ndim)]
+
+
+def _require_live_groups(dtensors: Sequence[DTensor]) -> None:
+    """A destroyed (or foreign) process group fails here, clearly, not inside a collective."""
+    for index, dtensor in enumerate(dtensors):
+        for group in mesh_groups(dtensor):
+            if not is_live_group(group):
+                raise RuntimeError(
+                    f"cannot gather tensor {index} of shape {tuple(dtensor.shape)}: its device mesh uses a "
+                    "process group that was destroyed or belongs to another process group world "
+                    "(was the DTensor created before destroy_process_group()?)"
+                )
 
 
 def dim0_layout(dtensor: DTensor) -> Dim0Layout | None:
@@ -288,6 +314,7 @@ def gather_full_tensors(
         reason = ungatherable_reason(dtensor.placements)
         if reason is not None:
             raise NotImplementedError(f"cannot gather tensor {index} of shape {tuple(dtensor.shape)}: {reason}")
+    _require_live_groups(dtensors)
     cap = bucket_bytes_from_env() if bucket_bytes is None else bucket_bytes
     buckets, fallback = plan_buckets(dtensors, cap)
     results: list[torch.Tensor | None] = [None] * len(dtensors)
@@ -336,22 +363,39 @@ def write_back_locals(items: Sequence[tuple[DTensor, torch.Tensor, Dim0Layout | 
             )
     destinations: list[torch.Tensor] = []
     sources: list[torch.Tensor] = []
-    for dtensor, full, layout in items:
+    for dtensor, full, layout in items:  # every source is computed before anything is written
         local = dtensor._local_tensor
         if layout is None:
             layout = dim0_layout(dtensor)
         if layout is None:
-            _write_back_redistribute(dtensor, full)
+            destinations.append(local)
+            sources.append(_local_value(dtensor, full))
         elif layout.local_rows:
             destinations.append(local)
-            sources.append(full.narrow(0, layout.row_offset, layout.local_rows).to(local.device))
+            sources.append(full.narrow(0, layout.row_offset, layout.local_rows).to(local.device, local.dtype))
     if destinations:
         torch._foreach_copy_(destinations, sources)
 
 
-def _write_back_redistribute(dtensor: DTensor, full: torch.Tensor) -> None:
-    """Replicate -> any placement is a local chunk: no communication."""
+def _local_value(dtensor: DTensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's local tensor for ``full`` under ``dtensor``'s placements, with no communication.
+
+    Replicate -> Shard (plain or strided) is a local chunk. A ``Partial`` mesh
+    dim is written as a value whose reduction is ``full``: the full chunk on
+    coordinate 0 and zeros elsewhere for a sum, the full chunk everywhere for
+    avg, max and min.
+    """
     local = dtensor._local_tensor
     mesh = dtensor.device_mesh
-    replicated = DTensor.from_local(full.to(local.device), mesh, [Replicate()] * mesh.ndim, run_check=False)
-    local.copy_(replicated.redistribute(mesh, dtensor.placements).to_local())
+    placements = list(dtensor.placements)
+    partial_ops = {dim: partial_reduce_op(p) for dim, p in enumerate(placements) if p.is_partial()}
+    targets = [Replicate() if dim in partial_ops else p for dim, p in enumerate(placements)]
+    replicated = DTensor.from_local(full.to(local.device, local.dtype), mesh, [Replicate()] * mesh.ndim,
+                                    run_check=False)
+    value = replicated.redistribute(mesh, targets).to_local()
+    for dim, op in partial_ops.items():
+        if op not in WRITABLE_PARTIAL_OPS:
+            raise NotImplementedError(f"cannot write back into placement {placements[dim]}")
+        if op == "sum" and mesh.get_local_rank(dim) != 0:
+            value = torch.zeros_like(value)
+    return value

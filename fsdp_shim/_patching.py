@@ -34,6 +34,7 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
 from fsdp_shim import _instrumentation
 from fsdp_shim._dispatch import summon
+from fsdp_shim._fsdp2_internals import remove_fully_shard_guard
 
 logger = logging.getLogger("fsdp_shim")
 
@@ -99,6 +100,7 @@ def unpatch() -> bool:
         _handle = None
         _remove_instance_form()
         _instrumentation.uninstrument_all()
+        remove_fully_shard_guard()
         if removed is None:
             logger.warning("summon_full_params was replaced by someone else; nothing to unpatch")
             return False

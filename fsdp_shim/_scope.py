@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
@@ -30,13 +31,18 @@ class ScopedParam:
     slots: list[tuple[nn.Module, str]]
     fsdp_param: fsdp2.FSDPParam | None = None  # None: a DTensor FSDP2 does not manage (TP)
     group: fsdp2.FSDPParamGroup | None = None
+    is_buffer: bool = False  # a DTensor buffer: gathered and swapped like a parameter
 
     def sharded(self) -> nn.Parameter:
         """The DTensor parameter: FSDP2's (and the optimizer's) object, or the attribute's."""
         if self.fsdp_param is not None:
             return fsdp2.sharded_param(self.fsdp_param)
         module, name = self.slots[0]
-        return module._parameters[name]  # type: ignore[return-value]
+        return self.tensors(module)[name]  # type: ignore[return-value]
+
+    def tensors(self, module: nn.Module) -> dict[str, Any]:
+        """The dict a slot of this entry lives in: ``_parameters`` or ``_buffers``."""
+        return module._buffers if self.is_buffer else module._parameters
 
 
 @dataclass
@@ -48,6 +54,8 @@ class Scope:
     #: parameters is summoned (by this call or an enclosing one).
     groups: dict[fsdp2.FSDPParamGroup, bool] = field(default_factory=dict)
     states: list[fsdp2.FSDPState] = field(default_factory=list)
+    #: Slots in scope left to an enclosing context (already summoned).
+    enclosed: list[SlotKey] = field(default_factory=list)
 
 
 def scope_modules(root: nn.Module, recurse: bool) -> list[nn.Module]:
@@ -90,7 +98,7 @@ def _fsdp_slot_owners(states: Iterable[fsdp2.FSDPState]) -> _Owners:
 def has_distributed_params(root: nn.Module, recurse: bool) -> bool:
     """Whether ``collect_scope(root, recurse)`` could find anything to gather (cheap check first)."""
     modules = scope_modules(root, recurse)
-    if any(isinstance(p, DTensor) for m in modules for p in m._parameters.values()):
+    if any(isinstance(p, DTensor) for m in modules for p in (*m._parameters.values(), *m._buffers.values())):
         return True
     owners = _fsdp_slot_owners(fsdp2.all_fsdp_states()).by_slot  # unsharded slots hold plain tensors
     return any(slot_key(m, name) in owners for m in modules for name in m._parameters)
@@ -115,10 +123,14 @@ def collect_scope(root: nn.Module, recurse: bool, summoned: Iterable[SlotKey] = 
     by_identity: dict[int, ScopedParam] = {}
     params: list[ScopedParam] = []
     covered: set[SlotKey] = set(summoned)
+    enclosed: list[SlotKey] = []
     for module in modules:
         for name, value in module._parameters.items():
             key = slot_key(module, name)
-            if value is None or key in summoned:
+            if value is None:
+                continue
+            if key in summoned:
+                enclosed.append(key)
                 continue
             owner = owners.by_slot.get(key)
             if owner is not None:
@@ -134,6 +146,20 @@ def collect_scope(root: nn.Module, recurse: bool, summoned: Iterable[SlotKey] = 
                 params.append(entry)
             entry.slots.append((module, name))
             covered.add(key)
+    buffers: dict[int, ScopedParam] = {}
+    for module in modules:
+        for name, value in module._buffers.items():
+            key = slot_key(module, name)
+            if not isinstance(value, DTensor):
+                continue
+            if key in summoned:
+                enclosed.append(key)
+                continue
+            entry = buffers.get(id(value))
+            if entry is None:
+                entry = buffers[id(value)] = ScopedParam([], is_buffer=True)
+                params.append(entry)
+            entry.slots.append((module, name))
     for entry in params:
         if entry.fsdp_param is not None:  # a tie reaches out of scope: keep it one object
             entry.slots = [(m, n) for m, n in owners.slots[id(entry.fsdp_param)] if slot_key(m, n) not in summoned]
@@ -147,4 +173,5 @@ def collect_scope(root: nn.Module, recurse: bool, summoned: Iterable[SlotKey] = 
                 for m, n in owners.slots[id(fsdp_param)]
             )
     scope.states = states
+    scope.enclosed = enclosed
     return scope

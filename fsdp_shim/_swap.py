@@ -20,6 +20,18 @@ mark is undone, conversions made inside are replayed on the shards (see
 [Note: conversions inside]), then writeback if asked (local copies into the
 original shards, see [Note: writeback needs no collective]).
 
+[Note: exit checks]
+Before the slots are restored, each summoned tensor's slots are read: they
+hold its full tensor, a replacement (assignment, ``load_state_dict(assign=
+True)``), or nothing (deleted). ``requires_grad`` of what they hold carries over
+to the sharded parameter, as FSDP1 (``use_orig_params=True``) keeps it. Under
+``writeback=True`` a replacement is written back (FSDP1 writes back the new
+value of a replaced original parameter too), and the whole writeback is
+refused, with nothing written and every parameter named, for a deleted slot,
+or for a parameter changed both as a full tensor and in its shard (say an
+optimizer step on the sharded parameter): one of the two changes would be
+lost. A shard changed while its full tensor was not is left as it is.
+
 [Note: conversions inside]
 ``model.to(...)``, ``.cpu()``, ``.float()`` and friends end in ``_apply``.
 FSDP2's ``_apply`` reshards first, which would put the shards back into the
@@ -36,6 +48,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,17 +62,14 @@ from torch.utils._pytree import tree_map
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_shim import _fsdp2_internals as fsdp2
-from fsdp_shim._compat import ungatherable_reason
-from fsdp_shim._gather import Dim0Layout, Gathered, gather_full_tensors, write_back_locals
-from fsdp_shim._scope import Scope, ScopedParam, SlotKey, collect_scope, slot_key
+from fsdp_shim import _registry as registry
+from fsdp_shim._compat import ungatherable_reason, writeback_refusal
+from fsdp_shim._gather import Dim0Layout, Gathered, gather_full_tensors, mesh_groups, write_back_locals
+from fsdp_shim._scope import Scope, ScopedParam, collect_scope, slot_key
 
 logger = logging.getLogger("fsdp_shim")
 
-#: Slots swapped by a live context in this process, so a nested call leaves
-#: them to the context that owns them.
-_SUMMONED_SLOTS: dict[SlotKey, "_Swap"] = {}
-#: ``id(full parameter)`` -> what it stands for, while its context is live.
-_FULL_PARAMS: dict[int, "_Summoned"] = {}
+_MISSING = object()
 
 
 def _module_label(module: nn.Module) -> str:
@@ -76,19 +87,32 @@ def _slot_fqn(root: nn.Module, slot: tuple[nn.Module, str]) -> str:
 
 @dataclass
 class _Summoned:
-    """One scoped parameter while summoned."""
+    """One scoped parameter (or DTensor buffer) while summoned."""
 
     entry: ScopedParam
     sharded: DTensor  # the DTensor parameter, unchanged, restored on exit
-    full: nn.Parameter  # what every slot holds inside the context
+    full: torch.Tensor  # what every slot holds inside: an nn.Parameter (a plain tensor for buffers)
     layout: Dim0Layout | None  # how it was gathered; writeback reuses it
+    full_version: int = 0  # full._version at swap-in
+    local: tuple[int, int] = (0, 0)  # (id, _version) of the shard's local tensor at swap-in
+    #: What the slots held at exit: ``full``, a replacement, or _MISSING. See [Note: exit checks].
+    current: Any = None
+
+    def changed_shard(self) -> bool:
+        local = self.sharded._local_tensor
+        return id(local) == self.local[0] and local._version != self.local[1]
+
+    def changed_full(self) -> bool:
+        return self.current is not self.full or self.full._version != self.full_version
 
 
 @dataclass
 class _Swap:
     scope: Scope
+    writeback: bool
+    thread: int = field(default_factory=registry.current_thread)
     summoned: list[_Summoned] = field(default_factory=list)
-    originals: list[tuple[nn.Module, str, Any]] = field(default_factory=list)
+    originals: list[tuple[ScopedParam, nn.Module, str, Any]] = field(default_factory=list)
     marks: list[fsdp2.GroupMark] = field(default_factory=list)
     hooks: list[RemovableHandle] = field(default_factory=list)
     suspended: fsdp2.SuspendedHooks = field(default_factory=fsdp2.SuspendedHooks)
@@ -97,20 +121,28 @@ class _Swap:
     converting: list[nn.Module] = field(default_factory=list)
     conversions: list[tuple[nn.Module, tuple[Any, ...], dict[str, Any]]] = field(default_factory=list)
 
+    def name(self, item: _Summoned) -> str:
+        return _slot_fqn(self.scope.root, item.entry.slots[0])
+
     # -- entry -----------------------------------------------------------
     def swap_in(self, dtensors: list[DTensor], gathered: Gathered, grads: dict[int, torch.Tensor]) -> None:
         for index, (entry, sharded, full, layout) in enumerate(zip(self.scope.params, dtensors, *gathered)):
             assert full is not None  # kept ranks hold every tensor
-            param = nn.Parameter(full, requires_grad=sharded.requires_grad)
-            if index in grads:
-                param.grad = grads[index]
-            summoned = _Summoned(entry, sharded, param, layout)
+            value: torch.Tensor = full
+            if not entry.is_buffer:
+                value = nn.Parameter(full, requires_grad=sharded.requires_grad)
+                if index in grads:
+                    value.grad = grads[index]
+            local = sharded._local_tensor
+            summoned = _Summoned(entry, sharded, value, layout, value._version, (id(local), local._version))
             self.summoned.append(summoned)
-            _FULL_PARAMS[id(param)] = summoned
+            if not entry.is_buffer:
+                registry.add_full(value, summoned)
             for module, name in entry.slots:
-                self.originals.append((module, name, module._parameters[name]))
-                module._parameters[name] = param
-                _SUMMONED_SLOTS[slot_key(module, name)] = self
+                tensors = entry.tensors(module)
+                self.originals.append((entry, module, name, tensors[name]))
+                tensors[name] = value
+                registry.add_slot(slot_key(module, name), self)
 
     def mark_groups(self) -> None:
         for group, fully_summoned in self.scope.groups.items():
@@ -118,41 +150,6 @@ class _Swap:
                 self.marks.append(fsdp2.mark_summoned(group))
         fsdp_params = [item.entry.fsdp_param for item in self.summoned if item.entry.fsdp_param is not None]
         fsdp2.suspend_load_post_hooks(fsdp_params, self.suspended)
-
-    # -- exit ------------------------------------------------------------
-    def write_back(self, with_grads: bool) -> None:
-        write_back_locals([(item.sharded, item.full.detach(), item.layout) for item in self.summoned])
-        if with_grads:
-            write_back_locals([
-                (item.sharded.grad, item.full.grad, None)  # type: ignore[misc]
-                for item in self.summoned
-                if item.sharded.grad is not None and item.full.grad is not None
-            ])
-
-    def restore(self) -> None:
-        """Every slot gets back the exact object it held; marks and suspended hooks undone."""
-        for module, name, original in reversed(self.originals):
-            module._parameters[name] = original
-            _SUMMONED_SLOTS.pop(slot_key(module, name), None)
-        self.originals.clear()
-        for mark in reversed(self.marks):
-            mark.unmark()
-        self.marks.clear()
-        self.suspended.resume()
-        for unit in self.converting:
-            unit.__dict__.pop("_apply", None)
-        self.converting.clear()
-
-    def replay_conversions(self) -> None:
-        """Apply the conversions made inside to the restored (sharded) parameters, through FSDP2."""
-        conversions, self.conversions = self.conversions, []
-        for unit, args, kwargs in conversions:
-            unit._apply(*args, **kwargs)
-
-    def forget(self) -> None:
-        for item in self.summoned:
-            _FULL_PARAMS.pop(id(item.full), None)
-        self.summoned.clear()
 
     def convert_inside(self) -> None:
         """Route ``_apply`` of fully summoned units to the full parameters. See [Note: conversions inside]."""
@@ -170,6 +167,92 @@ class _Swap:
                 unit.__dict__["_apply"] = apply_to_full
                 self.converting.append(unit)
 
+    # -- exit ------------------------------------------------------------
+    def inspect(self) -> None:
+        """Record what each summoned tensor's slots hold now. See [Note: exit checks]."""
+        for item in self.summoned:
+            values = [item.entry.tensors(m).get(n, _MISSING) for m, n in item.entry.slots]
+            if any(v is _MISSING or v is None for v in values):
+                item.current = _MISSING
+                continue
+            replacements = {id(v): v for v in values if v is not item.full}
+            if len(replacements) > 1:
+                item.current = _MISSING  # tied slots replaced by different tensors: no one value
+            else:
+                item.current = next(iter(replacements.values()), item.full)
+
+    def restore(self) -> None:
+        """Every slot gets back the exact object it held; marks and suspended hooks undone.
+
+        ``requires_grad`` set inside carries over to the sharded parameter, as
+        FSDP1 (``use_orig_params=True``) keeps it on its one object.
+        """
+        for entry, module, name, original in reversed(self.originals):
+            entry.tensors(module)[name] = original
+            registry.remove_slot(slot_key(module, name))
+        self.originals.clear()
+        for mark in reversed(self.marks):
+            mark.unmark()
+        self.marks.clear()
+        self.suspended.resume()
+        for unit in self.converting:
+            unit.__dict__.pop("_apply", None)
+        self.converting.clear()
+        for item in self.summoned:
+            current = item.current
+            if item.entry.is_buffer or not isinstance(current, torch.Tensor):
+                continue
+            if current.requires_grad != item.sharded.requires_grad:
+                item.sharded.requires_grad_(current.requires_grad)
+
+    def replay_conversions(self) -> None:
+        """Apply the conversions made inside to the restored (sharded) parameters, through FSDP2."""
+        conversions, self.conversions = self.conversions, []
+        for unit, args, kwargs in conversions:
+            unit._apply(*args, **kwargs)
+        for item in self.summoned:
+            current = item.current
+            if isinstance(current, torch.Tensor) and current.dtype != item.sharded.dtype:
+                warnings.warn(
+                    f"{self.name(item)} was converted to {current.dtype} inside summon_full_params through "
+                    f"a module that is not its FSDP unit; the sharded parameter stays {item.sharded.dtype}. "
+                    "Convert the unit (or the whole model) instead.",
+                    UserWarning,
+                    stacklevel=5,
+                )
+
+    def write_back(self, with_grads: bool) -> None:
+        """All or nothing: every parameter is checked before the first byte is written."""
+        problems: list[str] = []
+        items: list[tuple[DTensor, torch.Tensor, Dim0Layout | None]] = []
+        for item in self.summoned:
+            if item.current is _MISSING:
+                problems.append(f"{self.name(item)}: deleted (or tied slots replaced by different tensors) "
+                                "inside the context, so there is no value to write back")
+                continue
+            if item.changed_shard():
+                if item.changed_full():
+                    problems.append(
+                        f"{self.name(item)}: changed inside the context and, separately, in its shard "
+                        "(an optimizer step on the sharded parameter?); writeback would overwrite one of them"
+                    )
+                continue  # the shard's own change stands; the full tensor holds nothing new
+            items.append((item.sharded, item.current.detach(), item.layout))
+        if problems:
+            raise RuntimeError("summon_full_params writeback refused, nothing written:\n  " + "\n  ".join(problems))
+        write_back_locals(items)
+        if with_grads:
+            write_back_locals([
+                (item.sharded.grad, item.full.grad, None)  # type: ignore[misc]
+                for item in self.summoned
+                if item.sharded.grad is not None and item.full.grad is not None
+            ])
+
+    def forget(self) -> None:
+        for item in self.summoned:
+            registry.remove_full(item.full)
+        self.summoned.clear()
+
     def remove_hooks(self) -> None:
         for handle in self.hooks:
             handle.remove()
@@ -178,10 +261,8 @@ class _Swap:
 
 def sharded_param(param: torch.Tensor) -> nn.Parameter | None:
     """The sharded parameter a live context's full ``param`` stands for, else None."""
-    summoned = _FULL_PARAMS.get(id(param))
-    if summoned is None or summoned.full is not param:
-        return None
-    return summoned.entry.sharded()
+    summoned = registry.record_of(param)
+    return None if summoned is None else summoned.entry.sharded()
 
 
 def original_params(param: torch.Tensor) -> list[nn.Parameter]:
@@ -191,11 +272,10 @@ def original_params(param: torch.Tensor) -> list[nn.Parameter]:
     a map was built, FSDP2's unsharded parameter too. Empty if ``param`` is
     not a live context's full parameter.
     """
-    sharded = sharded_param(param)
-    if sharded is None:
+    summoned = registry.record_of(param)
+    if summoned is None:
         return []
-    summoned = _FULL_PARAMS[id(param)]
-    found = [sharded]
+    found = [summoned.entry.sharded()]
     if summoned.entry.fsdp_param is not None:
         unsharded = fsdp2.unsharded_param_if_any(summoned.entry.fsdp_param)
         if unsharded is not None:
@@ -304,7 +384,7 @@ def _install_forward_hooks(swap: _Swap, rank0_only: bool, keep: bool) -> None:
         # every rank, before FSDP2's own pre-forward runs.
         message = (
             f"forward inside summon_full_params({_module_label(scope.root)}, rank0_only=True) "
-            "is not supported: only rank 0 holds full parameters"
+            "is not supported: only rank 0 (of each FSDP shard group) holds full parameters"
         )
         guarded = [*(m for g in scope.groups for m in fsdp2.group_modules(g)), scope.root, *roots]
         _refuse_forwards(swap, guarded, message)
@@ -367,6 +447,57 @@ def _gather_grads(
     return {i: g for i, g in zip(with_grad, gathered.tensors) if g is not None}
 
 
+#: Said when a summon happens during forward or backward; FSDP1's own sentence comes first.
+FORWARD_BACKWARD_ERROR = "Cannot manually unshard parameters during forward/backward"
+
+
+def _refuse_before_anything(module: nn.Module, scope: Scope, writeback: bool, thread: int,
+                            mine: dict[Any, Any]) -> None:
+    """Every misuse this call can detect, before any collective or change, alike on every rank."""
+    busy = fsdp2.busy_training_state(scope.states, list(scope.groups))
+    if busy is not None:
+        raise AssertionError(
+            f"{FORWARD_BACKWARD_ERROR}: summon_full_params({_module_label(module)}) during FSDP2 "
+            f"forward/backward (training state {busy})"
+        )
+    if writeback:
+        for key in scope.enclosed:
+            if not mine[key].writeback:
+                raise RuntimeError(
+                    f"summon_full_params({_module_label(module)}, writeback=True) inside an enclosing "
+                    "writeback=False context that already holds some of its parameters: their edits would "
+                    "be discarded by the outer context. Use writeback=True outside, or summon after it."
+                )
+    for entry in scope.params:
+        for slot in entry.slots:
+            owner = registry.owner_of(slot_key(*slot))
+            if owner is not None and owner.thread != thread:
+                raise RuntimeError(
+                    f"summon_full_params({_module_label(module)}) refused: {_slot_fqn(module, slot)!r} is "
+                    "summoned by a context in another thread. Use one thread per rank for collectives."
+                )
+        sharded = entry.sharded()
+        placements = getattr(sharded, "placements", ())
+        reason = ungatherable_reason(placements)
+        if reason is None and writeback:
+            reason = writeback_refusal(placements)
+        if reason is not None:
+            raise NotImplementedError(f"cannot summon {_slot_fqn(module, entry.slots[0])!r}: {reason}")
+
+
+def _keeps_full_params(scope: Scope, rank0_only: bool) -> bool:
+    """Whether this rank holds full parameters: FSDP1's ``rank0_only`` is rank 0 *of the FSDP group*.
+
+    Under HSDP that is rank 0 of every shard group (every replica), as FSDP1
+    does; with no FSDP2 unit in scope (tensor parallel alone) it is global rank 0.
+    """
+    if not rank0_only:
+        return True
+    if scope.groups:
+        return all(fsdp2.shard_rank(group) == 0 for group in scope.groups)
+    return dist.get_rank() == 0
+
+
 @contextlib.contextmanager
 def summon_dtensor_params(
     module: nn.Module,
@@ -379,20 +510,34 @@ def summon_dtensor_params(
     bucket_bytes: int | None = None,
 ) -> Iterator[None]:
     """The DTensor implementation of ``summon_full_params``. See [Note: swap lifecycle]."""
-    scope = collect_scope(module, recurse, _SUMMONED_SLOTS)
+    thread = registry.current_thread()
+    mine = registry.slots_of_thread(thread)
+    scope = collect_scope(module, recurse, mine)
     if not scope.params:
         yield  # no-op: nothing distributed in scope, or all summoned by an enclosing call
         return
-    busy = fsdp2.busy_training_state(scope.states, list(scope.groups))
-    if busy is not None:
-        raise AssertionError(
-            f"Cannot summon full parameters of {_module_label(module)} during FSDP2 "
-            f"forward/backward (training state {busy})"
-        )
-    for entry in scope.params:  # refusals come before any collective or change, alike on every rank
-        reason = ungatherable_reason(getattr(entry.sharded(), "placements", ()))
-        if reason is not None:
-            raise NotImplementedError(f"cannot summon parameter {_slot_fqn(module, entry.slots[0])!r}: {reason}")
+    _refuse_before_anything(module, scope, writeback, thread, mine)
+    groups = {id(g): g for entry in scope.params for g in mesh_groups(entry.sharded())}.values()
+    fsdp2.refuse_fully_shard_inside(registry.has_live_context)
+    registry.enter(thread, groups, _module_label(module))
+    try:
+        with _summoned(module, scope, writeback, rank0_only, offload_to_cpu, with_grads, bucket_bytes):
+            yield
+    finally:
+        registry.leave(thread, groups)
+
+
+@contextlib.contextmanager
+def _summoned(
+    module: nn.Module,
+    scope: Scope,
+    writeback: bool,
+    rank0_only: bool,
+    offload_to_cpu: bool,
+    with_grads: bool,
+    bucket_bytes: int | None,
+) -> Iterator[None]:
+    started = time.perf_counter()
     fsdp2.lazy_init_root(_states_of(scope))
     for group in scope.groups:
         fsdp2.adopt_module_params(group)
@@ -403,11 +548,11 @@ def summon_dtensor_params(
         if not isinstance(dtensor, DTensor):
             raise AssertionError(f"expected a DTensor parameter at {entry.slots[0][1]!r}, got {type(dtensor)}")
         dtensors.append(dtensor)
-    keep = not rank0_only or dist.get_rank() == 0
+    keep = _keeps_full_params(scope, rank0_only)
     out_device = torch.device("cpu") if offload_to_cpu else None
     gathered = gather_full_tensors(dtensors, keep=keep, out_device=out_device, bucket_bytes=bucket_bytes)
     grads = _gather_grads(dtensors, keep, out_device, bucket_bytes) if with_grads else {}
-    swap = _Swap(scope)
+    swap = _Swap(scope, writeback)
     try:
         if keep:
             swap.swap_in(dtensors, gathered, grads)
@@ -415,14 +560,18 @@ def summon_dtensor_params(
             swap.convert_inside()
         del gathered, grads
         _install_forward_hooks(swap, rank0_only, keep)
-        logger.debug(
-            "summoned %d parameters of %s (recurse=%s, rank0_only=%s, kept=%s)",
-            len(dtensors), _module_label(module), recurse, rank0_only, keep,
-        )
+        if logger.isEnabledFor(logging.DEBUG):
+            nbytes = sum(d.numel() * d.element_size() for d in dtensors)
+            logger.debug(
+                "summon_full_params(%s): route=dtensor, %d tensors, %.1f MiB gathered in %.1f ms "
+                "(rank0_only=%s, full tensors on this rank=%s)", _module_label(module), len(dtensors),
+                nbytes / 2**20, (time.perf_counter() - started) * 1e3, rank0_only, keep,
+            )
         yield
     finally:
         swap.remove_hooks()
         try:
+            swap.inspect()
             swap.restore()
             swap.replay_conversions()
             if writeback:
