@@ -94,13 +94,16 @@ class _Summoned:
     full: torch.Tensor  # what every slot holds inside: an nn.Parameter (a plain tensor for buffers)
     layout: Dim0Layout | None  # how it was gathered; writeback reuses it
     full_version: int = 0  # full._version at swap-in
-    local: tuple[int, int] = (0, 0)  # (id, _version) of the shard's local tensor at swap-in
+    shard_versions: tuple[int, int, int] = (0, 0, 0)  # see shard_state()
     #: What the slots held at exit: ``full``, a replacement, or _MISSING. See [Note: exit checks].
     current: Any = None
+    shard_changed: bool = False  # by someone else, inside the context (set at exit, before any replay)
 
-    def changed_shard(self) -> bool:
+    def shard_state(self) -> tuple[int, int, int]:
+        """In-place changes to the shard: the DTensor's own version counter (DTensor ops bump it,
+        not the local tensor's) and the local tensor's (direct edits of ``_local_tensor``)."""
         local = self.sharded._local_tensor
-        return id(local) == self.local[0] and local._version != self.local[1]
+        return (self.sharded._version, id(local), local._version)
 
     def changed_full(self) -> bool:
         return self.current is not self.full or self.full._version != self.full_version
@@ -133,8 +136,8 @@ class _Swap:
                 value = nn.Parameter(full, requires_grad=sharded.requires_grad)
                 if index in grads:
                     value.grad = grads[index]
-            local = sharded._local_tensor
-            summoned = _Summoned(entry, sharded, value, layout, value._version, (id(local), local._version))
+            summoned = _Summoned(entry, sharded, value, layout, value._version)
+            summoned.shard_versions = summoned.shard_state()
             self.summoned.append(summoned)
             if not entry.is_buffer:
                 registry.add_full(value, summoned)
@@ -171,15 +174,16 @@ class _Swap:
     def inspect(self) -> None:
         """Record what each summoned tensor's slots hold now. See [Note: exit checks]."""
         for item in self.summoned:
+            item.shard_changed = item.shard_state() != item.shard_versions
             values = [item.entry.tensors(m).get(n, _MISSING) for m, n in item.entry.slots]
             if any(v is _MISSING or v is None for v in values):
                 item.current = _MISSING
                 continue
-            replacements = {id(v): v for v in values if v is not item.full}
-            if len(replacements) > 1:
-                item.current = _MISSING  # tied slots replaced by different tensors: no one value
+            replacements = list({id(v): v for v in values if v is not item.full}.values())
+            if len(replacements) > 1 and not all(torch.equal(replacements[0], v) for v in replacements[1:]):
+                item.current = _MISSING  # tied slots replaced by different values: no one value
             else:
-                item.current = next(iter(replacements.values()), item.full)
+                item.current = replacements[0] if replacements else item.full
 
     def restore(self) -> None:
         """Every slot gets back the exact object it held; marks and suspended hooks undone.
@@ -230,7 +234,7 @@ class _Swap:
                 problems.append(f"{self.name(item)}: deleted (or tied slots replaced by different tensors) "
                                 "inside the context, so there is no value to write back")
                 continue
-            if item.changed_shard():
+            if item.shard_changed:
                 if item.changed_full():
                     problems.append(
                         f"{self.name(item)}: changed inside the context and, separately, in its shard "
@@ -451,8 +455,7 @@ def _gather_grads(
 FORWARD_BACKWARD_ERROR = "Cannot manually unshard parameters during forward/backward"
 
 
-def _refuse_before_anything(module: nn.Module, scope: Scope, writeback: bool, thread: int,
-                            mine: dict[Any, Any]) -> None:
+def _refuse_before_anything(module: nn.Module, scope: Scope, writeback: bool, thread: int) -> None:
     """Every misuse this call can detect, before any collective or change, alike on every rank."""
     busy = fsdp2.busy_training_state(scope.states, list(scope.groups))
     if busy is not None:
@@ -460,14 +463,6 @@ def _refuse_before_anything(module: nn.Module, scope: Scope, writeback: bool, th
             f"{FORWARD_BACKWARD_ERROR}: summon_full_params({_module_label(module)}) during FSDP2 "
             f"forward/backward (training state {busy})"
         )
-    if writeback:
-        for key in scope.enclosed:
-            if not mine[key].writeback:
-                raise RuntimeError(
-                    f"summon_full_params({_module_label(module)}, writeback=True) inside an enclosing "
-                    "writeback=False context that already holds some of its parameters: their edits would "
-                    "be discarded by the outer context. Use writeback=True outside, or summon after it."
-                )
     for entry in scope.params:
         for slot in entry.slots:
             owner = registry.owner_of(slot_key(*slot))
@@ -513,10 +508,18 @@ def summon_dtensor_params(
     thread = registry.current_thread()
     mine = registry.slots_of_thread(thread)
     scope = collect_scope(module, recurse, mine)
+    if writeback:
+        for key in scope.enclosed:
+            if not mine[key].writeback:
+                raise RuntimeError(
+                    f"summon_full_params({_module_label(module)}, writeback=True) inside an enclosing "
+                    "writeback=False context that already holds some of its parameters: their edits would "
+                    "be discarded by the outer context. Use writeback=True outside, or summon after it."
+                )
     if not scope.params:
         yield  # no-op: nothing distributed in scope, or all summoned by an enclosing call
         return
-    _refuse_before_anything(module, scope, writeback, thread, mine)
+    _refuse_before_anything(module, scope, writeback, thread)
     groups = {id(g): g for entry in scope.params for g in mesh_groups(entry.sharded())}.values()
     fsdp2.refuse_fully_shard_inside(registry.has_live_context)
     registry.enter(thread, groups, _module_label(module))
