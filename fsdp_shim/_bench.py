@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_shim
 from fsdp_shim._launch import rank_device
-from fsdp_shim._models import Block, LMConfig, build_lm, shard_lm
+from fsdp_shim._models import Block, LMConfig, build_lm, shard_lm, tokens_for
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,7 @@ class BenchConfig:
     per_unit: bool = True  # the weight-sync loop contenders
     rank0_only: bool = False  # the full-model shim contenders with rank0_only
     fsdp1: bool = True
+    between: bool = True  # summon between forward and backward (reshard_after_forward=False)
 
 
 # -- peak memory --------------------------------------------------------------
@@ -104,7 +105,10 @@ class PeakMemory:
 
 
 # -- contenders ---------------------------------------------------------------
-def _contenders(cfg: BenchConfig, model: nn.Module, fsdp1_model: nn.Module | None) -> dict[str, Callable[[], None]]:
+def _contenders(
+    cfg: BenchConfig, model: nn.Module, fsdp1_model: nn.Module | None, held: nn.Module | None,
+    tokens: torch.Tensor,
+) -> dict[str, Callable[[], None]]:
     units = [cast(FSDPModule, unit) for _, unit in fsdp_shim.fsdp_units(model)]
 
     def shim(writeback: bool, bucket_mb: float | None = None, rank0_only: bool = False) -> Callable[[], None]:
@@ -152,6 +156,19 @@ def _contenders(cfg: BenchConfig, model: nn.Module, fsdp1_model: nn.Module | Non
     if cfg.per_unit:
         contenders["per_unit_shim"] = per_unit_shim
         contenders["per_unit_unshard"] = per_unit_unshard
+    if held is not None:
+        def forward_backward(summon: bool) -> Callable[[], None]:
+            def run() -> None:
+                loss = cast(nn.Module, held)(tokens).float().pow(2).mean()
+                if summon:  # FSDP1 keeps forward's storage; the shim copies it instead of gathering
+                    with fsdp_shim.summon_full_params(cast(nn.Module, held), writeback=False):
+                        pass
+                loss.backward()
+                cast(nn.Module, held).zero_grad(set_to_none=True)
+            return run
+
+        contenders["fwd_bwd"] = forward_backward(False)
+        contenders["fwd_summon_bwd"] = forward_backward(True)
     return contenders
 
 
@@ -161,6 +178,7 @@ RATIOS = [
     ("shim / full_tensor_loop", "shim", "full_tensor_loop"),
     ("writeback / no writeback", "shim_writeback", "shim"),
     ("per-unit loop: shim / unshard", "per_unit_shim", "per_unit_unshard"),
+    ("fwd+summon+bwd / fwd+bwd", "fwd_summon_bwd", "fwd_bwd"),
 ]
 
 
@@ -179,7 +197,11 @@ def _setup(cfg: BenchConfig) -> tuple[torch.device, LMConfig, dict[str, Callable
     if cfg.fsdp1:
         fsdp1_model = FSDP(build_lm(model_cfg).to(device), auto_wrap_policy=ModuleWrapPolicy({Block}),
                            use_orig_params=True, device_id=device)
-    return device, model_cfg, _contenders(cfg, model, fsdp1_model)
+    held = None
+    if cfg.between:
+        held = shard_lm(build_lm(model_cfg).to(device), mesh, reshard_after_forward=False)
+    tokens = tokens_for(model_cfg).to(device)
+    return device, model_cfg, _contenders(cfg, model, fsdp1_model, held, tokens)
 
 
 def time_on_rank(cfg: BenchConfig) -> dict[str, object]:

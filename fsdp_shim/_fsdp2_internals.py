@@ -79,6 +79,7 @@ __all__ = [
     "mark_summoned",
     "SuspendedHooks",
     "suspend_load_post_hooks",
+    "unsharded_in_stored_dtype",
     "unsharded_param_if_any",
     "param_dtype_for_forward",
     "param_groups",
@@ -211,12 +212,35 @@ def adopt_module_params(group: FSDPParamGroup) -> None:
         group._reset_sharded_params = True
 
 
+def unsharded_in_stored_dtype(group: FSDPParamGroup) -> bool:
+    """Whether a forward left this group unsharded with exact copies of its sharded parameters.
+
+    True when FSDP2's unsharded parameters sit in the module slots, allocated,
+    in the sharded parameters' own dtype (no ``param_dtype`` cast): they are
+    then the full values, with no all-gather needed. See [Note: units left
+    unsharded] in ``_swap``. Depends only on FSDP2 state every rank shares.
+    """
+    if group._sharded_state != ShardedState.UNSHARDED:
+        return False
+    for fsdp_param in group.fsdp_params:
+        unsharded = unsharded_param_if_any(fsdp_param)
+        info = fsdp_param._module_info
+        if (
+            unsharded is None
+            or info.module._parameters.get(info.param_name) is not unsharded
+            or unsharded.dtype != fsdp_param.sharded_param.dtype
+            or unsharded.untyped_storage().size() == 0
+        ):
+            return False
+    return True
+
+
 def reshard_group(group: FSDPParamGroup) -> None:
     """Free the unsharded copy and register the sharded parameters, as ``reshard()`` does.
 
-    Used for units an earlier forward left unsharded (the root, or
-    ``reshard_after_forward=False``); ``state_dict()``'s pre-hook does the same.
-    The next forward all-gathers again.
+    Used for units an earlier forward left unsharded in ``param_dtype`` (the
+    root, or ``reshard_after_forward=False``); ``state_dict()``'s pre-hook does
+    the same. The next forward all-gathers again.
     """
     if not group.is_sharded:
         group._to_sharded()

@@ -93,8 +93,9 @@ def gloo_average_sums() -> bool:
         return False
     world_size = dist.get_world_size()
     out = torch.zeros(1)
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in 2.13
     try:
-        dist.reduce_scatter_tensor(out, torch.ones(world_size), op=dist.ReduceOp.AVG)
+        reduce_scatter(out, torch.ones(world_size), op=dist.ReduceOp.AVG)
     except RuntimeError:
         return True
     return out.item() != 1.0

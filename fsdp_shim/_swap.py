@@ -20,6 +20,18 @@ mark is undone, conversions made inside are replayed on the shards (see
 [Note: conversions inside]), then writeback if asked (local copies into the
 original shards, see [Note: writeback needs no collective]).
 
+[Note: units left unsharded]
+FSDP2 leaves the root unsharded after forward, and every unit with
+``reshard_after_forward=False``. If such a unit is wholly in scope and its
+unsharded parameters are exact copies of the sharded ones (no
+``param_dtype`` cast), the context copies them instead of all-gathering, and
+leaves the unit unsharded on exit, as FSDP1 keeps "storage behaviour the same
+as forward": a summon between forward and backward then costs a local copy,
+not an all-gather now plus another in backward. Writeback writes the shards
+and the unsharded parameters alike. A unit unsharded in ``param_dtype`` is
+resharded on entry (as FSDP2's ``state_dict()`` does) and gathered from its
+fp32 master weights; its next forward all-gathers again.
+
 [Note: exit checks]
 Before the slots are restored, each summoned tensor's slots are read: they
 hold its full tensor, a replacement (assignment, ``load_state_dict(assign=
@@ -98,6 +110,8 @@ class _Summoned:
     #: What the slots held at exit: ``full``, a replacement, or _MISSING. See [Note: exit checks].
     current: Any = None
     shard_changed: bool = False  # by someone else, inside the context (set at exit, before any replay)
+    #: FSDP2's unsharded parameter this full tensor was copied from (a unit left unsharded), kept in step.
+    unsharded: torch.Tensor | None = None
 
     def shard_state(self) -> tuple[int, int, int]:
         """In-place changes to the shard: the DTensor's own version counter (DTensor ops bump it,
@@ -128,7 +142,10 @@ class _Swap:
         return _slot_fqn(self.scope.root, item.entry.slots[0])
 
     # -- entry -----------------------------------------------------------
-    def swap_in(self, dtensors: list[DTensor], gathered: Gathered, grads: dict[int, torch.Tensor]) -> None:
+    def swap_in(
+        self, dtensors: list[DTensor], gathered: Gathered, grads: dict[int, torch.Tensor],
+        reused: dict[int, torch.Tensor],
+    ) -> None:
         for index, (entry, sharded, full, layout) in enumerate(zip(self.scope.params, dtensors, *gathered)):
             assert full is not None  # kept ranks hold every tensor
             value: torch.Tensor = full
@@ -136,7 +153,7 @@ class _Swap:
                 value = nn.Parameter(full, requires_grad=sharded.requires_grad)
                 if index in grads:
                     value.grad = grads[index]
-            summoned = _Summoned(entry, sharded, value, layout, value._version)
+            summoned = _Summoned(entry, sharded, value, layout, value._version, unsharded=reused.get(index))
             summoned.shard_versions = summoned.shard_state()
             self.summoned.append(summoned)
             if not entry.is_buffer:
@@ -245,6 +262,11 @@ class _Swap:
         if problems:
             raise RuntimeError("summon_full_params writeback refused, nothing written:\n  " + "\n  ".join(problems))
         write_back_locals(items)
+        with torch.no_grad():  # units left unsharded stay so, in step with their shards
+            for item in self.summoned:
+                # only what changed: an in-place copy bumps the version autograd checks in backward
+                if item.unsharded is not None and not torch.equal(item.unsharded, item.current):
+                    item.unsharded.copy_(item.current)
         if with_grads:
             write_back_locals([
                 (item.sharded.grad, item.full.grad, None)  # type: ignore[misc]
@@ -542,9 +564,12 @@ def _summoned(
 ) -> Iterator[None]:
     started = time.perf_counter()
     fsdp2.lazy_init_root(_states_of(scope))
+    # See [Note: units left unsharded]
+    unsharded_groups = {g for g, fully in scope.groups.items() if fully and fsdp2.unsharded_in_stored_dtype(g)}
     for group in scope.groups:
         fsdp2.adopt_module_params(group)
-        fsdp2.reshard_group(group)
+        if group not in unsharded_groups:
+            fsdp2.reshard_group(group)
     dtensors: list[DTensor] = []
     for entry in scope.params:
         dtensor = entry.sharded()  # after adoption: FSDP2 may have adopted a replaced parameter
@@ -553,12 +578,25 @@ def _summoned(
         dtensors.append(dtensor)
     keep = _keeps_full_params(scope, rank0_only)
     out_device = torch.device("cpu") if offload_to_cpu else None
-    gathered = gather_full_tensors(dtensors, keep=keep, out_device=out_device, bucket_bytes=bucket_bytes)
+    to_gather = [i for i, entry in enumerate(scope.params) if entry.group not in unsharded_groups]
+    some = gather_full_tensors([dtensors[i] for i in to_gather], keep=keep, out_device=out_device,
+                               bucket_bytes=bucket_bytes)
+    gathered = Gathered([None] * len(dtensors), [None] * len(dtensors))
+    for i, full, layout in zip(to_gather, *some):
+        gathered.tensors[i], gathered.layouts[i] = full, layout
+    del some
+    reused: dict[int, torch.Tensor] = {}
+    if keep and unsharded_groups:
+        with torch.no_grad():
+            for i, entry in enumerate(scope.params):
+                if entry.group in unsharded_groups:
+                    reused[i] = fsdp2.unsharded_param_if_any(entry.fsdp_param)  # type: ignore[arg-type,assignment]
+                    gathered.tensors[i] = reused[i].detach().to(out_device or reused[i].device, copy=True)
     grads = _gather_grads(dtensors, keep, out_device, bucket_bytes) if with_grads else {}
     swap = _Swap(scope, writeback)
     try:
         if keep:
-            swap.swap_in(dtensors, gathered, grads)
+            swap.swap_in(dtensors, gathered, grads, reused)
             swap.mark_groups()
             swap.convert_inside()
         del gathered, grads

@@ -73,7 +73,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     cfg = BenchConfig(
         layers=args.layers, width=args.width, vocab=args.vocab, reps=args.reps, warmup=args.warmup,
         device=args.device, bucket_mb=tuple(args.bucket_mb), per_unit=not args.no_per_unit,
-        rank0_only=args.rank0_only, fsdp1=args.fsdp1,
+        rank0_only=args.rank0_only, fsdp1=args.fsdp1, between=not args.no_between,
     )
     backend = _backend(args.device)
     result = run_on_ranks(time_on_rank, args.ranks, (cfg,), backend=backend, timeout_s=args.timeout)[0]
@@ -118,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=int, default=2)
     bench.add_argument("--bucket-mb", type=float, nargs="*", default=[], help="extra shim contenders at these caps")
     bench.add_argument("--no-per-unit", action="store_true", help="skip the recurse=False weight-sync loop")
+    bench.add_argument("--no-between", action="store_true",
+                       help="skip summon between forward and backward (reshard_after_forward=False)")
     bench.add_argument("--rank0-only", action="store_true", help="add a rank0_only=True shim contender")
     bench.add_argument("--fsdp1", action=argparse.BooleanOptionalAction, default=True, help="FSDP1 contender")
     bench.add_argument("--json", action="store_true", help="print the result as JSON")

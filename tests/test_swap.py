@@ -562,3 +562,38 @@ def rank_writeback_of_a_reshaped_parameter_fails_cleanly():
 
 def test_writeback_of_a_reshaped_parameter_fails_cleanly(dist_run):
     dist_run(2, rank_writeback_of_a_reshaped_parameter_fails_cleanly)
+
+
+def rank_summon_between_forward_and_backward_keeps_units_unsharded(writeback: bool):
+    """FSDP1 keeps "storage behaviour the same as forward"; better, the shim gathers nothing for them."""
+    from fsdp_shim import _fsdp2_internals as fsdp2
+
+    ref, model = _models(reshard_after_forward=False)
+    tokens = tokens_for(LMConfig())
+    loss = model(tokens).pow(2).mean()  # every unit now unsharded, fp32: exact copies of the shards
+    in_slots = {n: p for n, p in model.named_parameters()}
+    assert not any(isinstance(p, DTensor) for p in in_slots.values())
+    with patched(), FSDP.summon_full_params(model, writeback=writeback):
+        assert_params_equal(model, ref)
+        assert all(p is not in_slots[n] for n, p in model.named_parameters())  # copies: edits stay ours
+        with torch.no_grad():
+            model.norm.bias.add_(1.0)
+    assert all(p is in_slots[n] for n, p in model.named_parameters())  # still unsharded, same objects
+    states = [fsdp2.fsdp_state_of(m) for m in (model, model.blocks[0], model.blocks[1])]
+    assert all(g._sharded_state == fsdp2.ShardedState.UNSHARDED for s in states for g in fsdp2.param_groups(s))
+    if writeback:  # the edit is in the kept unsharded parameter and in the shard
+        with torch.no_grad():
+            ref.norm.bias.add_(1.0)
+        assert torch.equal(model.norm.bias, ref.norm.bias)
+        assert torch.equal(full_state(model)["norm.bias"], ref.norm.bias)
+        model.zero_grad(set_to_none=True)
+        loss = model(tokens).pow(2).mean()  # (the old graph saw the old bias: autograd rightly refuses it)
+    loss.backward()  # runs on the kept unsharded parameters
+    ref(tokens).pow(2).mean().backward()
+    for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p.grad.full_tensor(), r.grad), name
+
+
+@pytest.mark.parametrize("writeback", [False, True])
+def test_summon_between_forward_and_backward_keeps_units_unsharded(dist_run, writeback):
+    dist_run(2, rank_summon_between_forward_and_backward_keeps_units_unsharded, writeback)
