@@ -11,8 +11,8 @@ differences live in ``_fsdp2_internals``, next door.
 | subclass of ``Shard``, so ``is_shard(0)`` is True for it |                    |
 | placements are C++ objects; ``_StridedShard`` is not a  | >= 2.10            |
 | ``Shard``                                               |                    |
-| ``full_tensor()`` of a standalone ``_StridedShard``     | 2.10, 2.11         |
-| fails inside torch                                      |                    |
+| ``full_tensor()`` of a standalone ``_StridedShard`` (no | 2.10, 2.11         |
+| plain ``Shard`` of its dim on another mesh dim) fails   |                    |
 | ``dist.all_gather_single`` (the old name warns)         | >= 2.13            |
 The fast path therefore tests placement *types* exactly (``type(p) is
 Shard``), never ``is_shard()``: a placement it does not know, today's or a
@@ -95,9 +95,21 @@ def ungatherable_reason(placements: Sequence[Placement]) -> str | None:
     Depends on placements and the torch release only, so every rank answers
     alike and a refusal comes before any collective.
     """
-    if STRIDED_SHARD_FULL_TENSOR_BROKEN and any(is_strided_shard(p) for p in placements):
+    if STRIDED_SHARD_FULL_TENSOR_BROKEN and any(_is_standalone_strided(p, placements) for p in placements):
         return (
-            f"placement {tuple(placements)} contains _StridedShard, which torch {torch.__version__}'s "
-            "DTensor.full_tensor() cannot gather (fixed in torch 2.12)"
+            f"placement {tuple(placements)} has a _StridedShard that no other mesh dim completes, which "
+            f"torch {torch.__version__}'s DTensor.full_tensor() cannot gather (fixed in torch 2.12)"
         )
     return None
+
+
+def _is_standalone_strided(placement: Placement, placements: Sequence[Placement]) -> bool:
+    """A ``_StridedShard`` without a plain ``Shard`` of the same tensor dim on another mesh dim.
+
+    FSDP2 over tensor parallel produces ``(_StridedShard(0, sf), Shard(0))``,
+    which every supported torch gathers; only the standalone form fails.
+    """
+    if not is_strided_shard(placement):
+        return False
+    dim = placement.dim  # type: ignore[attr-defined]
+    return not any(type(other) is Shard and other.dim == dim for other in placements)  # type: ignore[attr-defined]

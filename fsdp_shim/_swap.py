@@ -24,13 +24,18 @@ original shards, see [Note: writeback needs no collective]).
 FSDP2 leaves the root unsharded after forward, and every unit with
 ``reshard_after_forward=False``. If such a unit is wholly in scope and its
 unsharded parameters are exact copies of the sharded ones (no
-``param_dtype`` cast), the context copies them instead of all-gathering, and
-leaves the unit unsharded on exit, as FSDP1 keeps "storage behaviour the same
-as forward": a summon between forward and backward then costs a local copy,
-not an all-gather now plus another in backward. Writeback writes the shards
-and the unsharded parameters alike. A unit unsharded in ``param_dtype`` is
-resharded on entry (as FSDP2's ``state_dict()`` does) and gathered from its
-fp32 master weights; its next forward all-gathers again.
+``param_dtype`` cast), the context copies them instead of all-gathering.
+Unsharded in a ``param_dtype`` (bf16 copies), it is resharded on entry and
+gathered from the fp32 master weights. Either way the unit is resharded when
+the context ends, as FSDP2's own ``state_dict()`` does, and its next forward
+(or pre-backward) all-gathers again. FSDP1 instead keeps "storage behaviour
+the same as forward"; we do not, on evidence: in plain FSDP2 (2.7 and 2.13,
+no shim involved), training that starts while a ``no_grad`` forward (eval,
+``generate()``) has left units unsharded drifts from the reference (Llama,
+2 ranks: 3.6e-2 after 2 SGD steps with the root unsharded, 1.0e-2 with
+``reshard_after_forward=False`` layers), and exact after ``reshard()``.
+Keeping units unsharded would carry that into every RL step that generates
+under ``summon_full_params`` and then trains.
 
 [Note: exit checks]
 Before the slots are restored, each summoned tensor's slots are read: they
@@ -110,8 +115,6 @@ class _Summoned:
     #: What the slots held at exit: ``full``, a replacement, or _MISSING. See [Note: exit checks].
     current: Any = None
     shard_changed: bool = False  # by someone else, inside the context (set at exit, before any replay)
-    #: FSDP2's unsharded parameter this full tensor was copied from (a unit left unsharded), kept in step.
-    unsharded: torch.Tensor | None = None
 
     def shard_state(self) -> tuple[int, int, int]:
         """In-place changes to the shard: the DTensor's own version counter (DTensor ops bump it,
@@ -142,10 +145,7 @@ class _Swap:
         return _slot_fqn(self.scope.root, item.entry.slots[0])
 
     # -- entry -----------------------------------------------------------
-    def swap_in(
-        self, dtensors: list[DTensor], gathered: Gathered, grads: dict[int, torch.Tensor],
-        reused: dict[int, torch.Tensor],
-    ) -> None:
+    def swap_in(self, dtensors: list[DTensor], gathered: Gathered, grads: dict[int, torch.Tensor]) -> None:
         for index, (entry, sharded, full, layout) in enumerate(zip(self.scope.params, dtensors, *gathered)):
             assert full is not None  # kept ranks hold every tensor
             value: torch.Tensor = full
@@ -153,7 +153,7 @@ class _Swap:
                 value = nn.Parameter(full, requires_grad=sharded.requires_grad)
                 if index in grads:
                     value.grad = grads[index]
-            summoned = _Summoned(entry, sharded, value, layout, value._version, unsharded=reused.get(index))
+            summoned = _Summoned(entry, sharded, value, layout, value._version)
             summoned.shard_versions = summoned.shard_state()
             self.summoned.append(summoned)
             if not entry.is_buffer:
@@ -262,11 +262,6 @@ class _Swap:
         if problems:
             raise RuntimeError("summon_full_params writeback refused, nothing written:\n  " + "\n  ".join(problems))
         write_back_locals(items)
-        with torch.no_grad():  # units left unsharded stay so, in step with their shards
-            for item in self.summoned:
-                # only what changed: an in-place copy bumps the version autograd checks in backward
-                if item.unsharded is not None and not torch.equal(item.unsharded, item.current):
-                    item.unsharded.copy_(item.current)
         if with_grads:
             write_back_locals([
                 (item.sharded.grad, item.full.grad, None)  # type: ignore[misc]
@@ -585,18 +580,18 @@ def _summoned(
     for i, full, layout in zip(to_gather, *some):
         gathered.tensors[i], gathered.layouts[i] = full, layout
     del some
-    reused: dict[int, torch.Tensor] = {}
     if keep and unsharded_groups:
         with torch.no_grad():
             for i, entry in enumerate(scope.params):
                 if entry.group in unsharded_groups:
-                    reused[i] = fsdp2.unsharded_param_if_any(entry.fsdp_param)  # type: ignore[arg-type,assignment]
-                    gathered.tensors[i] = reused[i].detach().to(out_device or reused[i].device, copy=True)
+                    unsharded = fsdp2.unsharded_param_if_any(entry.fsdp_param)  # type: ignore[arg-type]
+                    assert unsharded is not None
+                    gathered.tensors[i] = unsharded.detach().to(out_device or unsharded.device, copy=True)
     grads = _gather_grads(dtensors, keep, out_device, bucket_bytes) if with_grads else {}
     swap = _Swap(scope, writeback)
     try:
         if keep:
-            swap.swap_in(dtensors, gathered, grads, reused)
+            swap.swap_in(dtensors, gathered, grads)
             swap.mark_groups()
             swap.convert_inside()
         del gathered, grads
@@ -614,6 +609,8 @@ def _summoned(
         try:
             swap.inspect()
             swap.restore()
+            for group in unsharded_groups:  # as 0.1.0 and FSDP2's state_dict(): see [Note: units left unsharded]
+                fsdp2.reshard_group(group)
             swap.replay_conversions()
             if writeback:
                 swap.write_back(with_grads)

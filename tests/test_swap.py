@@ -564,36 +564,33 @@ def test_writeback_of_a_reshaped_parameter_fails_cleanly(dist_run):
     dist_run(2, rank_writeback_of_a_reshaped_parameter_fails_cleanly)
 
 
-def rank_summon_between_forward_and_backward_keeps_units_unsharded(writeback: bool):
-    """FSDP1 keeps "storage behaviour the same as forward"; better, the shim gathers nothing for them."""
-    from fsdp_shim import _fsdp2_internals as fsdp2
-
+def rank_summon_between_forward_and_backward_copies_units_left_unsharded(writeback: bool):
+    """Units a forward left unsharded (fp32) are copied, not gathered; resharded after, as FSDP2's state_dict()."""
     ref, model = _models(reshard_after_forward=False)
     tokens = tokens_for(LMConfig())
     loss = model(tokens).pow(2).mean()  # every unit now unsharded, fp32: exact copies of the shards
     in_slots = {n: p for n, p in model.named_parameters()}
     assert not any(isinstance(p, DTensor) for p in in_slots.values())
+    sharded = {n: fp for n, fp in _sharded_params(model)}
     with patched(), FSDP.summon_full_params(model, writeback=writeback):
         assert_params_equal(model, ref)
         assert all(p is not in_slots[n] for n, p in model.named_parameters())  # copies: edits stay ours
         with torch.no_grad():
             model.norm.bias.add_(1.0)
-    assert all(p is in_slots[n] for n, p in model.named_parameters())  # still unsharded, same objects
-    states = [fsdp2.fsdp_state_of(m) for m in (model, model.blocks[0], model.blocks[1])]
-    assert all(g._sharded_state == fsdp2.ShardedState.UNSHARDED for s in states for g in fsdp2.param_groups(s))
-    if writeback:  # the edit is in the kept unsharded parameter and in the shard
+    assert all(p is sharded[n] for n, p in _sharded_params(model))
+    assert all(isinstance(p, DTensor) for p in model.parameters())  # resharded, as after state_dict()
+    if writeback:
         with torch.no_grad():
             ref.norm.bias.add_(1.0)
-        assert torch.equal(model.norm.bias, ref.norm.bias)
-        assert torch.equal(full_state(model)["norm.bias"], ref.norm.bias)
         model.zero_grad(set_to_none=True)
         loss = model(tokens).pow(2).mean()  # (the old graph saw the old bias: autograd rightly refuses it)
-    loss.backward()  # runs on the kept unsharded parameters
+    loss.backward()  # FSDP2 all-gathers again in pre-backward
     ref(tokens).pow(2).mean().backward()
     for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
         assert torch.equal(p.grad.full_tensor(), r.grad), name
+    assert torch.equal(full_state(model)["norm.bias"], ref.norm.bias)
 
 
 @pytest.mark.parametrize("writeback", [False, True])
-def test_summon_between_forward_and_backward_keeps_units_unsharded(dist_run, writeback):
-    dist_run(2, rank_summon_between_forward_and_backward_keeps_units_unsharded, writeback)
+def test_summon_between_forward_and_backward_copies_units_left_unsharded(dist_run, writeback):
+    dist_run(2, rank_summon_between_forward_and_backward_copies_units_left_unsharded, writeback)
