@@ -44,7 +44,7 @@ import wrapt
 from fsdp_shim import _versions
 from fsdp_shim._units import fsdp_units, is_fsdp_module, param_fqn
 
-__version__ = "0.1.0"
+__version__ = _versions.__version__
 
 __all__ = [
     "is_fsdp_module",
@@ -105,9 +105,13 @@ def patch() -> bool:
     """Make ``FullyShardedDataParallel.summon_full_params`` serve DTensor models too.
 
     Idempotent: returns True if it installed the wrapper, False if ours was
-    already installed (it never stacks a second one).
+    already installed (it never stacks a second one) or if
+    ``FSDP_SHIM_DISABLE`` is set (1, true, yes or on, any case).
     """
     _require_support()
+    if _versions.env_flag(_versions.DISABLE_ENV):
+        logger.info("fsdp_shim: %s is set, not patching", _versions.DISABLE_ENV)
+        return False
     return _patching.patch()
 
 

@@ -177,6 +177,18 @@ class Scenarios:
         ]
 
 
+def _runs(lines: list[str]) -> list[str]:
+    """The lines in order, each run of identical lines once with its count."""
+    out: list[str] = []
+    count = 0
+    for index, line in enumerate(lines):
+        count += 1
+        if index + 1 == len(lines) or lines[index + 1] != line:
+            out.append(line if count == 1 else f"{line}  (x{count})")
+            count = 0
+    return out
+
+
 def check_on_rank(device_type: str) -> list[Outcome]:
     """Run every scenario on this rank (a collective: all ranks call it)."""
     fsdp_shim.patch()
@@ -197,7 +209,7 @@ def check_on_rank(device_type: str) -> list[Outcome]:
             except Exception as exc:  # noqa: BLE001  (reported in the table)
                 detail, ok = f"{type(exc).__name__}: {exc}", False
             ms = (time.perf_counter() - start) * 1e3
-            outcomes.append(Outcome(name, ok, ms, detail, sorted(set(recorder.lines))))
+            outcomes.append(Outcome(name, ok, ms, detail, _runs(recorder.lines)))
     finally:
         logger.removeHandler(recorder)
         logger.setLevel(old_level)

@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import os
 
+#: This package's version (setup.cfg reads it from here, without importing torch).
+__version__ = "0.2.0"
+
 #: The lowest torch release supported (inclusive) and the first one not yet
 #: verified (exclusive).
 MIN_TORCH = "2.7"

@@ -1,17 +1,23 @@
-"""The ``fsdp-shim`` command: ``check``, ``bench`` and ``run``."""
+"""The ``fsdp-shim`` command: ``check``, ``bench`` and ``run``.
+
+Parsing imports nothing heavy: torch is imported only once a command runs,
+so ``--help`` and ``--version`` answer at once.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
-import torch
-import wrapt
-
-import fsdp_shim
 from fsdp_shim import _versions
+
+EPILOG = """exit status: 0 success; 1 a scenario or run failed; 2 bad usage, or the
+ranks could not be started. Environment: FSDP_SHIM_DISABLE=1 turns the shim
+off; FSDP_SHIM_BUCKET_MB sets the all-gather bucket size; logging: the
+"fsdp_shim" logger (FSDP_SHIM_LOG=debug shows each summon's route, size and time)."""
 
 
 def _backend(device: str) -> str:
@@ -19,15 +25,51 @@ def _backend(device: str) -> str:
 
 
 def _environment_line(ranks: int, device: str) -> str:
+    import torch  # noqa: PLC0415
+    import wrapt  # noqa: PLC0415
+
     return (
-        f"torch {torch.__version__}, wrapt {getattr(wrapt, '__version__', '?')}, fsdp_shim {fsdp_shim.__version__}; "
+        f"torch {torch.__version__}, wrapt {getattr(wrapt, '__version__', '?')}, fsdp_shim {_versions.__version__}; "
         f"{ranks} ranks, {_backend(device)} on {device}"
     )
 
 
+def _usage_problem(args: argparse.Namespace) -> str | None:
+    """One line saying what is wrong with the arguments, or None. Checked before anything starts."""
+    if args.ranks < 1:
+        return f"--ranks must be at least 1, got {args.ranks}"
+    if args.timeout <= 0:
+        return f"--timeout must be positive, got {args.timeout}"
+    if args.device == "cuda":
+        import torch  # noqa: PLC0415
+
+        if not torch.cuda.is_available():
+            return "--device cuda: this machine has no usable CUDA device (torch.cuda.is_available() is False)"
+        if args.ranks > torch.cuda.device_count():
+            return f"--device cuda: {args.ranks} ranks need {args.ranks} GPUs, this machine has {torch.cuda.device_count()}"
+    elif args.ranks > 4 * (os.cpu_count() or 1):
+        return f"--ranks {args.ranks} on {os.cpu_count()} CPU cores would not make progress; use at most {4 * (os.cpu_count() or 1)}"
+    if getattr(args, "reps", 1) < 1:
+        return f"--reps must be at least 1, got {args.reps}"
+    if getattr(args, "warmup", 0) < 0:
+        return f"--warmup must be 0 or more, got {args.warmup}"
+    return None
+
+
 def cmd_check(args: argparse.Namespace) -> int:
+    import torch  # noqa: PLC0415
+
+    import fsdp_shim  # noqa: PLC0415
     from fsdp_shim._check import check_on_rank  # noqa: PLC0415
     from fsdp_shim._launch import RankError, run_on_ranks  # noqa: PLC0415
+
+    if _versions.env_flag(_versions.DISABLE_ENV):
+        print(f"fsdp-shim check: {_versions.DISABLE_ENV}={os.environ[_versions.DISABLE_ENV]} is set, so the shim "
+              "is off and summon_full_params is FSDP1's own: nothing to check. Unset it to run the scenarios.")
+        return 1
+    if fsdp_shim.unsupported_reason is not None:
+        print(f"fsdp-shim check: the shim is inactive here: {fsdp_shim.unsupported_reason}")
+        return 1
 
     print(f"fsdp-shim check: {_environment_line(args.ranks, args.device)}")
     if args.verbose:
@@ -40,6 +82,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
             for module, status in statuses().items():
                 print(f"  instrumentation {module}: {status}")
+    print(f"fsdp-shim check: starting {args.ranks} ranks, then 6 scenarios...", flush=True)
     try:
         per_rank = run_on_ranks(check_on_rank, args.ranks, (args.device,), backend=_backend(args.device),
                                 timeout_s=args.timeout)
@@ -68,7 +111,7 @@ def _format_bytes(n: float) -> str:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from fsdp_shim._bench import BenchConfig, memory_on_rank, time_on_rank  # noqa: PLC0415
-    from fsdp_shim._launch import run_on_ranks  # noqa: PLC0415
+    from fsdp_shim._launch import RankError, run_on_ranks  # noqa: PLC0415
 
     cfg = BenchConfig(
         layers=args.layers, width=args.width, vocab=args.vocab, reps=args.reps, warmup=args.warmup,
@@ -76,10 +119,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         rank0_only=args.rank0_only, fsdp1=args.fsdp1, between=not args.no_between,
     )
     backend = _backend(args.device)
-    result = run_on_ranks(time_on_rank, args.ranks, (cfg,), backend=backend, timeout_s=args.timeout)[0]
-    print("fsdp-shim bench: peak memory run", file=sys.stderr)
-    result["peak_extra_bytes"] = run_on_ranks(memory_on_rank, args.ranks, (cfg,), backend=backend,
-                                              timeout_s=args.timeout)[0]
+    try:
+        result = run_on_ranks(time_on_rank, args.ranks, (cfg,), backend=backend, timeout_s=args.timeout)[0]
+        print("fsdp-shim bench: peak memory run", file=sys.stderr)
+        result["peak_extra_bytes"] = run_on_ranks(memory_on_rank, args.ranks, (cfg,), backend=backend,
+                                                  timeout_s=args.timeout)[0]
+    except RankError as exc:
+        print(f"FAILED to run: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -96,26 +143,35 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fsdp-shim", description=fsdp_shim.__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="fsdp-shim", epilog=EPILOG,
+        description="FSDP1's summon_full_params for FSDP2, HSDP and tensor-parallel (DTensor) models.",
+    )
+    parser.add_argument("--version", action="version", version=f"fsdp-shim {_versions.__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     def common(sub: argparse.ArgumentParser, timeout: int) -> None:
         sub.add_argument("--ranks", type=int, default=2, help="processes to spawn (default 2)")
-        sub.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu: gloo; cuda: NCCL")
-        sub.add_argument("--timeout", type=float, default=timeout, help="seconds before giving up on the ranks")
+        sub.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                         help="cpu: gloo on the CPU (default); cuda: NCCL, one GPU per rank")
+        sub.add_argument("--timeout", type=float, default=timeout,
+                         help=f"seconds one step on the ranks may take before they are stopped (default {timeout})")
 
-    check = commands.add_parser("check", help="verify the RL call-site patterns on this machine")
+    check = commands.add_parser("check", help="verify the RL call-site patterns on this machine (a toy model)",
+                                epilog=EPILOG)
     common(check, 300)
-    check.add_argument("--verbose", "-v", action="store_true", help="versions, backend and each call's path")
+    check.add_argument("--verbose", "-v", action="store_true",
+                       help="versions, instrumentations, and each call's route and gather path, in order")
     check.set_defaults(func=cmd_check)
 
-    bench = commands.add_parser("bench", help="time the shim against unshard(), FSDP1 and full_tensor()")
+    bench = commands.add_parser("bench", help="time the shim against unshard(), FSDP1 and full_tensor()",
+                                epilog=EPILOG)
     common(bench, 1200)
-    bench.add_argument("--layers", type=int, default=12)
-    bench.add_argument("--width", type=int, default=256)
-    bench.add_argument("--vocab", type=int, default=1000)
-    bench.add_argument("--reps", type=int, default=10)
-    bench.add_argument("--warmup", type=int, default=2)
+    bench.add_argument("--layers", type=int, default=12, help="transformer blocks, one FSDP unit each (default 12)")
+    bench.add_argument("--width", type=int, default=256, help="hidden size (default 256)")
+    bench.add_argument("--vocab", type=int, default=1000, help="vocabulary size, tied embedding (default 1000)")
+    bench.add_argument("--reps", type=int, default=10, help="timed repetitions of every contender (default 10)")
+    bench.add_argument("--warmup", type=int, default=2, help="untimed repetitions first (default 2)")
     bench.add_argument("--bucket-mb", type=float, nargs="*", default=[], help="extra shim contenders at these caps")
     bench.add_argument("--no-per-unit", action="store_true", help="skip the recurse=False weight-sync loop")
     bench.add_argument("--no-between", action="store_true",
@@ -125,9 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print the result as JSON")
     bench.set_defaults(func=cmd_bench)
 
-    run = commands.add_parser("run", help="run a program with the patch applied (like python)",
+    run = commands.add_parser("run", help="run a program with the patch applied, exactly like python",
                               prefix_chars="\0")
-    run.add_argument("program", nargs=argparse.REMAINDER, help="SCRIPT [ARGS] or -m MODULE [ARGS]")
+    run.add_argument("program", nargs=argparse.REMAINDER, help="SCRIPT | -m MODULE | -c COMMAND, then ARGS")
     run.set_defaults(func=None)
     return parser
 
@@ -137,7 +193,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["run"]:  # everything after "run" belongs to the program
         from fsdp_shim.run import main as run_main  # noqa: PLC0415
 
-        run_main(argv[1:])
-        return 0
-    args = build_parser().parse_args(argv)
+        return run_main(argv[1:], prog="fsdp-shim run")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    problem = _usage_problem(args)
+    if problem is not None:
+        parser.exit(2, f"fsdp-shim {args.command}: error: {problem}\n")
+    _configure_logging()
     return int(args.func(args))
+
+
+def _configure_logging() -> None:
+    """``FSDP_SHIM_LOG=debug`` (or info, warning) shows the ``fsdp_shim`` logger on stderr."""
+    import logging  # noqa: PLC0415
+
+    level = os.environ.get("FSDP_SHIM_LOG", "").strip().upper()
+    if level:
+        logging.basicConfig(format="%(name)s %(levelname)s: %(message)s")
+        logging.getLogger("fsdp_shim").setLevel(level)
+

@@ -112,3 +112,60 @@ def test_rank_output_on_stdout_never_reaches_the_report(tmp_path):
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == [7, 7]
     assert "[Gloo] Rank 0" in result.stderr
+
+
+def test_launcher_reports_like_python(tmp_path):
+    """Missing file, unknown option, -c, --help and tracebacks, as plain python gives them."""
+    missing = _run(sys.executable, "-m", "fsdp_shim.run", "nope.py", cwd=tmp_path)
+    plain = _run(sys.executable, "nope.py", cwd=tmp_path)
+    assert missing.returncode == plain.returncode == 2
+    assert "can't open file" in missing.stderr and str(tmp_path / "nope.py") in missing.stderr
+    assert "Traceback" not in missing.stderr
+    bogus = _run(sys.executable, "-m", "fsdp_shim.run", "--bogus", cwd=tmp_path)
+    assert bogus.returncode == 2 and "unknown option --bogus" in bogus.stderr
+    code = "import sys, fsdp_shim; print(sys.argv, __name__, fsdp_shim.is_patched())"
+    command = _run(sys.executable, "-m", "fsdp_shim.run", "-c", code, "a", "b", cwd=tmp_path)
+    assert command.returncode == 0, command.stderr
+    assert command.stdout.strip() == "['-c', 'a', 'b'] __main__ True"
+    helped = _run("fsdp-shim", "run", "--help")
+    assert helped.returncode == 0 and "usage: fsdp-shim run (SCRIPT | -m MODULE | -c COMMAND)" in helped.stdout
+    (tmp_path / "boom.py").write_text("import os\nprint(__file__ == os.path.abspath(__file__))\n\ndef f():\n"
+                                      "    raise ValueError('boom')\n\nf()\n")
+    boom = _run(sys.executable, "-m", "fsdp_shim.run", "boom.py", cwd=tmp_path)
+    assert boom.returncode == 1 and boom.stdout.strip() == "True"  # absolute __file__
+    frames = [line for line in boom.stderr.splitlines() if line.strip().startswith("File ")]
+    assert len(frames) == 2 and all("boom.py" in line for line in frames), boom.stderr  # user frames only
+    assert boom.stderr.strip().endswith("ValueError: boom")
+
+
+def test_kill_switch_is_honoured_by_the_launcher_and_check(tmp_path):
+    code = "import fsdp_shim; print(fsdp_shim.is_patched())"
+    env = {**ENV, "FSDP_SHIM_DISABLE": "yes"}
+    off = subprocess.run([sys.executable, "-m", "fsdp_shim.run", "-c", code], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert off.stdout.strip() == "False"
+    check = subprocess.run([sys.executable, "-m", "fsdp_shim", "check"], capture_output=True, text=True, env=env,
+                           timeout=300)
+    assert check.returncode == 1 and "the shim is off" in check.stdout
+
+
+def test_cli_usage_errors_are_one_line():
+    for args, message in ((["check", "--ranks", "0"], "--ranks must be at least 1"),
+                          (["bench", "--reps", "0"], "--reps must be at least 1"),
+                          (["check", "--timeout", "-1"], "--timeout must be positive")):
+        result = _run(sys.executable, "-m", "fsdp_shim", *args, timeout=60)
+        assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+    version = _run(sys.executable, "-m", "fsdp_shim", "--version", timeout=60)
+    assert version.returncode == 0 and version.stdout.startswith("fsdp-shim 0.")
+    helped = _run(sys.executable, "-m", "fsdp_shim", "check", "--help", timeout=60)
+    assert helped.returncode == 0 and "exit status:" in helped.stdout
+
+
+def test_cuda_without_cuda_says_so_in_one_line():
+    import torch
+
+    if torch.cuda.is_available():
+        return  # the GPU machine: nothing to refuse
+    result = _run(sys.executable, "-m", "fsdp_shim", "check", "--device", "cuda", timeout=120)
+    assert result.returncode == 2 and "no usable CUDA device" in result.stderr
+    assert "Traceback" not in result.stderr
