@@ -327,7 +327,7 @@ def mark_summoned(group: FSDPParamGroup) -> GroupMark:
     for fsdp_param in group.fsdp_params:
         if not hasattr(fsdp_param, "_unsharded_param"):  # torch >= 2.14 reads it in pre_forward
             info = fsdp_param._module_info
-            fsdp_param._unsharded_param = info.module._parameters[info.param_name]
+            fsdp_param._unsharded_param = info.module._parameters[info.param_name]  # type: ignore[assignment]
             mark.lent_unsharded.append(fsdp_param)
     group._sharded_state = ShardedState.UNSHARDED
     group.post_forward_mesh_info = None
@@ -347,7 +347,8 @@ def root_modules(states: list[FSDPState]) -> list[nn.Module]:
 
 def shard_rank(group: FSDPParamGroup) -> int:
     """This rank's coordinate in the group's FSDP shard group (what FSDP1 calls its rank)."""
-    return int(group.mesh_info.shard_mesh_rank)
+    # FSDPMeshInfo (HSDP's subclass too) has shard_mesh_rank; the annotation names the base class.
+    return int(group.mesh_info.shard_mesh_rank)  # type: ignore[attr-defined]
 
 
 _fully_shard_guard: Any = None

@@ -157,13 +157,13 @@ class ComposeRLWeightSync(Instrumentation):
 
     def _mismatch(self, module: ModuleType) -> str | None:
         problem = super()._mismatch(module)
-        if problem is None and module.FSDP is not FullyShardedDataParallel:
+        if problem is None and getattr(module, "FSDP", None) is not FullyShardedDataParallel:
             problem = "its FSDP is not torch's FullyShardedDataParallel"
         return problem
 
     def _apply(self, module: ModuleType) -> None:
         self._gate = FSDPUnitGate(FullyShardedDataParallel)
-        module.FSDP = self._gate
+        setattr(module, "FSDP", self._gate)  # noqa: B010  (a module global, by name)
 
         def names(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             return NamesOfSummonedParams(wrapped(*args, **kwargs))
@@ -171,8 +171,8 @@ class ComposeRLWeightSync(Instrumentation):
         self._names_handle = wrapt.wrap_function_wrapper(module, "build_param_fullnames", names)
 
     def _undo(self, module: ModuleType) -> None:
-        if module.FSDP is self._gate:
-            module.FSDP = FullyShardedDataParallel
+        if getattr(module, "FSDP", None) is self._gate:
+            setattr(module, "FSDP", FullyShardedDataParallel)  # noqa: B010
         wrapt.unwrap_object(module, "build_param_fullnames", self._names_handle, missing_ok=True)
 
 

@@ -148,16 +148,16 @@ def collect_scope(root: nn.Module, recurse: bool, summoned: Iterable[SlotKey] = 
             covered.add(key)
     buffers: dict[int, ScopedParam] = {}
     for module in modules:
-        for name, value in module._buffers.items():
+        for name, buffer in module._buffers.items():
             key = slot_key(module, name)
-            if not isinstance(value, DTensor):
+            if not isinstance(buffer, DTensor):
                 continue
             if key in summoned:
                 enclosed.append(key)
                 continue
-            entry = buffers.get(id(value))
+            entry = buffers.get(id(buffer))
             if entry is None:
-                entry = buffers[id(value)] = ScopedParam([], is_buffer=True)
+                entry = buffers[id(buffer)] = ScopedParam([], is_buffer=True)
                 params.append(entry)
             entry.slots.append((module, name))
     for entry in params:

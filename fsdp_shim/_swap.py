@@ -359,7 +359,7 @@ class _ForwardInParamDtype:
         self._depth = 0
         self._cache: dict[int, tuple[int, nn.Parameter]] = {}
 
-    def _cast(self, full: nn.Parameter, dtype: torch.dtype) -> nn.Parameter:
+    def _cast(self, full: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
         version = full._version
         cached = self._cache.get(id(full))
         if cached is None or cached[0] != version:
@@ -379,11 +379,11 @@ class _ForwardInParamDtype:
         if self._depth == 0:
             self._place(lambda item, dtype: item.full)
 
-    def _place(self, value: Callable[[_Summoned, torch.dtype], nn.Parameter]) -> None:
+    def _place(self, value: Callable[[_Summoned, torch.dtype], torch.Tensor]) -> None:
         for item, dtype in self._items:
             param = value(item, dtype)
             for module, name in item.entry.slots:
-                module._parameters[name] = param
+                module._parameters[name] = param  # type: ignore[assignment]
 
 
 def _refuse_forwards(swap: _Swap, modules: list[nn.Module], message: str) -> None:
@@ -537,7 +537,7 @@ def summon_dtensor_params(
         yield  # no-op: nothing distributed in scope, or all summoned by an enclosing call
         return
     _refuse_before_anything(module, scope, writeback, thread)
-    groups = {id(g): g for entry in scope.params for g in mesh_groups(entry.sharded())}.values()
+    groups = {id(g): g for entry in scope.params for g in mesh_groups(entry.sharded())}.values()  # type: ignore[arg-type]
     fsdp2.refuse_fully_shard_inside(registry.has_live_context)
     registry.enter(thread, groups, _module_label(module))
     try:

@@ -46,9 +46,11 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
         if not torch.cuda.is_available():
             return "--device cuda: this machine has no usable CUDA device (torch.cuda.is_available() is False)"
         if args.ranks > torch.cuda.device_count():
-            return f"--device cuda: {args.ranks} ranks need {args.ranks} GPUs, this machine has {torch.cuda.device_count()}"
+            return (f"--device cuda: {args.ranks} ranks need {args.ranks} GPUs, "
+                    f"this machine has {torch.cuda.device_count()}")
     elif args.ranks > 4 * (os.cpu_count() or 1):
-        return f"--ranks {args.ranks} on {os.cpu_count()} CPU cores would not make progress; use at most {4 * (os.cpu_count() or 1)}"
+        most = 4 * (os.cpu_count() or 1)
+        return f"--ranks {args.ranks} on {os.cpu_count()} CPU cores would not make progress; use at most {most}"
     if getattr(args, "reps", 1) < 1:
         return f"--reps must be at least 1, got {args.reps}"
     if getattr(args, "warmup", 0) < 0:

@@ -68,7 +68,8 @@ def test_run_launcher_behaves_like_python(tmp_path):
     (tmp_path / "train.py").write_text(SCRIPT)
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "__init__.py").write_text("")
-    (tmp_path / "pkg" / "train.py").write_text(SCRIPT.replace("os.path.dirname(os.path.abspath(__file__))", "os.getcwd()"))
+    in_package = SCRIPT.replace("os.path.dirname(os.path.abspath(__file__))", "os.getcwd()")
+    (tmp_path / "pkg" / "train.py").write_text(in_package)
     for program in (["train.py", "3", "--flag"], ["-m", "pkg.train", "4", "--help"]):
         plain = _run(sys.executable, *program, cwd=tmp_path)
         for launcher in ([sys.executable, "-m", "fsdp_shim.run"], ["fsdp-shim", "run"]):

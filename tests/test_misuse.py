@@ -18,7 +18,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from _helpers import (
-    LMConfig, assert_unchanged, build_lm, full_state, mesh1d, patched, rank, shard_lm, snapshot, tokens_for,
+    LMConfig, assert_unchanged, build_lm, full_state, mesh1d, patched, shard_lm, snapshot, tokens_for,
 )
 
 
