@@ -7,6 +7,7 @@ them: ``model`` (a tied-embedding LM sharded with ``fully_shard``, with
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
@@ -32,8 +33,14 @@ def rank_run_readme_block(code: str) -> list[str]:
         sent[name] = tensor.detach().clone()
 
     namespace = {"model": model, "prompt": tokens_for(LMConfig()), "send": send, "__name__": "__readme__"}
-    with patched():
-        exec(compile(code, str(README), "exec"), namespace)  # noqa: S102  (our own README)
+    logger, root = logging.getLogger("fsdp_shim"), logging.getLogger()
+    level, handlers = logger.level, list(root.handlers)
+    try:
+        with patched():
+            exec(compile(code, str(README), "exec"), namespace)  # noqa: S102  (our own README)
+    finally:  # the ranks are shared with later tests: leave logging as found
+        logger.setLevel(level)
+        root.handlers[:] = handlers
     if "banned" in namespace:  # the writeback example: rows silenced in every shard and in the tie
         state = full_state(model)
         banned = namespace["banned"]
