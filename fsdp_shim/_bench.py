@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import platform
 import statistics
 import sys
 import time
@@ -28,7 +29,10 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import DTensor
 
+import wrapt
+
 import fsdp_shim
+from fsdp_shim._gather import bucket_bytes_from_env
 from fsdp_shim._launch import rank_device
 from fsdp_shim._models import Block, LMConfig, build_lm, shard_lm, tokens_for
 
@@ -223,23 +227,33 @@ def time_on_rank(cfg: BenchConfig) -> dict[str, object]:
                 times[name].append(time.perf_counter() - start)
     if is_rank0:
         print(file=sys.stderr)
-    ratios = {}
-    for label, num, den in RATIOS:
-        if num in times and den in times:
-            ratios[label] = statistics.median(a / b for a, b in zip(times[num], times[den]))
-    for name in contenders:
-        if name.startswith("shim@"):
-            ratios[f"{name} / unshard"] = statistics.median(a / b for a, b in zip(times[name], times["unshard"]))
+    pairs = [(label, num, den) for label, num, den in RATIOS if num in times and den in times]
+    pairs += [(f"{name} / unshard", name, "unshard") for name in contenders if name.startswith("shim@")]
+    per_rep_ratios = {label: [a / b for a, b in zip(times[num], times[den])] for label, num, den in pairs}
     full_bytes = sum(p.numel() * p.element_size() for p in build_lm(model_cfg).parameters())
     return {
         "config": asdict(cfg),
         "world_size": dist.get_world_size(),
         "backend": dist.get_backend(),
+        "versions": {"torch": torch.__version__, "wrapt": getattr(wrapt, "__version__", "?"),
+                     "fsdp_shim": fsdp_shim.__version__, "python": platform.python_version()},
         "torch": torch.__version__,
+        "bucket_mb": bucket_bytes_from_env() / 2**20,  # the cap the plain "shim" contenders used
         "model_bytes": full_bytes,
         "median_ms": {name: statistics.median(t) * 1e3 for name, t in times.items()},
-        "ratios": ratios,
+        "iqr_ms": {name: _iqr(t) * 1e3 for name, t in times.items()},
+        "samples_ms": {name: [x * 1e3 for x in t] for name, t in times.items()},
+        "ratios": {label: statistics.median(r) for label, r in per_rep_ratios.items()},
+        "ratio_iqr": {label: _iqr(r) for label, r in per_rep_ratios.items()},
     }
+
+
+def _iqr(values: list[float]) -> float:
+    """Interquartile range (0 for fewer than two values)."""
+    if len(values) < 2:
+        return 0.0
+    quartiles = statistics.quantiles(values, n=4, method="inclusive")
+    return quartiles[2] - quartiles[0]
 
 
 def memory_on_rank(cfg: BenchConfig) -> dict[str, int]:

@@ -36,7 +36,10 @@ def test_bench_json_reports_every_contender_and_ratio():
     assert all(v > 0 for v in report["median_ms"].values())
     assert set(report["ratios"]) >= {"shim / unshard", "shim / fsdp1", "shim / full_tensor_loop",
                                      "writeback / no writeback", "per-unit loop: shim / unshard"}
-    assert set(report["peak_extra_bytes"]) == set(report["median_ms"])
+    assert set(report["peak_extra_bytes"]) == set(report["median_ms"]) == set(report["iqr_ms"])
+    assert all(len(samples) == 2 for samples in report["samples_ms"].values())  # per repetition
+    assert set(report["ratio_iqr"]) == set(report["ratios"]) and report["bucket_mb"] > 0
+    assert {"torch", "wrapt", "fsdp_shim", "python"} <= set(report["versions"])
     assert "rep 2/2" in result.stderr  # progress line
 
 
