@@ -313,3 +313,22 @@ def rank_conversions_inside_keep_full_tensors_and_land_on_exit():
 
 def test_to_and_casts_inside_the_context(dist_run):
     dist_run(2, rank_conversions_inside_keep_full_tensors_and_land_on_exit)
+
+
+def rank_fsdp1_runs_are_identical_with_and_without_the_shim(layout: str, tie: bool):
+    was = fsdp_shim.is_patched()
+    fsdp_shim.unpatch()
+    try:
+        without = _sync(_fsdp1(layout, tie), layout)
+    finally:
+        if was:
+            fsdp_shim.patch()
+    with patched():
+        with_shim = _sync(_fsdp1(layout, tie), layout)
+    assert [r[:3] for r in with_shim] == [r[:3] for r in without]
+    assert all(torch.equal(a[3], b[3]) for a, b in zip(with_shim, without))
+
+
+@pytest.mark.parametrize("layout", ["ppo", "grpo"])
+def test_fsdp1_runs_are_identical_with_and_without_the_shim(dist_run, layout):
+    dist_run(2, rank_fsdp1_runs_are_identical_with_and_without_the_shim, layout, True)
