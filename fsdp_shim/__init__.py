@@ -15,14 +15,18 @@ after which existing call sites work on models sharded with ``fully_shard``::
         with FSDP.summon_full_params(unit, recurse=False, writeback=False, rank0_only=True):
             ...                                   # rank 0 sees full tensors
 
-    with FSDP.summon_full_params(model.lm_head, writeback=True):
+    with FSDP.summon_full_params(model.lm_head, writeback=True), torch.no_grad():
         model.lm_head.weight.mul_(0.5)            # persisted into every shard
 
 FSDP1 module trees still go to FSDP1's own implementation. Inside the
 context every DTensor parameter in scope is a plain ``nn.Parameter`` holding
 the full tensor, in its stored dtype, under its usual name; on exit the module
 holds the very same parameter objects as before (optimizers and FSDP2 keep
-their references). The README lists the exact semantics next to FSDP1's.
+their references; ``sharded_param(full)`` names the original behind a full
+parameter). Contexts are per thread: one thread per rank issues collectives.
+``patch()`` also installs client instrumentations (compose-rl's vLLM weight
+sync runs unchanged) and the instance form ``unit.summon_full_params(unit)``.
+The README lists the exact semantics next to FSDP1's.
 
 Supported: torch >= 2.7, < 2.15 (verified on every release from 2.7.0 to
 2.14.1) and wrapt >= 2.5. Outside that range the import patches nothing and
