@@ -187,12 +187,13 @@ def lazy_init_root(states: list[FSDPState]) -> None:
     """
     if all(s._is_root is not None for s in states):
         return  # no-op: already initialised
+    live = [s for s in all_fsdp_states() if len(s._modules) == 1]
     roots = _roots_by_module()
     for state in states:
         if state._is_root is not None or len(state._modules) != 1:
             continue
         root = roots.get(id(state._modules[0]), state)
-        tree = [s for s in all_fsdp_states() if len(s._modules) == 1 and roots.get(id(s._modules[0])) is root]
+        tree = [s for s in live if roots.get(id(s._modules[0])) is root]
         if all(s._is_root is None for s in tree):
             root._lazy_init()
 
@@ -325,7 +326,7 @@ def mark_summoned(group: FSDPParamGroup) -> GroupMark:
         for module, handle in handles.items():
             mark.hooks.suspend(module, attr, handle.id)
     for fsdp_param in group.fsdp_params:
-        if not hasattr(fsdp_param, "_unsharded_param"):  # torch >= 2.14 reads it in pre_forward
+        if unsharded_param_if_any(fsdp_param) is None:  # torch >= 2.14 reads it in pre_forward
             info = fsdp_param._module_info
             fsdp_param._unsharded_param = info.module._parameters[info.param_name]  # type: ignore[assignment]
             mark.lent_unsharded.append(fsdp_param)
