@@ -34,19 +34,33 @@ logs why; ``FSDP_SHIM_ALLOW_UNSUPPORTED_TORCH=1`` patches anyway.
 
 Set ``FSDP_SHIM_DISABLE=1`` to import without patching, and
 ``FSDP_SHIM_BUCKET_MB`` to change the all-gather bucket size.
+
+[Note: deferred activation]
+``import fsdp_shim`` imports neither torch nor anything that does: it
+registers a wrapt post-import hook on ``torch.distributed.fsdp``, which fires
+at once if FSDP is already imported and otherwise the moment it is, before
+any caller can reach ``FullyShardedDataParallel``. The hook *activates* the
+shim: checks the environment (``unsupported_reason``), then patches unless
+``FSDP_SHIM_DISABLE`` is set. Any public call that needs torch activates
+first, so nothing observable depends on the order of the imports, and
+``fsdp-shim --help`` answers without loading torch.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, ContextManager
+import threading
+from typing import TYPE_CHECKING, Any, ContextManager
 
-import torch
-import torch.nn as nn
 import wrapt
 
 from fsdp_shim import _versions
-from fsdp_shim._units import fsdp_units, is_fsdp_module, param_fqn
+
+if TYPE_CHECKING:
+    import torch
+    import torch.nn as nn
+
+    from fsdp_shim._units import fsdp_units, is_fsdp_module, param_fqn
 
 __version__ = _versions.__version__
 
@@ -66,12 +80,21 @@ __all__ = [
 # still shows our few warnings (an inactive or untested environment).
 logger = logging.getLogger("fsdp_shim")
 
-#: Why the import did not patch, if it did not (``None`` when it did).
-unsupported_reason: str | None = None
+#: Why the shim did not patch, if it did not (``None`` when it did). Reading
+#: it activates the shim (imports torch); see [Note: deferred activation].
+unsupported_reason: str | None
+
+_UNITS_API = ("fsdp_units", "is_fsdp_module", "param_fqn")
+_activation_lock = threading.RLock()
+_activation = "pending"  # "pending" -> "running" -> "done"
 
 
 def _environment_problem() -> str | None:
     """Why the shim must stay inactive here, or None. See [Note: version policy] in ``_versions``."""
+    try:
+        import torch  # noqa: PLC0415
+    except ImportError as exc:
+        return f"torch cannot be imported ({exc})"
     if not _versions.is_supported_torch(torch.__version__):
         if not _versions.env_flag(_versions.ALLOW_UNSUPPORTED_TORCH_ENV):
             return (
@@ -92,43 +115,88 @@ def _environment_problem() -> str | None:
     return None
 
 
-unsupported_reason = _environment_problem()
-if unsupported_reason is None:
-    from fsdp_shim import _patching
-    from fsdp_shim._dispatch import summon as _summon
-else:
-    logger.warning("fsdp_shim is inactive: %s", unsupported_reason)
+def _activate() -> str | None:
+    """Check the environment once, patch unless disabled; returns ``unsupported_reason``.
+
+    Re-entrant: checking imports ``torch.distributed.fsdp``, whose post-import
+    hook calls back here and returns at once; the outer call finishes the work.
+    """
+    global _activation, unsupported_reason
+    with _activation_lock:
+        if _activation == "done":
+            return unsupported_reason
+        if _activation == "running":
+            return None
+        _activation = "running"
+        try:
+            reason = _environment_problem()
+        finally:
+            _activation = "pending"
+        unsupported_reason = reason
+        _activation = "done"
+        if reason is not None:
+            logger.warning("fsdp_shim is inactive: %s", reason)
+        elif not _versions.env_flag(_versions.DISABLE_ENV):
+            from fsdp_shim import _patching  # noqa: PLC0415
+
+            _patching.patch()
+        return reason
+
+
+@wrapt.when_imported("torch.distributed.fsdp")
+def _on_fsdp_imported(_module: Any) -> None:
+    _activate()
+
+
+def __getattr__(name: str) -> Any:
+    """Names that need torch, served on first use (PEP 562)."""
+    if name == "unsupported_reason":
+        return _activate()
+    if name in _UNITS_API:
+        from fsdp_shim import _units  # noqa: PLC0415
+
+        return getattr(_units, name)
+    raise AttributeError(f"module 'fsdp_shim' has no attribute {name!r}")
 
 
 def _require_support() -> None:
-    if unsupported_reason is not None:
-        raise RuntimeError(f"fsdp_shim is inactive: {unsupported_reason}")
+    reason = _activate()
+    if reason is not None:
+        raise RuntimeError(f"fsdp_shim is inactive: {reason}")
 
 
 def patch() -> bool:
     """Make ``FullyShardedDataParallel.summon_full_params`` serve DTensor models too.
 
     Idempotent: returns True if it installed the wrapper, False if ours was
-    already installed (it never stacks a second one) or if
-    ``FSDP_SHIM_DISABLE`` is set (1, true, yes or on, any case).
+    already installed (it never stacks a second one; the import installs it)
+    or if ``FSDP_SHIM_DISABLE`` is set (1, true, yes or on, any case).
     """
     _require_support()
     if _versions.env_flag(_versions.DISABLE_ENV):
         logger.info("fsdp_shim: %s is set, not patching", _versions.DISABLE_ENV)
         return False
+    from fsdp_shim import _patching  # noqa: PLC0415
+
     return _patching.patch()
 
 
 def unpatch() -> bool:
     """Restore the exact original ``summon_full_params``; returns False if there was nothing to undo."""
-    if unsupported_reason is not None:
+    if _activate() is not None:
         return False
+    from fsdp_shim import _patching  # noqa: PLC0415
+
     return _patching.unpatch()
 
 
 def is_patched() -> bool:
     """Whether our wrapper is currently installed on ``FullyShardedDataParallel``."""
-    return unsupported_reason is None and _patching.is_patched()
+    if _activate() is not None:
+        return False
+    from fsdp_shim import _patching  # noqa: PLC0415
+
+    return _patching.is_patched()
 
 
 def sharded_param(param: torch.Tensor) -> nn.Parameter | None:
@@ -143,7 +211,7 @@ def sharded_param(param: torch.Tensor) -> nn.Parameter | None:
             for p in model.parameters():
                 name = names[fsdp_shim.sharded_param(p)]
     """
-    if unsupported_reason is not None:
+    if _activate() is not None:
         return None
     from fsdp_shim._swap import sharded_param as _sharded_param  # noqa: PLC0415
 
@@ -180,10 +248,9 @@ def summon_full_params(
         AssertionError: called during FSDP2 forward or backward (FSDP1 raises the same).
     """
     _require_support()
-    return _summon(
+    from fsdp_shim._dispatch import summon  # noqa: PLC0415
+
+    return summon(
         module, recurse, writeback, rank0_only, offload_to_cpu, with_grads, bucket_mb=bucket_mb
     )
 
-
-if unsupported_reason is None and not _versions.env_flag(_versions.DISABLE_ENV):
-    patch()

@@ -101,6 +101,36 @@ def test_fsdp_shim_disable_imports_without_patching():
     assert _python(code, FSDP_SHIM_DISABLE="") == "True"
 
 
+@pytest.mark.parametrize("first", ["fsdp_shim", "torch.distributed.fsdp"])
+def test_import_order_does_not_matter_and_the_import_is_light(first):
+    """[Note: deferred activation]: the patch lands whichever is imported first."""
+    code = (
+        "import sys\n"
+        f"import {first}\n"
+        "print('torch' in sys.modules)\n"
+        "import fsdp_shim, inspect, wrapt\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+        "print(isinstance(inspect.getattr_static(FSDP, 'summon_full_params'), wrapt.FunctionWrapper))\n"
+    )
+    assert _python(code).split() == [str(first != "fsdp_shim"), "True"]
+
+
+def test_help_and_version_do_not_import_torch():
+    code = (
+        "import sys\n"
+        "from fsdp_shim.cli import main\n"
+        "for argv in (['--help'], ['check', '--help'], ['bench', '--help'], ['--version']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit as exc:\n"
+        "        assert exc.code == 0, exc.code\n"
+        "print('torch' in sys.modules, file=sys.stderr)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stderr.strip() == "False"
+    assert "usage: fsdp-shim" in result.stdout and "--reps" in result.stdout
+
+
 def test_versions_are_data_and_the_guard_reads_them():
     assert _versions.parse_version("2.13.0+cpu") == (2, 13, 0)
     assert _versions.parse_version("2.6.0a0+git1") == (2, 6, 0)
