@@ -14,7 +14,6 @@ import ctypes
 import gc
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -33,7 +32,7 @@ import wrapt
 
 import fsdp_shim
 from fsdp_shim._gather import bucket_bytes_from_env
-from fsdp_shim._launch import rank_device
+from fsdp_shim._launch import rank_device, report_progress
 from fsdp_shim._models import Block, LMConfig, build_lm, shard_lm, tokens_for
 
 
@@ -212,11 +211,9 @@ def time_on_rank(cfg: BenchConfig) -> dict[str, object]:
     """The timing run: every contender once per repetition, in the same order."""
     device, model_cfg, contenders = _setup(cfg)
     times: dict[str, list[float]] = {name: [] for name in contenders}
-    is_rank0 = dist.get_rank() == 0
     for rep in range(cfg.warmup + cfg.reps):
-        if is_rank0:
-            label = "warm-up" if rep < cfg.warmup else f"rep {rep - cfg.warmup + 1}/{cfg.reps}"
-            print(f"\rfsdp-shim bench: {label}   ", end="", file=sys.stderr, flush=True)
+        label = f"warm-up {rep + 1}/{cfg.warmup}" if rep < cfg.warmup else f"rep {rep - cfg.warmup + 1}/{cfg.reps}"
+        report_progress(f"fsdp-shim bench: {label}")
         for name, run in contenders.items():
             dist.barrier()
             _sync(device)
@@ -225,8 +222,6 @@ def time_on_rank(cfg: BenchConfig) -> dict[str, object]:
             _sync(device)
             if rep >= cfg.warmup:
                 times[name].append(time.perf_counter() - start)
-    if is_rank0:
-        print(file=sys.stderr)
     pairs = [(label, num, den) for label, num, den in RATIOS if num in times and den in times]
     pairs += [(f"{name} / unshard", name, "unshard") for name in contenders if name.startswith("shim@")]
     per_rep_ratios = {label: [a / b for a, b in zip(times[num], times[den])] for label, num, den in pairs}

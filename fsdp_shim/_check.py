@@ -21,7 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 import fsdp_shim
-from fsdp_shim._launch import rank_device
+from fsdp_shim._launch import rank_device, report_progress
 from fsdp_shim._models import LMConfig, TinyLM, build_lm, shard_lm, tokens_for
 
 
@@ -200,7 +200,8 @@ def check_on_rank(device_type: str) -> list[Outcome]:
     logger.setLevel(logging.DEBUG)
     outcomes = []
     try:
-        for name, scenario in Scenarios(device).all():
+        scenarios = Scenarios(device).all()
+        for number, (name, scenario) in enumerate(scenarios, 1):
             recorder.lines.clear()
             dist.barrier()
             start = time.perf_counter()
@@ -210,6 +211,8 @@ def check_on_rank(device_type: str) -> list[Outcome]:
                 detail, ok = f"{type(exc).__name__}: {exc}", False
             ms = (time.perf_counter() - start) * 1e3
             outcomes.append(Outcome(name, ok, ms, detail, _runs(recorder.lines)))
+            report_progress(f"fsdp-shim check: {number}/{len(scenarios)} {name} {'ok' if ok else 'FAILED'} "
+                            f"({ms:.0f} ms on rank 0)")
     finally:
         logger.removeHandler(recorder)
         logger.setLevel(old_level)

@@ -17,6 +17,7 @@ import multiprocessing as mp
 import os
 import socket
 import sys
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
@@ -26,6 +27,23 @@ if TYPE_CHECKING:
     from torch import device as torch_device
 
 FunctionOnRank = Callable[..., Any]
+ProgressSink = Callable[[str], None]
+
+# Set in a spawned rank: its pipe to the parent, for ``report_progress``.
+_parent_conn: Connection | None = None
+
+
+def report_progress(text: str) -> None:
+    """From a function running on the ranks: one line for the parent to show (rank 0's only).
+
+    A no-op outside a spawned rank, so the same code runs under a user's own launcher.
+    """
+    if _parent_conn is not None and os.environ.get("RANK") == "0":
+        _parent_conn.send(("progress", text))
+
+
+def _print_to_stderr(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
 
 def free_port() -> int:
@@ -71,8 +89,10 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout_s: floa
     # A rank's stdout belongs to the parent's report: whatever the backend
     # prints there (gloo 2.8-2.10: "[Gloo] Rank 0 is connected to 1 peer
     # ranks") goes to stderr instead, so `bench --json` stays valid JSON.
+    global _parent_conn
     sys.stdout.flush()
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    _parent_conn = conn
     try:
         _init_process_group(rank, world_size, port, backend, timeout_s)
         conn.send(("ready", None))
@@ -96,12 +116,20 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout_s: floa
 
 
 class RankPool:
-    """``world_size`` spawned ranks sharing one process group."""
+    """``world_size`` spawned ranks sharing one process group.
 
-    def __init__(self, world_size: int, *, backend: str = "gloo", timeout_s: float = 120.0):
+    ``timeout_s`` bounds start-up, and each ``run`` (unless it passes its own),
+    from start to last answer: a total, not a silence between answers.
+    ``on_progress`` receives rank 0's ``report_progress`` lines (default: stderr).
+    """
+
+    def __init__(self, world_size: int, *, backend: str = "gloo", timeout_s: float = 120.0,
+                 on_progress: ProgressSink | None = _print_to_stderr):
         self.world_size = world_size
         self.backend = backend
         self.timeout_s = timeout_s
+        self._on_progress = on_progress
+        started = time.monotonic()
         ctx = mp.get_context("spawn")
         port = free_port()
         self._conns: list[Connection] = []
@@ -116,14 +144,17 @@ class RankPool:
             self._conns.append(parent)
             self._procs.append(proc)
         self._collect("start-up", timeout_s)
+        if on_progress is not None:
+            on_progress(f"{world_size} ranks up ({backend}) in {time.monotonic() - started:.1f} s")
 
     def _collect(self, what: str, timeout_s: float) -> list[Any]:
         results: list[Any] = [None] * self.world_size
         pending = dict(enumerate(self._conns))
         errors: dict[int, str] = {}
-        deadline = timeout_s
+        deadline = time.monotonic() + timeout_s
         while pending:
-            ready = wait(list(pending.values()), timeout=deadline if not errors else min(deadline, 10.0))
+            left = max(0.0, deadline - time.monotonic())
+            ready = wait(list(pending.values()), timeout=left if not errors else min(left, 10.0))
             if not ready:
                 break
             for conn in ready:
@@ -132,6 +163,10 @@ class RankPool:
                     status, value = self._conns[rank].recv()
                 except EOFError:
                     status, value = "error", "rank exited without a result (killed or crashed)"
+                if status == "progress":
+                    if self._on_progress is not None:
+                        self._on_progress(value)
+                    continue
                 del pending[rank]
                 if status == "ok" or status == "ready":
                     results[rank] = value
@@ -182,8 +217,14 @@ class RankPool:
 
 
 def run_on_ranks(
-    fn: FunctionOnRank, world_size: int, args: Sequence[Any] = (), *, backend: str = "gloo", timeout_s: float = 300.0
+    fn: FunctionOnRank, world_size: int, args: Sequence[Any] = (), *, backend: str = "gloo", timeout_s: float = 300.0,
+    on_progress: ProgressSink | None = _print_to_stderr,
 ) -> list[Any]:
-    """Spawn ``world_size`` ranks, run ``fn(*args)`` on each, and tear them down."""
-    with RankPool(world_size, backend=backend, timeout_s=timeout_s) as pool:
-        return pool.run(fn, *args)
+    """Spawn ``world_size`` ranks, run ``fn(*args)`` on each, and tear them down.
+
+    ``timeout_s`` bounds the whole call, start-up included; past it the ranks
+    are killed and ``RankError`` says so.
+    """
+    deadline = time.monotonic() + timeout_s
+    with RankPool(world_size, backend=backend, timeout_s=timeout_s, on_progress=on_progress) as pool:
+        return pool.run(fn, *args, timeout_s=max(0.001, deadline - time.monotonic()))

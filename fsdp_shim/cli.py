@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 
 from fsdp_shim import _versions
@@ -121,11 +122,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         rank0_only=args.rank0_only, fsdp1=args.fsdp1, between=not args.no_between,
     )
     backend = _backend(args.device)
+    deadline = time.monotonic() + args.timeout  # --timeout bounds the whole command
     try:
         result = run_on_ranks(time_on_rank, args.ranks, (cfg,), backend=backend, timeout_s=args.timeout)[0]
         print("fsdp-shim bench: peak memory run", file=sys.stderr)
         result["peak_extra_bytes"] = run_on_ranks(memory_on_rank, args.ranks, (cfg,), backend=backend,
-                                                  timeout_s=args.timeout)[0]
+                                                  timeout_s=max(1.0, deadline - time.monotonic()))[0]
     except RankError as exc:
         print(f"FAILED to run: {exc}", file=sys.stderr)
         return 2
@@ -158,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                          help="cpu: gloo on the CPU (default); cuda: NCCL, one GPU per rank")
         sub.add_argument("--timeout", type=float, default=timeout,
-                         help=f"seconds one step on the ranks may take before they are stopped (default {timeout})")
+                         help=f"seconds the whole command may take, start-up included, before its ranks "
+                              f"are stopped (default {timeout})")
 
     check = commands.add_parser("check", help="verify the RL call-site patterns on this machine (a toy model)",
                                 epilog=EPILOG)

@@ -173,3 +173,40 @@ def test_cuda_without_cuda_says_so_in_one_line():
     result = _run(sys.executable, "-m", "fsdp_shim", "check", "--device", "cuda", timeout=120)
     assert result.returncode == 2 and "no usable CUDA device" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_timeout_bounds_the_whole_run_and_progress_comes_from_rank_0(tmp_path):
+    """A chatty rank neither restarts the clock nor duplicates its lines per rank."""
+    code = textwrap.dedent('''
+        import json, sys, time
+        from fsdp_shim._launch import RankError, report_progress, run_on_ranks
+
+        def chatty(seconds):
+            end = time.monotonic() + seconds
+            step = 0
+            while time.monotonic() < end:
+                step += 1
+                report_progress(f"step {step}")
+                time.sleep(0.25)
+            return step
+
+        if __name__ == "__main__":
+            lines = []
+            run_on_ranks(chatty, 2, (1.0,), timeout_s=60, on_progress=lines.append)
+            start = time.monotonic()
+            try:
+                run_on_ranks(chatty, 2, (120.0,), timeout_s=8, on_progress=lambda line: None)
+                outcome = "finished"
+            except RankError as exc:
+                outcome = str(exc).splitlines()[0]
+            print(json.dumps({"lines": lines, "outcome": outcome, "seconds": time.monotonic() - start}))
+    ''')
+    (tmp_path / "ranks.py").write_text(code)
+    result = _run(sys.executable, "ranks.py", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["lines"][0].startswith("2 ranks up (gloo)")
+    steps = report["lines"][1:]
+    assert steps == [f"step {n}" for n in range(1, len(steps) + 1)] and len(steps) >= 2  # rank 0's, once each
+    assert report["outcome"] == "chatty failed on 0 rank(s); 2 did not answer"
+    assert report["seconds"] < 30  # 8 s budget, start-up included, plus the kill
