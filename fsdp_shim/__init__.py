@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any, ContextManager
 
 import wrapt
 
-from fsdp_shim import _versions
+from fsdp_shim import _diagnostics, _versions
 
 if TYPE_CHECKING:
     import torch
@@ -101,7 +101,7 @@ def _environment_problem() -> str | None:
                 f"torch {torch.__version__} is outside the supported {_versions.SUPPORTED_TORCH} "
                 f"(set {_versions.ALLOW_UNSUPPORTED_TORCH_ENV}=1 to patch anyway, at your own risk)"
             )
-        logger.warning(
+        _diagnostics.log_warning(
             "fsdp_shim: patching torch %s, outside the supported %s, because %s is set",
             torch.__version__, _versions.SUPPORTED_TORCH, _versions.ALLOW_UNSUPPORTED_TORCH_ENV,
         )
@@ -135,7 +135,7 @@ def _activate() -> str | None:
         unsupported_reason = reason
         _activation = "done"
         if reason is not None:
-            logger.warning("fsdp_shim is inactive: %s", reason)
+            _diagnostics.log_warning("fsdp_shim is inactive: %s", reason)
         elif not _versions.env_flag(_versions.DISABLE_ENV):
             from fsdp_shim import _patching  # noqa: PLC0415
 

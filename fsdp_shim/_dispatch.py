@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, ContextManager, Literal
 
 import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.tensor import DTensor
 
+from fsdp_shim import _diagnostics
 from fsdp_shim._fsdp2_internals import is_fsdp2_module
 from fsdp_shim._gather import bucket_bytes_from_env
 from fsdp_shim._scope import has_distributed_params
@@ -43,8 +44,13 @@ def route_for(module: Any, recurse: bool) -> Route:
     return "none"
 
 
-def validate_args(writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_grads: bool) -> None:
-    """Reject what FSDP1's ``_validate_unshard_params_args`` rejects, with the same types."""
+def validate_args(
+    writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_grads: bool, module: nn.Module | None = None
+) -> None:
+    """Reject what FSDP1's ``_validate_unshard_params_args`` rejects, with the same types.
+
+    FSDP1's warning comes from every rank; ours once per group (``_diagnostics``).
+    """
     if with_grads and offload_to_cpu:
         raise NotImplementedError(
             f"with_grads={with_grads}, offload_to_cpu={offload_to_cpu} is not supported yet"
@@ -52,12 +58,14 @@ def validate_args(writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_
     if writeback and rank0_only:
         raise NotImplementedError("writeback=True and rank0_only=True is not supported yet")
     if offload_to_cpu and not rank0_only:
-        warnings.warn(
+        mesh = None if module is None else next(
+            (p.device_mesh for p in module.parameters() if isinstance(p, DTensor)), None)
+        _diagnostics.warn(
             "offload_to_cpu=True and rank0_only=False may result in the unsharded parameters "
             "being redundantly copied to CPU memory for GPUs sharing the same CPU memory, which "
             "risks CPU OOM. We recommend using offload_to_cpu=True with rank0_only=True.",
-            UserWarning,
             stacklevel=4,  # validate_args <- _summon <- contextlib __enter__ <- caller
+            mesh=mesh,
         )
 
 
@@ -71,7 +79,7 @@ def _summon(
     with_grads: bool,
     bucket_mb: float | None,
 ) -> Iterator[None]:
-    validate_args(writeback, rank0_only, offload_to_cpu, with_grads)
+    validate_args(writeback, rank0_only, offload_to_cpu, with_grads, module)
     with summon_dtensor_params(
         module,
         recurse=recurse,

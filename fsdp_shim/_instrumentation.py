@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 import wrapt
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
-from fsdp_shim import _versions
+from fsdp_shim import _diagnostics, _versions
 from fsdp_shim._swap import original_params
 
 logger = logging.getLogger("fsdp_shim")
@@ -90,7 +90,7 @@ class Instrumentation:
             problem = self._mismatch(module)
             if problem is not None:
                 self.status = f"skipped: {problem}"
-                logger.warning("fsdp_shim: not instrumenting %s: %s", self.module, problem)
+                _diagnostics.log_warning("fsdp_shim: not instrumenting %s: %s", self.module, problem)
                 return
             self._apply(module)
             self._applied_to = module

@@ -32,7 +32,7 @@ from typing import Any
 import wrapt
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
-from fsdp_shim import _instrumentation
+from fsdp_shim import _diagnostics, _instrumentation
 from fsdp_shim._dispatch import summon
 from fsdp_shim._fsdp2_internals import remove_fully_shard_guard
 
@@ -102,7 +102,7 @@ def unpatch() -> bool:
         _instrumentation.uninstrument_all()
         remove_fully_shard_guard()
         if removed is None:
-            logger.warning("summon_full_params was replaced by someone else; nothing to unpatch")
+            _diagnostics.log_warning("summon_full_params was replaced by someone else; nothing to unpatch")
             return False
         logger.debug("restored FullyShardedDataParallel.summon_full_params")
         return True

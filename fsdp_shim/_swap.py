@@ -66,7 +66,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,6 +77,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 from torch.utils.hooks import RemovableHandle
 
+from fsdp_shim import _diagnostics
 from fsdp_shim import _fsdp2_internals as fsdp2
 from fsdp_shim import _registry as registry
 from fsdp_shim._compat import ungatherable_reason, writeback_refusal
@@ -234,12 +234,12 @@ class _Swap:
         for item in self.summoned:
             current = item.current
             if isinstance(current, torch.Tensor) and current.dtype != item.sharded.dtype:
-                warnings.warn(
+                _diagnostics.warn(
                     f"{self.name(item)} was converted to {current.dtype} inside summon_full_params through "
                     f"a module that is not its FSDP unit; the sharded parameter stays {item.sharded.dtype}. "
                     "Convert the unit (or the whole model) instead.",
-                    UserWarning,
                     stacklevel=5,
+                    mesh=item.sharded.device_mesh,
                 )
 
     def write_back(self, with_grads: bool) -> None:

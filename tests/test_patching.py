@@ -183,6 +183,9 @@ def test_guard_refuses_a_torch_outside_the_supported_range_unless_allowed(versio
     assert result.stdout.strip() == "False"
     assert f"torch {version} is outside the supported torch >= 2.7, < 2.15" in result.stderr
     assert "FSDP_SHIM_ALLOW_UNSUPPORTED_TORCH=1" in result.stderr
+    other_rank = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                env={**env, "RANK": "1"})  # under torchrun: rank 0 speaks for the job
+    assert other_rank.stdout.strip() == "False" and "outside the supported" not in other_rank.stderr
     allowed = {**env, "FSDP_SHIM_ALLOW_UNSUPPORTED_TORCH": "1"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=allowed)
     assert result.stdout.strip() == "True"

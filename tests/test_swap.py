@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -162,11 +163,16 @@ def test_rank0_only_other_ranks_keep_shards(dist_run):
 def rank_offload_to_cpu_warns_like_fsdp1():
     ref, model = _models()
     with patched():
-        with pytest.warns(UserWarning, match="offload_to_cpu=True and rank0_only=False") as record:
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
             with FSDP.summon_full_params(model, writeback=False, offload_to_cpu=True):
                 assert all(p.device.type == "cpu" for p in model.parameters())
                 assert_params_equal(model, ref)
-        assert record[0].filename == __file__  # points at the caller
+        if dist.get_rank() == 0:  # FSDP1's warning, pointing at the caller, once per group (not per rank)
+            assert [str(w.message)[:40] for w in record] == ["offload_to_cpu=True and rank0_only=False"]
+            assert record[0].filename == __file__ and record[0].category is UserWarning
+        else:
+            assert record == []
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             with FSDP.summon_full_params(model, writeback=False, offload_to_cpu=True, rank0_only=True):
@@ -175,6 +181,22 @@ def rank_offload_to_cpu_warns_like_fsdp1():
 
 def test_offload_to_cpu_full_params_on_cpu_and_warning(dist_run):
     dist_run(2, rank_offload_to_cpu_warns_like_fsdp1)
+
+
+def rank_conversion_outside_a_unit_warns_once_per_group():
+    _, model = _models()
+    before = snapshot(model)
+    with patched(), warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with FSDP.summon_full_params(model, writeback=False):
+            model.blocks[0].fc1.double()  # a submodule, not its unit: the shard cannot follow
+    assert_unchanged(model, before)
+    messages = [str(w.message) for w in record if "was converted to torch.float64" in str(w.message)]
+    assert len(messages) == (2 if dist.get_rank() == 0 else 0), messages  # fc1.weight and fc1.bias, on rank 0
+
+
+def test_conversion_outside_a_unit_warns_once_per_group(dist_run):
+    dist_run(2, rank_conversion_outside_a_unit_warns_once_per_group)
 
 
 def rank_with_grads():
