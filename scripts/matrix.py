@@ -4,6 +4,7 @@
     python scripts/matrix.py                 # every release in _versions.VERIFIED_TORCH
     python scripts/matrix.py 2.7.0 2.14.1    # just these
     python scripts/matrix.py --remove-venvs  # free each venv's disk once its row is done
+    python scripts/matrix.py --python python3.12 2.13.0   # venvs on another interpreter
 
 One virtual environment per release under ``--cache`` (default
 ``~/.cache/fsdp-shim-matrix``), reused while it holds that exact release; the
@@ -46,6 +47,7 @@ def _versions_module():
 @dataclass
 class Row:
     torch: str
+    python: str = ""  # the venv's Python, major.minor
     installed: str = ""  # torch.__version__ as the venv reports it
     install_s: float = 0.0
     pytest: str = "not run"
@@ -103,14 +105,28 @@ def _venv_torch(python: Path) -> str:
     return proc.stdout.strip() if proc.returncode == 0 else ""
 
 
-def run_release(version: str, cache: Path, logs: Path, pytest_args: list[str], timeout: float) -> Row:
-    row = Row(version)
-    venv = cache / "venvs" / f"torch-{version}"
+def _python_version(interpreter: str) -> str:
+    proc = subprocess.run([interpreter, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                          capture_output=True, text=True, check=True)
+    return proc.stdout.strip()
+
+
+def _venv_name(version: str, python_version: str) -> str:
+    """``torch-X`` on this interpreter's Python (the name CI's cache already holds), else ``torch-X-pyM.N``."""
+    same = python_version == "%d.%d" % sys.version_info[:2]
+    return f"torch-{version}" if same else f"torch-{version}-py{python_version}"
+
+
+def run_release(version: str, cache: Path, logs: Path, pytest_args: list[str], timeout: float,
+                interpreter: str = sys.executable) -> Row:
+    row = Row(version, python=_python_version(interpreter))
+    name = _venv_name(version, row.python)
+    venv = cache / "venvs" / name
     python = venv / "bin" / "python"
     wheels = cache / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
     logs.mkdir(parents=True, exist_ok=True)
-    log_path = logs / f"torch-{version}.log"
+    log_path = logs / f"{name}.log"
     row.log = str(log_path)
     env = {**os.environ, "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
            "VIRTUAL_ENV": str(venv), "PYTHONUNBUFFERED": "1"}
@@ -120,7 +136,7 @@ def run_release(version: str, cache: Path, logs: Path, pytest_args: list[str], t
         if _venv_torch(python).split("+")[0] != version:
             shutil.rmtree(venv, ignore_errors=True)
             steps = [
-                [sys.executable, "-m", "venv", str(venv)],
+                [interpreter, "-m", "venv", str(venv)],
                 [str(python), "-m", "pip", "install", "--quiet", "--upgrade", "pip"],
                 [str(python), "-m", "pip", "download", "--quiet", "--dest", str(wheels), f"torch=={version}"],
                 [str(python), "-m", "pip", "install", "--quiet", "--no-index", "--find-links", str(wheels),
@@ -152,13 +168,13 @@ def run_release(version: str, cache: Path, logs: Path, pytest_args: list[str], t
 
 
 def print_table(rows: list[Row]) -> None:
-    header = f"| {'torch':<8} | {'installed':<14} | {'pytest':<28} | {'fsdp-shim check':<16} | {'minutes':>7} |"
+    header = f"| {'torch':<8} | {'python':<6} | {'installed':<14} | {'pytest':<28} | {'fsdp-shim check':<16} | {'minutes':>7} |"
     print(header)
     print("|" + "|".join("-" * (len(cell) + 0) for cell in header.split("|")[1:-1]) + "|")
     for row in rows:
         minutes = (row.install_s + row.pytest_s + row.check_s) / 60
         mark = "" if row.ok else " FAIL"
-        print(f"| {row.torch:<8} | {row.installed:<14} | {row.pytest + mark:<28} | {row.check:<16} | {minutes:>7.1f} |")
+        print(f"| {row.torch:<8} | {row.python:<6} | {row.installed:<14} | {row.pytest + mark:<28} | {row.check:<16} | {minutes:>7.1f} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,17 +190,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the rows to this file")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds for each pytest or check run")
     parser.add_argument("--pytest-args", default="", help="extra pytest arguments, one string")
+    parser.add_argument("--python", default=sys.executable,
+                        help="interpreter the venvs are built on (default: the one running this script)")
     args = parser.parse_args(argv)
+    python_version = _python_version(args.python)
 
     rows: list[Row] = []
     for version in args.torch:
         print(f"matrix: torch {version} ...", flush=True)
-        row = run_release(version, args.cache, args.logs, args.pytest_args.split(), args.timeout)
+        row = run_release(version, args.cache, args.logs, args.pytest_args.split(), args.timeout, args.python)
         rows.append(row)
         print(f"matrix: torch {version}: pytest {row.pytest}; check {row.check}; log {row.log}", flush=True)
         if args.remove_venvs:
-            shutil.rmtree(args.cache / "venvs" / f"torch-{version}", ignore_errors=True)
-    print(f"\nfsdp_shim version matrix, {time.strftime('%Y-%m-%d')}, Python {sys.version.split()[0]}\n")
+            shutil.rmtree(args.cache / "venvs" / _venv_name(version, python_version), ignore_errors=True)
+    print(f"\nfsdp_shim version matrix, {time.strftime('%Y-%m-%d')}, Python {python_version}\n")
     print_table(rows)
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in rows], indent=2))
