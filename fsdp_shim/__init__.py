@@ -57,6 +57,8 @@ import wrapt
 from fsdp_shim import _diagnostics, _versions
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     import torch
     import torch.nn as nn
 
@@ -68,6 +70,7 @@ __all__ = [
     "is_fsdp_module",
     "fsdp_units",
     "is_patched",
+    "iter_full_params",
     "param_fqn",
     "patch",
     "sharded_param",
@@ -254,3 +257,59 @@ def summon_full_params(
         module, recurse, writeback, rank0_only, offload_to_cpu, with_grads, bucket_mb=bucket_mb
     )
 
+
+
+def iter_full_params(
+    model: nn.Module,
+    *,
+    dtype: torch.dtype | None = None,
+    rank0_only: bool = True,
+    device: torch.device | str | None = None,
+    bucket_mb: float | None = None,
+) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """Stream ``(name, full tensor)`` for every parameter of a DTensor model, unit by unit.
+
+    For new weight-sync code (an inference engine fed from an FSDP2, HSDP or
+    tensor-parallel model), in place of a ``summon_full_params`` per unit::
+
+        for name, tensor in fsdp_shim.iter_full_params(model, dtype=torch.bfloat16):
+            if tensor is not None:          # rank 0
+                engine.load_weight(name, tensor)
+
+    A collective: every rank iterates, in step, to the end (or all stop early
+    alike). Every rank sees the same names, in the same order: FSDP2 unit by
+    unit, each unit's parameters in ``named_parameters()`` order, a tied
+    parameter once under its first name. Nothing in the model changes.
+
+    Args:
+        dtype: floating parameters travel in this dtype: each rank casts its
+            shard *before* the all-gather (bf16 moves half of fp32's bytes).
+            Values equal ``full.to(dtype)``. ``None``: the stored dtype (the
+            fp32 master weights under a bf16 ``MixedPrecisionPolicy``), exact.
+        rank0_only: only global rank 0 receives tensors; the others get
+            ``None`` for each name (and still take part in every all-gather).
+        device: where the full tensors land (``"cpu"`` for host memory); default
+            where the gather runs.
+        bucket_mb: cap on one all-gather bucket, in MiB (default: ``$FSDP_SHIM_BUCKET_MB`` or 4).
+
+    A tensor is valid until the next step of the iteration: the generator
+    drops it then, and the next unit's all-gather is already in flight while
+    you use the current one. Keep no references and the extra memory stays
+    near the two largest units plus padding, whatever the model's size;
+    clone a tensor you must keep. Treat tensors as read-only.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, holds FSDP1 units, or ``dtype`` is not floating.
+        ValueError: ``bucket_mb`` is not positive.
+        NotImplementedError: a parameter's placements cannot be gathered on this torch.
+    """
+    _require_support()
+    import torch  # noqa: PLC0415
+
+    from fsdp_shim._stream import check_stream_args, stream_full_params  # noqa: PLC0415
+
+    check_stream_args(model, dtype, bucket_mb)
+    return stream_full_params(
+        model, dtype=dtype, rank0_only=rank0_only, device=None if device is None else torch.device(device),
+        bucket_mb=bucket_mb,
+    )

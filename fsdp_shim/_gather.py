@@ -30,6 +30,21 @@ buckets' all-gather outputs are alive at once (inputs live inside them), so
 the extra memory beyond the full tensors is at most two buckets (the default
 cap is sized for that).
 
+[Note: a bucket of one]
+With one tensor in a bucket the ``(W, S)`` output *is* its padded full tensor
+(rank blocks of ``c`` rows, back to back), so the result is a view of the
+first ``n`` rows and nothing is copied out; if its shard already has ``c``
+rows, in the gathered dtype, on the collective's device, the shard itself is
+the all-gather input and nothing is copied in either. Tensors larger than the
+bucket cap always take this path: for big models the gather moves each byte
+once, as FSDP1's flat parameter does.
+
+[Note: cast before gather]
+With ``cast_to`` (``iter_full_params(dtype=...)``), each floating local shard
+is cast while it is copied into the bucket, so the all-gather moves the cast
+bytes (half of fp32 for bf16) and the full tensor is born in that dtype.
+Casting is elementwise, so this equals casting the gathered full tensor.
+
 [Note: writeback needs no collective]
 Every rank already holds the whole (possibly edited) full tensor inside the
 context, so each rank copies rows ``[r * c, r * c + local_rows)`` of it into its
@@ -44,7 +59,7 @@ import logging
 import os
 import weakref
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -175,14 +190,24 @@ class _Batched(NamedTuple):
     layout: Dim0Layout
 
 
-def plan_buckets(dtensors: Sequence[DTensor], bucket_bytes: int) -> tuple[list[list[_Batched]], list[int]]:
+def gathered_dtype(dtensor: DTensor, cast_to: torch.dtype | None) -> torch.dtype:
+    """The dtype ``dtensor`` travels in: ``cast_to`` for floating tensors, else its own."""
+    if cast_to is not None and dtensor.is_floating_point():
+        return cast_to
+    return dtensor.dtype
+
+
+def plan_buckets(
+    dtensors: Sequence[DTensor], bucket_bytes: int, cast_to: torch.dtype | None = None
+) -> tuple[list[list[_Batched]], list[int]]:
     """Split ``dtensors`` into fast-path buckets and fallback indices.
 
     Buckets hold tensors of one (process group, dtype, device) in the caller's
     order and close when the next tensor would push the gathered size past
     ``bucket_bytes``; a tensor larger than the cap gets a bucket of its own.
-    The plan depends only on global metadata, so every rank builds the same
-    one and issues the same collectives in the same order.
+    ``cast_to`` is the dtype floating tensors travel in (see [Note: cast
+    before gather]). The plan depends only on global metadata, so every rank
+    builds the same one and issues the same collectives in the same order.
     """
     buckets: list[list[_Batched]] = []
     fallback: list[int] = []
@@ -192,8 +217,9 @@ def plan_buckets(dtensors: Sequence[DTensor], bucket_bytes: int) -> tuple[list[l
         if layout is None:
             fallback.append(index)
             continue
-        key = (layout.group, dtensor.dtype, dtensor._local_tensor.device)
-        nbytes = layout.world_size * layout.padded_numel * dtensor.element_size()
+        dtype = gathered_dtype(dtensor, cast_to)
+        key = (layout.group, dtype, dtensor._local_tensor.device)
+        nbytes = layout.world_size * layout.padded_numel * dtype.itemsize
         bucket, size = open_buckets.get(key, (None, [0]))
         if bucket is None or (bucket and size[0] + nbytes > bucket_bytes):
             bucket, size = [], [0]
@@ -222,27 +248,36 @@ class _InFlight(NamedTuple):
 
 
 @torch.no_grad()
-def _start_bucket(bucket: list[_Batched]) -> _InFlight:
+def _start_bucket(bucket: list[_Batched], cast_to: torch.dtype | None = None) -> _InFlight:
     """Copy in this rank's padded shards and launch the bucket's all-gather.
 
     As FSDP2 does, the input is this rank's block of the output buffer, so the
-    copy-in needs no buffer of its own and the all-gather runs in place.
+    copy-in needs no buffer of its own and the all-gather runs in place. A
+    bucket of one tensor whose shard needs no padding, cast or move is sent
+    as it is: no copy-in at all (see [Note: a bucket of one]).
     """
     first = bucket[0]
     world_size, group, rank = first.layout.world_size, first.layout.group, first.layout.rank
-    dtype = first.dtensor.dtype
+    dtype = gathered_dtype(first.dtensor, cast_to)
     comm_device = _comm_device(first.dtensor)
     split_sizes = [b.layout.padded_numel for b in bucket]
     per_rank = sum(split_sizes)
-    pieces: list[torch.Tensor] = []
-    for b, padded in zip(bucket, split_sizes):
-        local = b.dtensor._local_tensor.reshape(-1)
-        pieces.append(local if local.device == comm_device else local.to(comm_device, non_blocking=True))
-        if padded > local.numel():  # zeros: padding is never exposed, but stays deterministic
-            pieces.append(torch.zeros(padded - local.numel(), dtype=dtype, device=comm_device))
     output = torch.empty(world_size * per_rank, dtype=dtype, device=comm_device)
-    gather_input = output.narrow(0, rank * per_rank, per_rank)
-    torch.cat(pieces, out=gather_input)
+    local = first.dtensor._local_tensor
+    if (len(bucket) == 1 and local.numel() == per_rank and local.dtype == dtype and local.device == comm_device
+            and local.is_contiguous()):
+        gather_input = local.view(-1)
+    else:
+        pieces: list[torch.Tensor] = []
+        for b, padded in zip(bucket, split_sizes):
+            local = b.dtensor._local_tensor.reshape(-1)
+            if local.device != comm_device or local.dtype != dtype:
+                local = local.to(comm_device, dtype, non_blocking=True)
+            pieces.append(local)
+            if padded > local.numel():  # zeros: padding is never exposed, but stays deterministic
+                pieces.append(torch.zeros(padded - local.numel(), dtype=dtype, device=comm_device))
+        gather_input = output.narrow(0, rank * per_rank, per_rank)
+        torch.cat(pieces, out=gather_input)
     work = all_gather_single(output, gather_input, group=group, async_op=True)
     return _InFlight(bucket, gather_input, output, split_sizes, work)
 
@@ -264,6 +299,9 @@ def _finish_bucket(flight: _InFlight, keep: bool, out_device: torch.device | Non
         if output.device.type != "cpu":
             getattr(torch, output.device.type).current_stream().synchronize()
         output = host
+    if len(flight.bucket) == 1:  # see [Note: a bucket of one]
+        only = flight.bucket[0].dtensor
+        return [output[: only.numel()].view(only.shape)]
     padded_fulls = [torch.empty(world_size * n, dtype=output.dtype, device=output.device) for n in split_sizes]
     torch.split_with_sizes_copy(
         output.view(world_size, -1),
@@ -275,8 +313,12 @@ def _finish_bucket(flight: _InFlight, keep: bool, out_device: torch.device | Non
 
 
 @torch.no_grad()
-def _gather_fallback(dtensor: DTensor, keep: bool, out_device: torch.device | None) -> torch.Tensor | None:
-    full = dtensor.full_tensor()
+def _gather_fallback(
+    dtensor: DTensor, keep: bool, out_device: torch.device | None, cast_to: torch.dtype | None = None
+) -> torch.Tensor | None:
+    dtype = gathered_dtype(dtensor, cast_to)
+    source = dtensor if dtype == dtensor.dtype else cast(DTensor, dtensor.to(dtype))  # a local, elementwise cast
+    full = source.full_tensor()
     if not keep:
         return None
     local = dtensor._local_tensor
@@ -310,11 +352,7 @@ def gather_full_tensors(
     Raises ``NotImplementedError`` before any collective if this torch cannot
     gather one of the placements correctly (``_compat.ungatherable_reason``).
     """
-    for index, dtensor in enumerate(dtensors):
-        reason = ungatherable_reason(dtensor.placements)
-        if reason is not None:
-            raise NotImplementedError(f"cannot gather tensor {index} of shape {tuple(dtensor.shape)}: {reason}")
-    _require_live_groups(dtensors)
+    _require_gatherable(dtensors)
     cap = bucket_bytes_from_env() if bucket_bytes is None else bucket_bytes
     buckets, fallback = plan_buckets(dtensors, cap)
     results: list[torch.Tensor | None] = [None] * len(dtensors)
@@ -336,6 +374,63 @@ def gather_full_tensors(
         len(dtensors), len(buckets), len(fallback),
     )
     return Gathered(results, layouts)
+
+
+def _require_gatherable(dtensors: Sequence[DTensor]) -> None:
+    """Refuse, before any collective, what this torch cannot gather correctly or a dead group cannot."""
+    for index, dtensor in enumerate(dtensors):
+        reason = ungatherable_reason(dtensor.placements)
+        if reason is not None:
+            raise NotImplementedError(f"cannot gather tensor {index} of shape {tuple(dtensor.shape)}: {reason}")
+    _require_live_groups(dtensors)
+
+
+class PendingGather:
+    """A batch of DTensors whose bucket all-gathers are all in flight (``start_gather``)."""
+
+    def __init__(self, dtensors: Sequence[DTensor], cast_to: torch.dtype | None, bucket_bytes: int | None):
+        _require_gatherable(dtensors)
+        cap = bucket_bytes_from_env() if bucket_bytes is None else bucket_bytes
+        buckets, self._fallback = plan_buckets(dtensors, cap, cast_to)
+        self._dtensors = list(dtensors)
+        self._cast_to = cast_to
+        self._flights = [_start_bucket(bucket, cast_to) for bucket in buckets]
+
+    def finish(self, *, keep: bool, out_device: torch.device | None = None) -> list[torch.Tensor | None]:
+        """Wait and copy out, bucket by bucket (each output freed as soon as it is copied), then the fallbacks.
+
+        A collective, like the start: every rank finishes its batches in the same order.
+        """
+        results: list[torch.Tensor | None] = [None] * len(self._dtensors)
+        while self._flights:
+            flight = self._flights.pop(0)
+            for b, full in zip(flight.bucket, _finish_bucket(flight, keep, out_device)):
+                results[b.position] = full
+            del flight
+        for index in self._fallback:
+            results[index] = _gather_fallback(self._dtensors[index], keep, out_device, self._cast_to)
+        self._fallback = []
+        return results
+
+    def abandon(self) -> None:
+        """Wait for the launched all-gathers and drop their results; the fallbacks never run."""
+        for flight in self._flights:
+            if flight.work is not None:
+                flight.work.wait()
+        self._flights, self._fallback = [], []
+
+
+def start_gather(
+    dtensors: Sequence[DTensor], *, cast_to: torch.dtype | None = None, bucket_bytes: int | None = None
+) -> PendingGather:
+    """Launch every bucket's all-gather for ``dtensors`` now; ``finish`` collects them.
+
+    Unlike ``gather_full_tensors`` (one bucket in flight), the whole batch is in
+    flight at once, so it transfers while the caller does other work: the
+    streaming sync keeps one unit in flight this way. Fallback tensors
+    (``full_tensor()``, blocking) are gathered in ``finish``.
+    """
+    return PendingGather(dtensors, cast_to, bucket_bytes)
 
 
 @torch.no_grad()

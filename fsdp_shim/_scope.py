@@ -84,7 +84,7 @@ class _Owners:
     slots: dict[int, list[tuple[nn.Module, str]]] = field(default_factory=dict)  # id(FSDPParam) -> slots
 
 
-def _fsdp_slot_owners(states: Iterable[fsdp2.FSDPState]) -> _Owners:
+def fsdp_slot_owners(states: Iterable[fsdp2.FSDPState]) -> _Owners:
     owners = _Owners()
     for state in states:
         for group in fsdp2.param_groups(state):
@@ -100,7 +100,7 @@ def has_distributed_params(root: nn.Module, recurse: bool) -> bool:
     modules = scope_modules(root, recurse)
     if any(isinstance(p, DTensor) for m in modules for p in (*m._parameters.values(), *m._buffers.values())):
         return True
-    owners = _fsdp_slot_owners(fsdp2.all_fsdp_states()).by_slot  # unsharded slots hold plain tensors
+    owners = fsdp_slot_owners(fsdp2.all_fsdp_states()).by_slot  # unsharded slots hold plain tensors
     return any(slot_key(m, name) in owners for m in modules for name in m._parameters)
 
 
@@ -115,11 +115,11 @@ def collect_scope(root: nn.Module, recurse: bool, summoned: Iterable[SlotKey] = 
     states = list({id(s): s for s in (fsdp2.fsdp_state_of(m) for m in modules) if s is not None}.values())
     # The units in scope usually own every slot; a submodule inside a unit is
     # owned by a state above it, found only by looking at every state.
-    owners = _fsdp_slot_owners(states)
+    owners = fsdp_slot_owners(states)
     if any(
         slot_key(m, name) not in owners.by_slot for m in modules for name, p in m._parameters.items() if p is not None
     ):
-        owners = _fsdp_slot_owners(fsdp2.all_fsdp_states())
+        owners = fsdp_slot_owners(fsdp2.all_fsdp_states())
     by_identity: dict[int, ScopedParam] = {}
     params: list[ScopedParam] = []
     covered: set[SlotKey] = set(summoned)

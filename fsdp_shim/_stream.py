@@ -1,0 +1,180 @@
+"""The streaming weight sync: full parameters unit by unit, the next unit in flight.
+
+[Note: streaming]
+``iter_full_params`` serves the RL weight sync (send every full parameter to
+an inference engine) without a context and without swapping anything:
+
+* *Batches.* The model's parameters are split into batches: one per FSDP2
+  unit (its param group: what one ``recurse=False`` summon gathers), and runs
+  of parameters no unit manages (tensor parallel alone, plain tensors) cut at
+  the bucket cap. Ties are one parameter, named by ``named_parameters()``'s
+  first name. The plan reads only structure, so every rank makes the same.
+* *One batch in flight.* Batch ``k + 1``'s all-gathers are launched, all of
+  them, before batch ``k`` is handed out, so they transfer while the caller
+  sends batch ``k``. Batch ``k + 1`` is finished only when the caller asks for
+  it, and only then is ``k + 2`` launched.
+* *Bounded memory.* At any time the generator holds batch ``k``'s full
+  tensors and batch ``k + 1``'s bucket buffers: about the two largest
+  adjacent units, plus padding (at most ``W - 1`` rows a tensor). While batch
+  ``k + 1`` is copied out its buffers are freed one bucket at a time. A tensor
+  handed out is dropped by the generator at the next step, so a caller that
+  keeps no reference keeps memory at that bound whatever the model's size.
+* *Cast before gather.* With ``dtype``, floating shards are cast as they are
+  copied into the bucket (see [Note: cast before gather] in ``_gather``).
+* *What is read.* The sharded parameters FSDP2 and the optimizer hold (fp32
+  masters under a ``param_dtype`` policy), also when a forward left a unit
+  unsharded. Nothing in the model changes, so no FSDP2 state is touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.tensor import DTensor
+
+from fsdp_shim import _fsdp2_internals as fsdp2
+from fsdp_shim._gather import PendingGather, bucket_bytes_from_env, gathered_dtype, start_gather
+from fsdp_shim._scope import fsdp_slot_owners, slot_key
+
+logger = logging.getLogger("fsdp_shim")
+
+FullParams = Iterator[tuple[str, torch.Tensor | None]]
+
+
+@dataclass
+class _Batch:
+    """Parameters gathered together: one FSDP2 unit, or a run of unmanaged ones."""
+
+    names: list[str] = field(default_factory=list)
+    tensors: list[torch.Tensor] = field(default_factory=list)  # sharded DTensors or plain tensors
+    nbytes: int = 0  # gathered size
+
+
+def plan_batches(model: nn.Module, bucket_bytes: int, cast_to: torch.dtype | None) -> list[_Batch]:
+    """Every distinct parameter of ``model``, named and batched. See [Note: streaming]."""
+    modules = list(model.modules())
+    states = {id(s): s for s in (fsdp2.fsdp_state_of(m) for m in modules) if s is not None}
+    owners = fsdp_slot_owners(states.values()).by_slot
+    batches: dict[object, _Batch] = {}
+    ordered: list[_Batch] = []
+    seen: set[int] = set()
+    rest: _Batch | None = None
+    for prefix, module in model.named_modules():
+        for name, value in module._parameters.items():
+            if value is None:
+                continue
+            owner = owners.get(slot_key(module, name))
+            identity: object = owner[0] if owner is not None else value
+            if id(identity) in seen:
+                continue  # a tie: named once, by its first name
+            seen.add(id(identity))
+            tensor: torch.Tensor = value
+            if owner is not None and not isinstance(value, DTensor):
+                tensor = fsdp2.sharded_param(owner[0])  # a forward left the unit unsharded
+            nbytes = tensor.numel() * _travel_dtype(tensor, cast_to).itemsize
+            if owner is not None:
+                batch = batches.get(id(owner[1]))
+                if batch is None:
+                    batch = batches[id(owner[1])] = _Batch()
+                    ordered.append(batch)
+            else:
+                if rest is None or (rest.tensors and rest.nbytes + nbytes > bucket_bytes):
+                    rest = _Batch()
+                    ordered.append(rest)
+                batch = rest
+            batch.names.append(f"{prefix}.{name}" if prefix else name)
+            batch.tensors.append(tensor)
+            batch.nbytes += nbytes
+    return ordered
+
+
+def _travel_dtype(tensor: torch.Tensor, cast_to: torch.dtype | None) -> torch.dtype:
+    if isinstance(tensor, DTensor):
+        return gathered_dtype(tensor, cast_to)
+    return cast_to if cast_to is not None and tensor.is_floating_point() else tensor.dtype
+
+
+class _InFlightBatch:
+    """One batch with its DTensors' all-gathers launched."""
+
+    def __init__(self, batch: _Batch, cast_to: torch.dtype | None, bucket_bytes: int):
+        self.batch = batch
+        self._cast_to = cast_to
+        self._distributed = [i for i, t in enumerate(batch.tensors) if isinstance(t, DTensor)]
+        dtensors = [batch.tensors[i] for i in self._distributed]
+        self._pending: PendingGather | None = (
+            start_gather(dtensors, cast_to=cast_to, bucket_bytes=bucket_bytes) if dtensors else None  # type: ignore[arg-type]
+        )
+
+    def finish(self, keep: bool, out_device: torch.device | None) -> list[torch.Tensor | None]:
+        fulls: list[torch.Tensor | None] = [None] * len(self.batch.tensors)
+        if self._pending is not None:
+            gathered, self._pending = self._pending.finish(keep=keep, out_device=out_device), None
+            for index, full in zip(self._distributed, gathered):
+                fulls[index] = full
+        if keep:
+            for index, tensor in enumerate(self.batch.tensors):
+                if fulls[index] is None and not isinstance(tensor, DTensor):
+                    dtype = _travel_dtype(tensor, self._cast_to)
+                    fulls[index] = tensor.detach().to(device=out_device or tensor.device, dtype=dtype)
+        return fulls
+
+    def abandon(self) -> None:
+        """Wait for the launched all-gathers and drop them (the caller stopped early)."""
+        if self._pending is not None:
+            self._pending.abandon()
+            self._pending = None
+
+
+def check_stream_args(model: object, dtype: object, bucket_mb: float | None) -> None:
+    """Refuse bad arguments at the call, before the generator (and any collective) starts."""
+    bucket_bytes_from_env(bucket_mb)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"iter_full_params expects an nn.Module, got {type(model).__name__}")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"iter_full_params: dtype must be a floating torch.dtype or None, got {dtype!r}")
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        raise TypeError(
+            "iter_full_params serves FSDP2, HSDP and tensor-parallel (DTensor) models; this one holds FSDP1 "
+            "units: use FSDP.summon_full_params(unit, recurse=False, rank0_only=True) per unit instead"
+        )
+
+
+def stream_full_params(
+    model: nn.Module,
+    *,
+    dtype: torch.dtype | None,
+    rank0_only: bool,
+    device: torch.device | None,
+    bucket_mb: float | None,
+) -> FullParams:
+    """The generator behind ``fsdp_shim.iter_full_params`` (arguments already checked)."""
+    bucket_bytes = bucket_bytes_from_env(bucket_mb)
+    batches = plan_batches(model, bucket_bytes, dtype)
+    keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
+    started = time.perf_counter()
+    in_flight = _InFlightBatch(batches[0], dtype, bucket_bytes) if batches else None
+    sent_bytes = 0
+    try:
+        for index, batch in enumerate(batches):
+            assert in_flight is not None
+            fulls = in_flight.finish(keep, device)
+            in_flight = _InFlightBatch(batches[index + 1], dtype, bucket_bytes) if index + 1 < len(batches) else None
+            sent_bytes += batch.nbytes
+            for position, name in enumerate(batch.names):
+                yield name, fulls[position]
+                fulls[position] = None  # valid until the next step: see [Note: streaming]
+    finally:
+        if in_flight is not None:
+            in_flight.abandon()
+    logger.debug(
+        "iter_full_params: %d batches, %.1f MiB gathered (%s), kept on this rank: %s, %.1f ms",
+        len(batches), sent_bytes / 2**20, dtype or "stored dtypes", keep, (time.perf_counter() - started) * 1e3,
+    )
