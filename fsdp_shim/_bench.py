@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 import wrapt
 
 import fsdp_shim
+from fsdp_shim._compat import all_gather_single
 from fsdp_shim._gather import bucket_bytes_from_env
 from fsdp_shim._launch import rank_device, report_progress
 from fsdp_shim._models import Block, LMConfig, build_lm, shard_lm, tokens_for
@@ -49,6 +50,7 @@ class BenchConfig:
     rank0_only: bool = False  # the full-model shim contenders with rank0_only
     fsdp1: bool = True
     between: bool = True  # summon between forward and backward (reshard_after_forward=False)
+    stream: bool = True  # iter_full_params, full_tensor()+cast and the raw all-gather limit
 
 
 # -- peak memory --------------------------------------------------------------
@@ -134,15 +136,29 @@ def _contenders(
         with FSDP.summon_full_params(cast(nn.Module, fsdp1_model), writeback=False):
             pass
 
-    def per_unit_shim() -> None:
-        for unit in units:
-            with FSDP.summon_full_params(cast(nn.Module, unit), recurse=False, writeback=False, rank0_only=True):
-                pass
+    def per_unit(loop_units: list[nn.Module], rank0_only: bool) -> Callable[[], None]:
+        def run() -> None:  # the RL weight sync: one recurse=False summon per unit
+            for unit in loop_units:
+                with FSDP.summon_full_params(unit, recurse=False, writeback=False, rank0_only=rank0_only):
+                    pass
+        return run
 
     def per_unit_unshard() -> None:
         for unit in units:
             unit.unshard()
             unit.reshard()
+
+    def stream(dtype: torch.dtype | None) -> Callable[[], None]:
+        def run() -> None:
+            for _name, full in fsdp_shim.iter_full_params(model, dtype=dtype):
+                del full
+        return run
+
+    def full_tensor_then_cast() -> None:  # what verl, TRL, NeMo-RL and SkyRL do
+        for p in model.parameters():
+            full = cast(DTensor, p).full_tensor().to(torch.bfloat16)
+            del full
+
 
     contenders: dict[str, Callable[[], None]] = {
         "shim": shim(False),
@@ -157,8 +173,19 @@ def _contenders(
     for mb in cfg.bucket_mb:
         contenders[f"shim@{mb:g}MB"] = shim(False, bucket_mb=mb)
     if cfg.per_unit:
-        contenders["per_unit_shim"] = per_unit_shim
+        module_units = [cast(nn.Module, unit) for unit in units]
+        contenders["per_unit_shim"] = per_unit(module_units, rank0_only=True)
+        contenders["per_unit_shim_all"] = per_unit(module_units, rank0_only=False)
         contenders["per_unit_unshard"] = per_unit_unshard
+        if fsdp1_model is not None:
+            fsdp1_units = [unit for _, unit in fsdp_shim.fsdp_units(fsdp1_model)]
+            contenders["per_unit_fsdp1"] = per_unit(fsdp1_units, rank0_only=True)
+            contenders["per_unit_fsdp1_all"] = per_unit(fsdp1_units, rank0_only=False)
+    if cfg.stream:
+        contenders["stream_fp32"] = stream(None)
+        contenders["stream_bf16"] = stream(torch.bfloat16)
+        contenders["full_tensor_bf16"] = full_tensor_then_cast
+        contenders["raw_all_gather"] = _RawAllGather(model, bucket_bytes_from_env()).run
     if held is not None:
         def forward_backward(summon: bool) -> Callable[[], None]:
             def run() -> None:
@@ -175,12 +202,47 @@ def _contenders(
     return contenders
 
 
+class _RawAllGather:
+    """The physical limit: this rank's shard bytes, all-gathered in cap-sized buckets, one in flight.
+
+    Buffers are allocated once, outside the timing; nothing is copied in or out.
+    """
+
+    def __init__(self, model: nn.Module, bucket_bytes: int):
+        mesh = cast(DTensor, next(model.parameters())).device_mesh
+        self.group = mesh.get_group(mesh.ndim - 1)
+        world = dist.get_world_size(self.group)
+        local_numel = sum(cast(DTensor, p)._local_tensor.numel() for p in model.parameters())
+        per_bucket = max(1, bucket_bytes // (4 * world))  # fp32 elements one rank sends per bucket
+        sizes = [per_bucket] * (local_numel // per_bucket) + [local_numel % per_bucket]
+        device = cast(DTensor, next(model.parameters()))._local_tensor.device
+        self.buffers = [(torch.ones(n, device=device), torch.empty(n * world, device=device)) for n in sizes if n]
+
+    def run(self) -> None:
+        pending = None
+        for local, output in self.buffers:
+            work = all_gather_single(output, local, group=self.group, async_op=True)
+            if pending is not None:
+                pending.wait()
+            pending = work
+        if pending is not None:
+            pending.wait()
+
+
 RATIOS = [
     ("shim / unshard", "shim", "unshard"),
     ("shim / fsdp1", "shim", "fsdp1"),
     ("shim / full_tensor_loop", "shim", "full_tensor_loop"),
+    ("shim / raw all-gather", "shim", "raw_all_gather"),
     ("writeback / no writeback", "shim_writeback", "shim"),
+    ("per-unit loop: shim / fsdp1", "per_unit_shim", "per_unit_fsdp1"),
     ("per-unit loop: shim / unshard", "per_unit_shim", "per_unit_unshard"),
+    ("per-unit, all ranks: shim / fsdp1", "per_unit_shim_all", "per_unit_fsdp1_all"),
+    ("per-unit, all ranks: shim / unshard", "per_unit_shim_all", "per_unit_unshard"),
+    ("stream fp32 / per-unit shim", "stream_fp32", "per_unit_shim"),
+    ("stream bf16 / per-unit shim", "stream_bf16", "per_unit_shim"),
+    ("stream fp32 / raw all-gather", "stream_fp32", "raw_all_gather"),
+    ("full_tensor+bf16 / stream bf16", "full_tensor_bf16", "stream_bf16"),
     ("fwd+summon+bwd / fwd+bwd", "fwd_summon_bwd", "fwd_bwd"),
 ]
 

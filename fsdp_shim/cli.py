@@ -119,7 +119,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     cfg = BenchConfig(
         layers=args.layers, width=args.width, vocab=args.vocab, reps=args.reps, warmup=args.warmup,
         device=args.device, bucket_mb=tuple(args.bucket_mb), per_unit=not args.no_per_unit,
-        rank0_only=args.rank0_only, fsdp1=args.fsdp1, between=not args.no_between,
+        rank0_only=args.rank0_only, fsdp1=args.fsdp1, between=not args.no_between, stream=not args.no_stream,
     )
     backend = _backend(args.device)
     deadline = time.monotonic() + args.timeout  # --timeout bounds the whole command
@@ -182,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-per-unit", action="store_true", help="skip the recurse=False weight-sync loop")
     bench.add_argument("--no-between", action="store_true",
                        help="skip summon between forward and backward (reshard_after_forward=False)")
+    bench.add_argument("--no-stream", action="store_true",
+                       help="skip iter_full_params (fp32, bf16), full_tensor()+cast and the raw all-gather")
     bench.add_argument("--rank0-only", action="store_true", help="add a rank0_only=True shim contender")
     bench.add_argument("--fsdp1", action=argparse.BooleanOptionalAction, default=True, help="FSDP1 contender")
     bench.add_argument("--json", action="store_true", help="print the result as JSON")
