@@ -40,7 +40,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
 from fsdp_shim import _fsdp2_internals as fsdp2
-from fsdp_shim._gather import PendingGather, bucket_bytes_from_env, gathered_dtype, start_gather
+from fsdp_shim._gather import PendingGather, Receiver, bucket_bytes_from_env, gathered_dtype, start_gather
 from fsdp_shim._scope import fsdp_slot_owners, slot_key
 
 logger = logging.getLogger("fsdp_shim")
@@ -104,13 +104,14 @@ def _travel_dtype(tensor: torch.Tensor, cast_to: torch.dtype | None) -> torch.dt
 class _InFlightBatch:
     """One batch with its DTensors' all-gathers launched."""
 
-    def __init__(self, batch: _Batch, cast_to: torch.dtype | None, bucket_bytes: int):
+    def __init__(self, batch: _Batch, cast_to: torch.dtype | None, bucket_bytes: int, receiver: Receiver):
         self.batch = batch
         self._cast_to = cast_to
         self._distributed = [i for i, t in enumerate(batch.tensors) if isinstance(t, DTensor)]
         dtensors = [batch.tensors[i] for i in self._distributed]
         self._pending: PendingGather | None = (
-            start_gather(dtensors, cast_to=cast_to, bucket_bytes=bucket_bytes) if dtensors else None  # type: ignore[arg-type]
+            start_gather(dtensors, cast_to=cast_to, bucket_bytes=bucket_bytes, receiver=receiver)  # type: ignore[arg-type]
+            if dtensors else None
         )
 
     def finish(self, keep: bool, out_device: torch.device | None) -> list[torch.Tensor | None]:
@@ -159,14 +160,16 @@ def stream_full_params(
     bucket_bytes = bucket_bytes_from_env(bucket_mb)
     batches = plan_batches(model, bucket_bytes, dtype)
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
+    receiver: Receiver = "global_rank0" if rank0_only else "all"  # see [Note: one receiver] in _gather
     started = time.perf_counter()
-    in_flight = _InFlightBatch(batches[0], dtype, bucket_bytes) if batches else None
+    in_flight = _InFlightBatch(batches[0], dtype, bucket_bytes, receiver) if batches else None
     sent_bytes = 0
     try:
         for index, batch in enumerate(batches):
             assert in_flight is not None
             fulls = in_flight.finish(keep, device)
-            in_flight = _InFlightBatch(batches[index + 1], dtype, bucket_bytes) if index + 1 < len(batches) else None
+            following = batches[index + 1] if index + 1 < len(batches) else None
+            in_flight = _InFlightBatch(following, dtype, bucket_bytes, receiver) if following else None
             sent_bytes += batch.nbytes
             for position, name in enumerate(batch.names):
                 yield name, fulls[position]

@@ -81,7 +81,7 @@ from fsdp_shim import _diagnostics
 from fsdp_shim import _fsdp2_internals as fsdp2
 from fsdp_shim import _registry as registry
 from fsdp_shim._compat import ungatherable_reason, writeback_refusal
-from fsdp_shim._gather import Dim0Layout, Gathered, gather_full_tensors, mesh_groups, write_back_locals
+from fsdp_shim._gather import Dim0Layout, Gathered, Receiver, gather_full_tensors, mesh_groups, write_back_locals
 from fsdp_shim._scope import Scope, ScopedParam, collect_scope, slot_key
 
 logger = logging.getLogger("fsdp_shim")
@@ -456,7 +456,8 @@ def _states_of(scope: Scope) -> list[fsdp2.FSDPState]:
 
 
 def _gather_grads(
-    dtensors: list[DTensor], keep: bool, out_device: torch.device | None, bucket_bytes: int | None
+    dtensors: list[DTensor], keep: bool, out_device: torch.device | None, bucket_bytes: int | None,
+    receiver: Receiver,
 ) -> dict[int, torch.Tensor]:
     with_grad = [i for i, d in enumerate(dtensors) if d.grad is not None]
     gathered = gather_full_tensors(
@@ -464,6 +465,7 @@ def _gather_grads(
         keep=keep,
         out_device=out_device,
         bucket_bytes=bucket_bytes,
+        receiver=receiver,
     )
     return {i: g for i, g in zip(with_grad, gathered.tensors) if g is not None}
 
@@ -508,6 +510,17 @@ def _keeps_full_params(scope: Scope, rank0_only: bool) -> bool:
     if scope.groups:
         return all(fsdp2.shard_rank(group) == 0 for group in scope.groups)
     return dist.get_rank() == 0
+
+
+def _receiver(scope: Scope, rank0_only: bool) -> Receiver:
+    """Which ranks the gather must deliver to: every rank ``_keeps_full_params`` names, at least."""
+    if not rank0_only:
+        return "all"
+    if not scope.groups:
+        return "global_rank0"  # tensor parallel alone: global rank 0 keeps
+    if all(entry.fsdp_param is not None for entry in scope.params):
+        return "group_rank0"  # each FSDP2 shard group's rank 0 keeps, and is rank 0 of the group gathered over
+    return "all"  # FSDP2 units and other DTensors in one call: the simple, safe answer
 
 
 @contextlib.contextmanager
@@ -574,8 +587,9 @@ def _summoned(
     keep = _keeps_full_params(scope, rank0_only)
     out_device = torch.device("cpu") if offload_to_cpu else None
     to_gather = [i for i, entry in enumerate(scope.params) if entry.group not in unsharded_groups]
+    receiver = _receiver(scope, rank0_only)
     some = gather_full_tensors([dtensors[i] for i in to_gather], keep=keep, out_device=out_device,
-                               bucket_bytes=bucket_bytes)
+                               bucket_bytes=bucket_bytes, receiver=receiver)
     gathered = Gathered([None] * len(dtensors), [None] * len(dtensors))
     for i, full, layout in zip(to_gather, *some):
         gathered.tensors[i], gathered.layouts[i] = full, layout
@@ -587,7 +601,7 @@ def _summoned(
                     unsharded = fsdp2.unsharded_param_if_any(entry.fsdp_param)  # type: ignore[arg-type]
                     assert unsharded is not None
                     gathered.tensors[i] = unsharded.detach().to(out_device or unsharded.device, copy=True)
-    grads = _gather_grads(dtensors, keep, out_device, bucket_bytes) if with_grads else {}
+    grads = _gather_grads(dtensors, keep, out_device, bucket_bytes, receiver) if with_grads else {}
     swap = _Swap(scope, writeback)
     try:
         if keep:

@@ -171,3 +171,42 @@ def test_bucket_size_from_keyword_env_and_default(monkeypatch):
         bucket_bytes_from_env()
     with pytest.raises(ValueError, match="positive"):
         bucket_bytes_from_env(0)
+
+
+def rank_receivers_deliver_to_exactly_the_ranks_named():
+    """[Note: one receiver]: group rank 0 of each shard group, or global rank 0 alone (others skip)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_shim._gather import gathers_to_one, start_gather
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    fulls = [torch.randn(shape) for shape in ((5, 3), (4,), (64, 8), (1, 2))]  # uneven, tiny, solo-sized
+    dtensors = [distribute_tensor(f.clone(), mesh, [Replicate(), Shard(0)]) for f in fulls]
+    shard_rank = mesh.get_local_rank("shard")
+    assert gathers_to_one(mesh.get_group("shard"))  # gloo: a gather serves one receiver
+    for receiver, keeps in (("all", True), ("group_rank0", shard_rank == 0), ("global_rank0", dist.get_rank() == 0)):
+        got, _ = gather_full_tensors(dtensors, keep=keeps, receiver=receiver, bucket_bytes=300)
+        for full, out in zip(fulls, got):
+            assert (out is not None) == keeps, receiver
+            assert out is None or torch.equal(out, full), receiver
+        pending = start_gather(dtensors, receiver=receiver, bucket_bytes=300)
+        flights = list(pending._flights)
+        received = [flight.output is not None for flight in flights]
+        moved = [flight.work is not None for flight in flights]
+        if receiver == "all":
+            assert all(received) and all(moved)
+        elif receiver == "group_rank0":  # a gather: only each shard group's rank 0 allocates an output
+            assert all(r == (shard_rank == 0) for r in received) and all(moved)
+        else:  # ranks 2 and 3 (the other replica) move nothing at all
+            assert all(r == (dist.get_rank() == 0) for r in received)
+            assert all(m == (dist.get_rank() < 2) for m in moved)
+        got = pending.finish(keep=keeps)
+        assert all(out is None or torch.equal(out, f) for out, f in zip(got, fulls))
+    cast = start_gather(dtensors, cast_to=torch.bfloat16, receiver="global_rank0").finish(keep=dist.get_rank() == 0)
+    for full, out in zip(fulls, cast):
+        assert out is None or (out.dtype == torch.bfloat16 and torch.equal(out, full.to(torch.bfloat16)))
+
+
+def test_receivers_deliver_to_exactly_the_ranks_named(dist_run):
+    dist_run(4, rank_receivers_deliver_to_exactly_the_ranks_named)

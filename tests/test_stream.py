@@ -137,7 +137,7 @@ def rank_cast_before_gather_moves_half_the_bytes():
         by_dtype = {}
         for dtype in (None, torch.bfloat16):
             moved.clear()
-            for _ in fsdp_shim.iter_full_params(model, dtype=dtype):
+            for _ in fsdp_shim.iter_full_params(model, dtype=dtype, rank0_only=False):  # every rank all-gathers
                 pass
             by_dtype[dtype] = list(moved)
     finally:
