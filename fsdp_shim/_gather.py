@@ -303,6 +303,7 @@ class _InFlight(NamedTuple):
     output: torch.Tensor | None  # 1D, world_size * sum(split_sizes); None where this rank receives nothing
     split_sizes: list[int]
     work: dist.Work | None
+    scratch_input: torch.Tensor | None = None  # a sender's input, reusable once ``work`` is done
 
 
 @torch.no_grad()
@@ -330,6 +331,7 @@ def _start_bucket(
     comm_device = _comm_device(first.dtensor)
     per_rank = sum(split_sizes)
     receives = dst is None or dist.get_rank() == dst
+    scratch_input: torch.Tensor | None = None
     output = None
     if receives:  # a bucket of one hands its output out as the full tensor: never scratch
         numel = world_size * per_rank
@@ -340,19 +342,21 @@ def _start_bucket(
             and local.is_contiguous()):
         gather_input = local.view(-1)
     else:
-        pieces: list[torch.Tensor] = []
-        for b, padded in zip(bucket, split_sizes):
-            local = b.dtensor._local_tensor.reshape(-1)
-            if local.device != comm_device or local.dtype != dtype:
-                local = local.to(comm_device, dtype, non_blocking=True)
-            pieces.append(local)
-            if padded > local.numel():  # zeros: padding is never exposed, but stays deterministic
-                pieces.append(torch.zeros(padded - local.numel(), dtype=dtype, device=comm_device))
         if output is not None:
             gather_input = output.narrow(0, rank * per_rank, per_rank)
-            torch.cat(pieces, out=gather_input)
-        else:
-            gather_input = torch.cat(pieces)
+        else:  # a gather's sender: scratch, given back once the gather is done
+            gather_input = scratch_input = _scratch.take(per_rank, dtype, comm_device)
+        destinations: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
+        offset = 0
+        for b, padded in zip(bucket, split_sizes):
+            local = b.dtensor._local_tensor.reshape(-1)
+            destinations.append(gather_input.narrow(0, offset, local.numel()))
+            sources.append(local)
+            if padded > local.numel():  # zeros: padding is never exposed, but stays deterministic
+                gather_input.narrow(0, offset + local.numel(), padded - local.numel()).zero_()
+            offset += padded
+        torch._foreach_copy_(destinations, sources, non_blocking=True)  # casts and moves in the same pass
     if world_size == 1:  # nothing to exchange: the input is the whole output
         if output is not None and gather_input.data_ptr() != output.data_ptr():
             output.copy_(gather_input)
@@ -362,7 +366,7 @@ def _start_bucket(
     else:
         blocks = list(output.view(world_size, per_rank).unbind(0)) if output is not None else None
         work = dist.gather(gather_input, blocks, dst=dst, group=group, async_op=True)
-    return _InFlight(bucket, output, split_sizes, work)
+    return _InFlight(bucket, output, split_sizes, work, scratch_input)
 
 
 class _Scratch(threading.local):
@@ -407,6 +411,8 @@ def _finish_bucket(flight: _InFlight, keep: bool, out_device: torch.device | Non
     """Wait for the all-gather and copy each tensor out. See [Note: bucket layout]."""
     if flight.work is not None:
         flight.work.wait()
+    if flight.scratch_input is not None:
+        _scratch.give(flight.scratch_input)
     if not keep:
         if flight.output is not None and len(flight.bucket) > 1:
             _scratch.give(flight.output)

@@ -59,14 +59,14 @@ class _Batch:
 
 def plan_batches(model: nn.Module, bucket_bytes: int, cast_to: torch.dtype | None) -> list[_Batch]:
     """Every distinct parameter of ``model``, named and batched. See [Note: streaming]."""
-    modules = list(model.modules())
-    states = {id(s): s for s in (fsdp2.fsdp_state_of(m) for m in modules) if s is not None}
+    named = list(model.named_modules())
+    states = {id(s): s for s in (fsdp2.fsdp_state_of(m) for _, m in named) if s is not None}
     owners = fsdp_slot_owners(states.values()).by_slot
     batches: dict[object, _Batch] = {}
     ordered: list[_Batch] = []
     seen: set[int] = set()
     rest: _Batch | None = None
-    for prefix, module in model.named_modules():
+    for prefix, module in named:
         for name, value in module._parameters.items():
             if value is None:
                 continue
