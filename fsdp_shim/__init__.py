@@ -18,6 +18,13 @@ after which existing call sites work on models sharded with ``fully_shard``::
     with FSDP.summon_full_params(model.lm_head, writeback=True), torch.no_grad():
         model.lm_head.weight.mul_(0.5)            # persisted into every shard
 
+New weight-sync code can stream instead, the next unit in flight and bf16
+cast before the all-gather (half the bytes)::
+
+    for name, tensor in fsdp_shim.iter_full_params(model, dtype=torch.bfloat16):
+        if tensor is not None:                    # rank 0
+            engine.load_weight(name, tensor)
+
 FSDP1 module trees still go to FSDP1's own implementation. Inside the
 context every DTensor parameter in scope is a plain ``nn.Parameter`` holding
 the full tensor, in its stored dtype, under its usual name; on exit the module

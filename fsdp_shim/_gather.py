@@ -323,7 +323,7 @@ def _start_bucket(
     dst: int | None = None  # global rank of the one receiver, if a gather serves it
     if receiver != "all":
         root = 0 if receiver == "global_rank0" else dist.get_global_rank(group, 0)
-        if root not in _group_members(group):
+        if root not in dist.get_process_group_ranks(group):
             return _InFlight(bucket, None, split_sizes, None)  # nobody here receives: nothing to move
         if gathers_to_one(group):
             dst = root
@@ -393,18 +393,6 @@ class _Scratch(threading.local):
 
 
 _scratch = _Scratch()
-
-_members: dict[int, tuple[weakref.ref[dist.ProcessGroup], frozenset[int]]] = {}
-
-
-def _group_members(group: dist.ProcessGroup) -> frozenset[int]:
-    """Global ranks of ``group``, cached."""
-    cached = _members.get(id(group))
-    if cached is None or cached[0]() is not group:
-        ranks = frozenset(dist.get_process_group_ranks(group))
-        cached = _members[id(group)] = (weakref.ref(group), ranks)
-    return cached[1]
-
 
 @torch.no_grad()
 def _finish_bucket(flight: _InFlight, keep: bool, out_device: torch.device | None) -> list[torch.Tensor]:

@@ -7,8 +7,12 @@ an inference engine) without a context and without swapping anything:
 * *Batches.* The model's parameters are split into batches: one per FSDP2
   unit (its param group: what one ``recurse=False`` summon gathers), and runs
   of parameters no unit manages (tensor parallel alone, plain tensors) cut at
-  the bucket cap. Ties are one parameter, named by ``named_parameters()``'s
-  first name. The plan reads only structure, so every rank makes the same.
+  the bucket cap. Consecutive batches that fit one bucket together are
+  merged: one collective instead of several (bf16 units of a 12 x 256 model
+  go two by two, which took the bf16 stream from 0.66 to about 0.5 of the
+  per-unit summon loop on 2 gloo ranks). Ties are one parameter, named by
+  ``named_parameters()``'s first name. The plan reads only structure, so
+  every rank makes the same.
 * *One batch in flight.* Batch ``k + 1``'s all-gathers are launched, all of
   them, before batch ``k`` is handed out, so they transfer while the caller
   sends batch ``k``. Batch ``k + 1`` is finished only when the caller asks for
@@ -92,7 +96,21 @@ def plan_batches(model: nn.Module, bucket_bytes: int, cast_to: torch.dtype | Non
             batch.names.append(f"{prefix}.{name}" if prefix else name)
             batch.tensors.append(tensor)
             batch.nbytes += nbytes
-    return ordered
+    return _merge_small(ordered, bucket_bytes)
+
+
+def _merge_small(batches: list[_Batch], bucket_bytes: int) -> list[_Batch]:
+    """Consecutive batches that fit one bucket together travel together: one collective, not several."""
+    merged: list[_Batch] = []
+    for batch in batches:
+        last = merged[-1] if merged else None
+        if last is not None and last.nbytes + batch.nbytes <= bucket_bytes:
+            last.names += batch.names
+            last.tensors += batch.tensors
+            last.nbytes += batch.nbytes
+        else:
+            merged.append(_Batch(list(batch.names), list(batch.tensors), batch.nbytes))
+    return merged
 
 
 def _travel_dtype(tensor: torch.Tensor, cast_to: torch.dtype | None) -> torch.dtype:

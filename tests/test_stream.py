@@ -17,6 +17,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from _helpers import LMConfig, assert_unchanged, build_lm, rank, shard_lm, snapshot, tokens_for
 import fsdp_shim
 from fsdp_shim import _gather
+from fsdp_shim._stream import plan_batches
 
 
 def _reference_names(ref: nn.Module) -> list[str]:
@@ -59,6 +60,9 @@ def rank_stream_names_values_and_ties():
     _check_stream(model, ref, bucket_mb=0.01)  # many small buckets: same answer
     _check_stream(model, ref, device="cpu")
     assert_unchanged(model, before)
+    units = _units_in_order(ref)  # a batch per unit under a tiny cap; all in one when they fit one bucket
+    assert [b.names for b in plan_batches(model, 1, None)] == units
+    assert [b.names for b in plan_batches(model, 2**22, None)] == [[n for unit in units for n in unit]]
 
 
 def test_stream_names_values_and_ties_on_two_ranks(dist_run):
