@@ -87,7 +87,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
-from torch.utils.weak import WeakIdKeyDictionary
 
 from fsdp_shim._compat import (
     WRITABLE_PARTIAL_OPS,
@@ -177,22 +176,7 @@ def _require_live_groups(dtensors: Sequence[DTensor]) -> None:
                 )
 
 
-#: dim0_layout's answers, per DTensor object, with the local tensor and placements they were read from.
-_layouts: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
 def dim0_layout(dtensor: DTensor) -> Dim0Layout | None:
-    """``_dim0_layout``, remembered per DTensor: a per-unit loop asks for the same parameters every step."""
-    local, placements = dtensor._local_tensor, dtensor.placements
-    cached = _layouts.get(dtensor)
-    if cached is not None and cached[0]() is local and cached[1] is placements:
-        return cached[2]
-    layout = _dim0_layout(dtensor)
-    _layouts[dtensor] = (weakref.ref(local), placements, layout)
-    return layout
-
-
-def _dim0_layout(dtensor: DTensor) -> Dim0Layout | None:
     """The batched-gather layout of ``dtensor``, or ``None`` if only ``full_tensor()`` applies.
 
     The fast path covers placements with exactly one plain ``Shard(0)`` and

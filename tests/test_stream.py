@@ -60,6 +60,8 @@ def rank_stream_names_values_and_ties():
     _check_stream(model, ref, bucket_mb=0.01)  # many small buckets: same answer
     _check_stream(model, ref, device="cpu")
     assert_unchanged(model, before)
+    model.double()  # FSDP2 swaps parameters (swap_tensors): the stream must leave no weakref on them
+    _check_stream(model, ref.double(), rank0_only=False)
     units = _units_in_order(ref)  # a batch per unit under a tiny cap; all in one when they fit one bucket
     assert [b.names for b in plan_batches(model, 1, None)] == units
     assert [b.names for b in plan_batches(model, 2**22, None)] == [[n for unit in units for n in unit]]
