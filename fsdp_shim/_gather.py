@@ -216,11 +216,11 @@ class _Batched(NamedTuple):
     layout: Dim0Layout
 
 
-def gathered_dtype(dtensor: DTensor, cast_to: torch.dtype | None) -> torch.dtype:
-    """The dtype ``dtensor`` travels in: ``cast_to`` for floating tensors, else its own."""
-    if cast_to is not None and dtensor.is_floating_point():
+def gathered_dtype(tensor: torch.Tensor, cast_to: torch.dtype | None) -> torch.dtype:
+    """The dtype ``tensor`` travels in: ``cast_to`` for floating tensors, else its own."""
+    if cast_to is not None and tensor.is_floating_point():
         return cast_to
-    return dtensor.dtype
+    return tensor.dtype
 
 
 def plan_buckets(

@@ -82,7 +82,7 @@ def plan_batches(model: nn.Module, bucket_bytes: int, cast_to: torch.dtype | Non
             tensor: torch.Tensor = value
             if owner is not None and not isinstance(value, DTensor):
                 tensor = fsdp2.sharded_param(owner[0])  # a forward left the unit unsharded
-            nbytes = tensor.numel() * _travel_dtype(tensor, cast_to).itemsize
+            nbytes = tensor.numel() * gathered_dtype(tensor, cast_to).itemsize
             if owner is not None:
                 batch = batches.get(id(owner[1]))
                 if batch is None:
@@ -113,12 +113,6 @@ def _merge_small(batches: list[_Batch], bucket_bytes: int) -> list[_Batch]:
     return merged
 
 
-def _travel_dtype(tensor: torch.Tensor, cast_to: torch.dtype | None) -> torch.dtype:
-    if isinstance(tensor, DTensor):
-        return gathered_dtype(tensor, cast_to)
-    return cast_to if cast_to is not None and tensor.is_floating_point() else tensor.dtype
-
-
 class _InFlightBatch:
     """One batch with its DTensors' all-gathers launched."""
 
@@ -141,7 +135,7 @@ class _InFlightBatch:
         if keep:
             for index, tensor in enumerate(self.batch.tensors):
                 if fulls[index] is None and not isinstance(tensor, DTensor):
-                    dtype = _travel_dtype(tensor, self._cast_to)
+                    dtype = gathered_dtype(tensor, self._cast_to)
                     fulls[index] = tensor.detach().to(device=out_device or tensor.device, dtype=dtype)
         return fulls
 
