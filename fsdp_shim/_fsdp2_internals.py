@@ -255,29 +255,33 @@ def param_dtype_for_forward(group: FSDPParamGroup, fsdp_param: FSDPParam) -> tor
     return dtype
 
 
+def _suspended_hook(*args: Any, **kwargs: Any) -> None:
+    """What a suspended hook's place holds: it does nothing."""
+
+
 @dataclass
 class SuspendedHooks:
-    """Module hooks taken out of their dicts for a while, put back in their places."""
+    """Module hooks made no-ops for a while, then given back, each in its own place.
 
-    entries: list[tuple[weakref.ref[nn.Module], str, int, Any, list[int]]] = field(default_factory=list)
+    A hook's dict entry keeps its key and position and only its value is
+    swapped, so the hook order stays exactly as it was, with nothing to
+    reorder on resume (a pop and re-insert had to sort the dict back).
+    """
+
+    entries: list[tuple[weakref.ref[nn.Module], str, int, Any]] = field(default_factory=list)
 
     def suspend(self, module: nn.Module, hooks_attr: str, hook_id: int) -> None:
         hooks: dict[int, Any] = getattr(module, hooks_attr)
-        if hook_id in hooks:
-            order = list(hooks)
-            self.entries.append((weakref.ref(module), hooks_attr, hook_id, hooks.pop(hook_id), order))
+        hook = hooks.get(hook_id)
+        if hook is not None and hook is not _suspended_hook:
+            self.entries.append((weakref.ref(module), hooks_attr, hook_id, hook))
+            hooks[hook_id] = _suspended_hook
 
     def resume(self) -> None:
-        for module_ref, hooks_attr, hook_id, hook, order in reversed(self.entries):
+        for module_ref, hooks_attr, hook_id, hook in reversed(self.entries):
             module = module_ref()
-            if module is None:
-                continue
-            hooks: dict[int, Any] = getattr(module, hooks_attr)
-            hooks[hook_id] = hook
-            rank = {key: i for i, key in enumerate(order)}
-            ordered = sorted(hooks.items(), key=lambda item: rank.get(item[0], len(order)))
-            hooks.clear()  # hook order matters: restore it exactly
-            hooks.update(ordered)
+            if module is not None:
+                getattr(module, hooks_attr)[hook_id] = hook
         self.entries.clear()
 
 

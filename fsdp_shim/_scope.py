@@ -116,23 +116,23 @@ def collect_scope(root: nn.Module, recurse: bool, summoned: Iterable[SlotKey] = 
     # The units in scope usually own every slot; a submodule inside a unit is
     # owned by a state above it, found only by looking at every state.
     owners = fsdp_slot_owners(states)
-    if any(
-        slot_key(m, name) not in owners.by_slot for m in modules for name, p in m._parameters.items() if p is not None
-    ):
+    by_slot = owners.by_slot
+    if any((id(m), name) not in by_slot for m in modules for name, p in m._parameters.items() if p is not None):
         owners = fsdp_slot_owners(fsdp2.all_fsdp_states())
+        by_slot = owners.by_slot
     by_identity: dict[int, ScopedParam] = {}
     params: list[ScopedParam] = []
     covered: set[SlotKey] = set(summoned)
     enclosed: list[SlotKey] = []
     for module in modules:
         for name, value in module._parameters.items():
-            key = slot_key(module, name)
             if value is None:
                 continue
+            key = (id(module), name)  # slot_key, inlined: this loop runs on every summon
             if key in summoned:
                 enclosed.append(key)
                 continue
-            owner = owners.by_slot.get(key)
+            owner = by_slot.get(key)
             if owner is not None:
                 identity: object = owner[0]
             elif isinstance(value, DTensor):
@@ -162,13 +162,15 @@ def collect_scope(root: nn.Module, recurse: bool, summoned: Iterable[SlotKey] = 
             entry.slots.append((module, name))
     for entry in params:
         if entry.fsdp_param is not None:  # a tie reaches out of scope: keep it one object
-            entry.slots = [(m, n) for m, n in owners.slots[id(entry.fsdp_param)] if slot_key(m, n) not in summoned]
-            covered.update(slot_key(m, n) for m, n in entry.slots)
+            slots = owners.slots[id(entry.fsdp_param)]
+            if len(slots) > 1 or summoned:
+                entry.slots = [(m, n) for m, n in slots if (id(m), n) not in summoned]
+                covered.update((id(m), n) for m, n in entry.slots)
     scope = Scope(root, modules, params)
     for entry in params:
         if entry.group is not None and entry.group not in scope.groups:
             scope.groups[entry.group] = all(
-                slot_key(m, n) in covered
+                (id(m), n) in covered
                 for fsdp_param in entry.group.fsdp_params
                 for m, n in owners.slots[id(fsdp_param)]
             )
