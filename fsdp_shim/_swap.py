@@ -9,7 +9,7 @@ nothing changed if it fails part way:
    lazily initialised (see [Note: lazy init on entry]), parameter reset
    adopted (``adopt_module_params``), units left unsharded by a forward
    resharded. All local.
-3. One batched gather (``gather_full_tensors``), then gradients if asked for.
+3. One batched gather (``start_full_tensors``), then gradients if asked for.
 4. Rank-local: each full tensor becomes one new ``nn.Parameter`` placed in
    every slot of its parameter (ties stay one object); fully summoned groups
    are marked (see [Note: summoned groups] in ``_fsdp2_internals``); forward
@@ -81,7 +81,15 @@ from fsdp_shim import _diagnostics
 from fsdp_shim import _fsdp2_internals as fsdp2
 from fsdp_shim import _registry as registry
 from fsdp_shim._compat import ungatherable_reason, writeback_refusal
-from fsdp_shim._gather import Dim0Layout, Gathered, Receiver, gather_full_tensors, mesh_groups, write_back_locals
+from fsdp_shim._gather import (
+    Dim0Layout,
+    Gathered,
+    Receiver,
+    gather_full_tensors,
+    mesh_dim_groups,
+    start_full_tensors,
+    write_back_locals,
+)
 from fsdp_shim._scope import Scope, ScopedParam, collect_scope, slot_key
 
 logger = logging.getLogger("fsdp_shim")
@@ -153,7 +161,7 @@ class _Swap:
                 value = nn.Parameter(full, requires_grad=sharded.requires_grad)
                 if index in grads:
                     value.grad = grads[index]
-            summoned = _Summoned(entry, sharded, value, layout, value._version)
+            summoned = _Summoned(entry, sharded, value, layout)  # full_version: see values_arrived
             summoned.shard_versions = summoned.shard_state()
             self.summoned.append(summoned)
             if not entry.is_buffer:
@@ -163,6 +171,11 @@ class _Swap:
                 self.originals.append((entry, module, name, tensors[name]))
                 tensors[name] = value
                 registry.add_slot(slot_key(module, name), self)
+
+    def values_arrived(self) -> None:
+        """Record each full tensor's version once its values are in (gloo's copy into it bumps it)."""
+        for item in self.summoned:
+            item.full_version = item.full._version
 
     def mark_groups(self) -> None:
         for group, fully_summoned in self.scope.groups.items():
@@ -399,7 +412,8 @@ def _refuse_forwards(swap: _Swap, modules: list[nn.Module], message: str) -> Non
 
 def _install_forward_hooks(swap: _Swap, rank0_only: bool, keep: bool) -> None:
     scope = swap.scope
-    roots = fsdp2.root_modules(_states_of(scope))
+    if rank0_only or (keep and not all(scope.groups.values())):  # only the refusals need the roots
+        roots = fsdp2.root_modules(_states_of(scope))
     if rank0_only:
         # Ranks would disagree on which units need an all-gather: refuse on
         # every rank, before FSDP2's own pre-forward runs.
@@ -550,7 +564,8 @@ def summon_dtensor_params(
         yield  # no-op: nothing distributed in scope, or all summoned by an enclosing call
         return
     _refuse_before_anything(module, scope, writeback, thread)
-    groups = {id(g): g for entry in scope.params for g in mesh_groups(entry.sharded())}.values()  # type: ignore[arg-type]
+    meshes = {id(mesh): mesh for mesh in (entry.sharded().device_mesh for entry in scope.params)}  # type: ignore[attr-defined]
+    groups = {id(g): g for mesh in meshes.values() for g in mesh_dim_groups(mesh)}.values()
     fsdp2.refuse_fully_shard_inside(registry.has_live_context)
     registry.enter(thread, groups, _module_label(module))
     try:
@@ -588,20 +603,25 @@ def _summoned(
     out_device = torch.device("cpu") if offload_to_cpu else None
     to_gather = [i for i, entry in enumerate(scope.params) if entry.group not in unsharded_groups]
     receiver = _receiver(scope, rank0_only)
-    some = gather_full_tensors([dtensors[i] for i in to_gather], keep=keep, out_device=out_device,
-                               bucket_bytes=bucket_bytes, receiver=receiver)
+    # See [Note: values arriving] in _gather: the swap below may run while the last bucket arrives.
+    some, arrival = start_full_tensors([dtensors[i] for i in to_gather], keep=keep, out_device=out_device,
+                                       bucket_bytes=bucket_bytes, receiver=receiver)
     gathered = Gathered([None] * len(dtensors), [None] * len(dtensors))
     for i, full, layout in zip(to_gather, *some):
         gathered.tensors[i], gathered.layouts[i] = full, layout
     del some
-    if keep and unsharded_groups:
-        with torch.no_grad():
-            for i, entry in enumerate(scope.params):
-                if entry.group in unsharded_groups:
-                    unsharded = fsdp2.unsharded_param_if_any(entry.fsdp_param)  # type: ignore[arg-type]
-                    assert unsharded is not None
-                    gathered.tensors[i] = unsharded.detach().to(out_device or unsharded.device, copy=True)
-    grads = _gather_grads(dtensors, keep, out_device, bucket_bytes, receiver) if with_grads else {}
+    try:
+        if keep and unsharded_groups:
+            with torch.no_grad():
+                for i, entry in enumerate(scope.params):
+                    if entry.group in unsharded_groups:
+                        unsharded = fsdp2.unsharded_param_if_any(entry.fsdp_param)  # type: ignore[arg-type]
+                        assert unsharded is not None
+                        gathered.tensors[i] = unsharded.detach().to(out_device or unsharded.device, copy=True)
+        grads = _gather_grads(dtensors, keep, out_device, bucket_bytes, receiver) if with_grads else {}
+    except BaseException:
+        arrival.wait()
+        raise
     swap = _Swap(scope, writeback)
     try:
         if keep:
@@ -610,6 +630,8 @@ def _summoned(
             swap.convert_inside()
         del gathered, grads
         _install_forward_hooks(swap, rank0_only, keep)
+        arrival.wait()
+        swap.values_arrived()
         if logger.isEnabledFor(logging.DEBUG):
             nbytes = sum(d.numel() * d.element_size() for d in dtensors)
             logger.debug(
@@ -619,14 +641,17 @@ def _summoned(
             )
         yield
     finally:
-        swap.remove_hooks()
         try:
-            swap.inspect()
-            swap.restore()
-            for group in unsharded_groups:  # as 0.1.0 and FSDP2's state_dict(): see [Note: units left unsharded]
-                fsdp2.reshard_group(group)
-            swap.replay_conversions()
-            if writeback:
-                swap.write_back(with_grads)
+            arrival.wait()  # a no-op unless something above raised first: never leave a collective behind
         finally:
-            swap.forget()
+            swap.remove_hooks()
+            try:
+                swap.inspect()
+                swap.restore()
+                for group in unsharded_groups:  # as 0.1.0 and FSDP2's state_dict(): see [Note: units left unsharded]
+                    fsdp2.reshard_group(group)
+                swap.replay_conversions()
+                if writeback:
+                    swap.write_back(with_grads)
+            finally:
+                swap.forget()

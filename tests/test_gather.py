@@ -192,10 +192,14 @@ def rank_receivers_deliver_to_exactly_the_ranks_named():
             assert out is None or torch.equal(out, full), receiver
         pending = start_gather(dtensors, receiver=receiver, bucket_bytes=300)
         flights = list(pending._flights)
-        received = [flight.output is not None for flight in flights]
+        received = [flight.receives for flight in flights]
         moved = [flight.work is not None for flight in flights]
         if receiver == "all":
             assert all(received) and all(moved)
+            # [Note: gloo's coalesced all-gather]: multi-tensor buckets land in their full tensors, no scratch
+            assert any(len(flight.bucket) > 1 for flight in flights)
+            assert all((flight.padded_fulls is not None) == (len(flight.bucket) > 1) for flight in flights)
+            assert all(flight.output is None for flight in flights if len(flight.bucket) > 1)
         elif receiver == "group_rank0":  # a gather: only each shard group's rank 0 allocates an output
             assert all(r == (shard_rank == 0) for r in received) and all(moved)
         else:  # ranks 2 and 3 (the other replica) move nothing at all
@@ -203,9 +207,11 @@ def rank_receivers_deliver_to_exactly_the_ranks_named():
             assert all(m == (dist.get_rank() < 2) for m in moved)
         got = pending.finish(keep=keeps)
         assert all(out is None or torch.equal(out, f) for out, f in zip(got, fulls))
-    cast = start_gather(dtensors, cast_to=torch.bfloat16, receiver="global_rank0").finish(keep=dist.get_rank() == 0)
-    for full, out in zip(fulls, cast):
-        assert out is None or (out.dtype == torch.bfloat16 and torch.equal(out, full.to(torch.bfloat16)))
+    for receiver, keeps in (("global_rank0", dist.get_rank() == 0), ("all", True)):
+        cast = start_gather(dtensors, cast_to=torch.bfloat16, receiver=receiver, bucket_bytes=300).finish(keep=keeps)
+        for full, out in zip(fulls, cast):
+            assert (out is not None) == keeps
+            assert out is None or (out.dtype == torch.bfloat16 and torch.equal(out, full.to(torch.bfloat16)))
 
 
 def test_receivers_deliver_to_exactly_the_ranks_named(dist_run):
