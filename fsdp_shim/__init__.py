@@ -297,7 +297,7 @@ def iter_full_params(
             ``None`` for each name (and still take part in every all-gather).
         device: where the full tensors land (``"cpu"`` for host memory); default
             where the gather runs.
-        bucket_mb: cap on one all-gather bucket, in MiB (default: ``$FSDP_SHIM_BUCKET_MB`` or 4).
+        bucket_mb: cap on one all-gather bucket, in MiB (default: ``$FSDP_SHIM_BUCKET_MB`` or 6).
 
     A tensor is valid until the next step of the iteration: the generator
     drops it then, and the next unit's all-gather is already in flight while

@@ -136,8 +136,8 @@ BUCKET_ENV = "FSDP_SHIM_BUCKET_MB"
 DEFAULT_BUCKET_MB = 4.0
 
 
-def bucket_bytes_from_env(explicit: float | None = None) -> int:
-    """The bucket cap in bytes: ``explicit`` MiB, else ``$FSDP_SHIM_BUCKET_MB``, else the default."""
+def bucket_bytes_from_env(explicit: float | None = None, default_mb: float = DEFAULT_BUCKET_MB) -> int:
+    """The bucket cap in bytes: ``explicit`` MiB, else ``$FSDP_SHIM_BUCKET_MB``, else ``default_mb``."""
     if explicit is None:
         raw = os.environ.get(BUCKET_ENV)
         if raw:
@@ -145,7 +145,7 @@ def bucket_bytes_from_env(explicit: float | None = None) -> int:
                 explicit = float(raw)
             except ValueError:
                 raise ValueError(f"{BUCKET_ENV}={raw!r} is not a number of MiB") from None
-    mib = DEFAULT_BUCKET_MB if explicit is None else explicit
+    mib = default_mb if explicit is None else explicit
     if mib <= 0:
         raise ValueError(f"bucket size must be positive, got {mib} MiB")
     return int(mib * 1024 * 1024)

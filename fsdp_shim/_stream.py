@@ -49,6 +49,13 @@ from fsdp_shim._scope import fsdp_slot_owners, slot_key
 
 logger = logging.getLogger("fsdp_shim")
 
+#: The stream's default bucket cap, in MiB. Larger than the summon's 4: with a
+#: whole batch in flight, fewer and larger collectives won. 2 gloo ranks,
+#: interleaved, bf16 stream / per-unit summon: at 327 MiB 0.52-0.63 with 6 MiB,
+#: 0.56-0.71 with 4, 0.50-0.53 with 8; at 37 MiB 0.42-0.44 with 6, 0.47-0.50
+#: with 4, 0.50-0.59 with 8. Six is the best of both. See README "Performance".
+STREAM_BUCKET_MB = 6.0
+
 FullParams = Iterator[tuple[str, torch.Tensor | None]]
 
 
@@ -148,7 +155,7 @@ class _InFlightBatch:
 
 def check_stream_args(model: object, dtype: object, bucket_mb: float | None) -> None:
     """Refuse bad arguments at the call, before the generator (and any collective) starts."""
-    bucket_bytes_from_env(bucket_mb)
+    bucket_bytes_from_env(bucket_mb, STREAM_BUCKET_MB)
     if not isinstance(model, nn.Module):
         raise TypeError(f"iter_full_params expects an nn.Module, got {type(model).__name__}")
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -169,7 +176,7 @@ def stream_full_params(
     bucket_mb: float | None,
 ) -> FullParams:
     """The generator behind ``fsdp_shim.iter_full_params`` (arguments already checked)."""
-    bucket_bytes = bucket_bytes_from_env(bucket_mb)
+    bucket_bytes = bucket_bytes_from_env(bucket_mb, STREAM_BUCKET_MB)
     batches = plan_batches(model, bucket_bytes, dtype)
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     receiver: Receiver = "global_rank0" if rank0_only else "all"  # see [Note: one receiver] in _gather

@@ -236,3 +236,34 @@ def rank_stream_refuses_bad_input():
 
 def test_stream_refuses_bad_input_before_any_collective(dist_run):
     dist_run(2, rank_stream_refuses_bad_input)
+
+
+def rank_stream_bucket_cap_defaults_to_its_own():
+    """The stream's cap: ``bucket_mb``, else ``$FSDP_SHIM_BUCKET_MB``, else ``STREAM_BUCKET_MB`` (not the summon's)."""
+    import os
+
+    from fsdp_shim import _stream
+
+    model = shard_lm(build_lm())
+    caps: list[int] = []
+    original = _stream.plan_batches
+
+    def recording(model, bucket_bytes, cast_to):
+        caps.append(bucket_bytes)
+        return original(model, bucket_bytes, cast_to)
+
+    _stream.plan_batches = recording
+    try:
+        list(fsdp_shim.iter_full_params(model))
+        os.environ[_gather.BUCKET_ENV] = "1.5"
+        list(fsdp_shim.iter_full_params(model))
+        list(fsdp_shim.iter_full_params(model, bucket_mb=2))
+    finally:
+        _stream.plan_batches = original
+        os.environ.pop(_gather.BUCKET_ENV, None)
+    assert _stream.STREAM_BUCKET_MB != _gather.DEFAULT_BUCKET_MB
+    assert caps == [int(_stream.STREAM_BUCKET_MB * 2**20), int(1.5 * 2**20), 2 * 2**20]
+
+
+def test_stream_bucket_cap_defaults_to_its_own(dist_run):
+    dist_run(2, rank_stream_bucket_cap_defaults_to_its_own)
