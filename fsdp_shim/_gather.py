@@ -282,7 +282,11 @@ def plan_buckets(
 
     Buckets hold tensors of one (process group, dtype, device) in the caller's
     order and close when the next tensor would push the gathered size past
-    ``bucket_bytes``; a tensor larger than the cap gets a bucket of its own.
+    ``bucket_bytes``. A tensor larger than the cap gets a bucket of its own
+    and leaves the open bucket open: the small tensors around it (a layer's
+    norms and biases around its big matrices) share one collective instead
+    of one each between the big ones, which a collective's fixed cost (about
+    0.5 ms on gloo) made 1.14x FSDP1 in a per-unit loop over 27 MiB units.
     ``cast_to`` is the dtype floating tensors travel in (see [Note: cast
     before gather]). The plan depends only on global metadata, so every rank
     builds the same one and issues the same collectives in the same order.
@@ -298,8 +302,11 @@ def plan_buckets(
         dtype = gathered_dtype(dtensor, cast_to)
         key = (layout.group, dtype, dtensor._local_tensor.device)
         nbytes = layout.world_size * layout.padded_numel * dtype.itemsize
+        if nbytes > bucket_bytes:
+            buckets.append([_Batched(index, dtensor, layout)])
+            continue
         bucket, size = open_buckets.get(key, (None, [0]))
-        if bucket is None or (bucket and size[0] + nbytes > bucket_bytes):
+        if bucket is None or size[0] + nbytes > bucket_bytes:
             bucket, size = [], [0]
             buckets.append(bucket)
             open_buckets[key] = (bucket, size)
