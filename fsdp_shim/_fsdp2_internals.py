@@ -149,16 +149,21 @@ def busy_training_state(states: list[FSDPState], groups: list[FSDPParamGroup]) -
     """
     if torch._C._current_graph_task_id() != -1:
         return "BACKWARD (autograd is running)"
-    related: dict[int, FSDPState] = {}
-    for state in states:
-        related[id(state)] = state
-        for other in getattr(state._state_ctx, "all_states", []):
-            related[id(other)] = other
-    training_states = [s._training_state for s in related.values()]
-    training_states += [g._training_state for g in groups]
-    for training_state in training_states:
-        if training_state != TrainingState.IDLE:
-            return training_state.name
+    idle = TrainingState.IDLE
+    contexts: set[int] = set()
+    for state in states:  # every summon runs this: a plain scan, each shared context once
+        if state._training_state != idle:
+            return state._training_state.name
+        context = state._state_ctx
+        if id(context) in contexts:
+            continue
+        contexts.add(id(context))
+        for other in getattr(context, "all_states", ()):
+            if other._training_state != idle:
+                return other._training_state.name
+    for group in groups:
+        if group._training_state != idle:
+            return group._training_state.name
     return None
 
 
@@ -342,8 +347,17 @@ def mark_summoned(group: FSDPParamGroup) -> GroupMark:
 def root_modules(states: list[FSDPState]) -> list[nn.Module]:
     """The modules of the initialised FSDP2 roots these states run under (their forward starts it all)."""
     roots: dict[int, nn.Module] = {}
+    contexts: set[int] = set()
     for state in states:
-        for candidate in [state, *getattr(state._state_ctx, "all_states", [])]:
+        candidates: list[FSDPState] = [state]
+        context = state._state_ctx
+        if id(context) not in contexts:  # states of one root share its context: scan it once
+            contexts.add(id(context))
+            all_states = getattr(context, "all_states", [])
+            # One root per context, listed first by FSDP2's lazy init: a per-call scan of
+            # every state was O(units) on the rank0_only hot path.
+            candidates += all_states[:1] if all_states and all_states[0]._is_root else all_states
+        for candidate in candidates:
             if candidate._is_root:
                 for module in candidate._modules:
                     roots.setdefault(id(module), module)
