@@ -16,7 +16,8 @@ from fsdp_shim._models import LMConfig, TinyLM, build_lm, shard_lm, tokens_for
 
 __all__ = [
     "LMConfig", "TinyLM", "build_lm", "shard_lm", "tokens_for",
-    "assert_params_equal", "full_state", "mesh1d", "patched", "snapshot", "assert_unchanged", "rank",
+    "assert_params_equal", "full_state", "mesh1d", "patched", "point_to_point_always", "snapshot",
+    "assert_unchanged", "rank",
 ]
 
 
@@ -26,6 +27,19 @@ def rank() -> int:
 
 def mesh1d():
     return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+@contextlib.contextmanager
+def point_to_point_always() -> Iterator[None]:
+    """Every one-receiver bucket point-to-point (test models are too small to choose it by size)."""
+    from fsdp_shim import _gather
+
+    saved = _gather._POINT_TO_POINT_BYTES
+    _gather._POINT_TO_POINT_BYTES = 0
+    try:
+        yield
+    finally:
+        _gather._POINT_TO_POINT_BYTES = saved
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from _helpers import mesh1d
+from _helpers import mesh1d, point_to_point_always
 from fsdp_shim._compat import STRIDED_SHARD_FULL_TENSOR_BROKEN
 from fsdp_shim._gather import (
     BUCKET_ENV, DEFAULT_BUCKET_MB, bucket_bytes_from_env, dim0_layout, gather_full_tensors, plan_buckets,
@@ -187,6 +187,18 @@ def rank_receivers_deliver_to_exactly_the_ranks_named():
     shard_rank = mesh.get_local_rank("shard")
     assert gathers_to_one(mesh.get_group("shard"))  # gloo: a gather serves one receiver
     for receiver, keeps in (("all", True), ("group_rank0", shard_rank == 0), ("global_rank0", dist.get_rank() == 0)):
+        with point_to_point_always():  # every one-receiver bucket point-to-point, straight into the full tensors
+            got, _ = gather_full_tensors(dtensors, keep=keeps, receiver=receiver, bucket_bytes=300)
+            for full, out in zip(fulls, got):
+                assert (out is not None) == keeps, receiver
+                assert out is None or torch.equal(out, full), receiver
+            flights = list(start_gather(dtensors, receiver=receiver, bucket_bytes=300)._flights)
+            if receiver != "all":  # the receiver's full tensors are the messages' destinations
+                assert all(f.padded_fulls is not None for f in flights if f.receives)
+                assert all(f.output is None for f in flights)
+            for flight in flights:
+                if flight.work is not None:
+                    flight.work.wait()
         got, _ = gather_full_tensors(dtensors, keep=keeps, receiver=receiver, bucket_bytes=300)
         for full, out in zip(fulls, got):
             assert (out is not None) == keeps, receiver

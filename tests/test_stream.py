@@ -14,7 +14,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from _helpers import LMConfig, assert_unchanged, build_lm, rank, shard_lm, snapshot, tokens_for
+from _helpers import (
+    LMConfig, assert_unchanged, build_lm, point_to_point_always, rank, shard_lm, snapshot, tokens_for,
+)
 import fsdp_shim
 from fsdp_shim import _gather
 from fsdp_shim._stream import plan_batches
@@ -59,6 +61,10 @@ def rank_stream_names_values_and_ties():
     _check_stream(model, ref, dtype=torch.bfloat16, rank0_only=False)  # == full.to(bf16)
     _check_stream(model, ref, bucket_mb=0.01)  # many small buckets: same answer
     _check_stream(model, ref, device="cpu")
+    with point_to_point_always():  # [Note: one receiver]: shards sent straight into rank 0's full tensors
+        _check_stream(model, ref)
+        _check_stream(model, ref, dtype=torch.bfloat16)
+        _check_stream(model, ref, bucket_mb=0.01)
     assert_unchanged(model, before)
     model.double()  # FSDP2 swaps parameters (swap_tensors): the stream must leave no weakref on them
     _check_stream(model, ref.double(), rank0_only=False)
@@ -82,6 +88,8 @@ def rank_stream_on_hsdp():
     before = snapshot(model)
     _check_stream(model, ref)  # only global rank 0 receives
     _check_stream(model, ref, rank0_only=False, dtype=torch.bfloat16)
+    with point_to_point_always():
+        _check_stream(model, ref, dtype=torch.bfloat16)
     assert_unchanged(model, before)
 
 
