@@ -125,7 +125,7 @@ import os
 import threading
 import weakref
 from collections.abc import Sequence
-from typing import Any, Literal, NamedTuple, cast
+from typing import Any, Literal, NamedTuple, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -367,11 +367,17 @@ def coalesces(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype
     return device.type == "cpu" and not dtype.is_complex and dist.get_backend(group) == "gloo"
 
 
+class _Waitable(Protocol):
+    """A collective's ``dist.Work``, or several point-to-point ones (``_AllOf``)."""
+
+    def wait(self) -> Any: ...
+
+
 class _InFlight(NamedTuple):
     bucket: list[_Batched]
     output: torch.Tensor | None  # 1D, world_size * sum(split_sizes); None where this rank receives nothing
     split_sizes: list[int]
-    work: dist.Work | None
+    work: _Waitable | None
     scratch_input: torch.Tensor | None = None  # a sender's input, reusable once ``work`` is done
     #: The padded full tensors themselves, when the collective writes them directly (coalesced).
     padded_fulls: list[torch.Tensor] | None = None
@@ -502,7 +508,7 @@ def _start_to_one(
                     works.append(cast(dist.Work, dist.irecv(piece, src=global_ranks[source], group=group, tag=tag)))
         if own_destinations:
             torch._foreach_copy_(own_destinations, own_sources, non_blocking=True)  # casts and moves too
-        return _InFlight(bucket, None, split_sizes, _AllOf(works), padded_fulls=padded_fulls)  # type: ignore[arg-type]
+        return _InFlight(bucket, None, split_sizes, _AllOf(works), padded_fulls=padded_fulls)
     locals_ = [b.dtensor._local_tensor for b in bucket]
     staged = [i for i, t in enumerate(locals_) if t.numel() and not (
         t.dtype == dtype and t.device == device and t.is_contiguous())]
@@ -520,7 +526,7 @@ def _start_to_one(
     for tag, piece in enumerate(pieces):
         if piece.numel():
             works.append(cast(dist.Work, dist.isend(piece, dst=root, group=group, tag=tag)))
-    return _InFlight(bucket, None, split_sizes, _AllOf(works), scratch_input)  # type: ignore[arg-type]
+    return _InFlight(bucket, None, split_sizes, _AllOf(works), scratch_input)
 
 
 def _start_coalesced(
@@ -694,7 +700,7 @@ def gather_full_tensors(
 class Arrival:
     """The values of full tensors handed out by ``start_full_tensors`` that are still arriving."""
 
-    def __init__(self, work: dist.Work | None = None) -> None:
+    def __init__(self, work: _Waitable | None = None) -> None:
         self._work = work
 
     def wait(self) -> None:
