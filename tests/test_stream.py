@@ -175,8 +175,10 @@ def _live_tensor_bytes() -> int:
     gc.collect()
     storages = {}
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and not isinstance(obj, DTensor) and obj.device.type == "cpu":
-            try:
+        if isinstance(obj, torch.Tensor) and not isinstance(obj, DTensor):
+            try:  # torch 2.7 can leave a Python object whose tensor is gone ("does not have a device"): no storage
+                if obj.device.type != "cpu":
+                    continue
                 storage = obj.untyped_storage()
             except (RuntimeError, NotImplementedError):
                 continue
