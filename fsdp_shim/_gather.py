@@ -224,6 +224,11 @@ def _require_live_groups(dtensors: Sequence[DTensor]) -> None:
 _layouts: dict[int, tuple[weakref.ref[Any], torch.Size, Dim0Layout | None]] = {}
 
 
+def rows_held(rows: int, chunk_rows: int, coordinate: int) -> int:
+    """Rows of a ``rows``-row tensor that shard ``coordinate`` holds under ``Shard(0)``. See [Note: dim-0 layout]."""
+    return max(0, min(chunk_rows, rows - coordinate * chunk_rows))
+
+
 def dim0_layout(dtensor: DTensor) -> Dim0Layout | None:
     """The batched-gather layout of ``dtensor``, or ``None`` if only ``full_tensor()`` applies.
 
@@ -264,7 +269,7 @@ def _work_out_dim0_layout(dtensor: DTensor) -> Dim0Layout | None:
     group, world_size, rank = _mesh_dim(dtensor.device_mesh, shard_dims[0])
     rows = dtensor.shape[0]
     chunk_rows = -(-rows // world_size)
-    expected_rows = max(0, min(chunk_rows, rows - rank * chunk_rows))
+    expected_rows = rows_held(rows, chunk_rows, rank)
     local_shape = tuple(dtensor._local_tensor.shape)
     if local_shape != (expected_rows, *dtensor.shape[1:]):
         raise ValueError(
@@ -407,11 +412,12 @@ def _start_bucket(
     dst: int | None = None  # global rank of the one receiver, if a gather serves it
     if receiver != "all":
         root = 0 if receiver == "global_rank0" else dist.get_global_rank(group, 0)
-        if root not in dist.get_process_group_ranks(group):
+        global_ranks = dist.get_process_group_ranks(group)
+        if root not in global_ranks:
             return _InFlight(bucket, None, split_sizes, None)  # nobody here receives: nothing to move
         if world_size > 1 and gathers_to_one(group):
             if sum(split_sizes) * dtype.itemsize >= _POINT_TO_POINT_BYTES * len(bucket):
-                return _start_to_one(bucket, split_sizes, dtype, comm_device, root)
+                return _start_to_one(bucket, split_sizes, dtype, comm_device, root, global_ranks)
             dst = root
     if dst is None and world_size > 1 and len(bucket) > 1 and coalesces(group, comm_device, dtype):
         return _start_coalesced(bucket, split_sizes, dtype, comm_device)
@@ -474,21 +480,26 @@ class _AllOf:
 
 
 def _start_to_one(
-    bucket: list[_Batched], split_sizes: list[int], dtype: torch.dtype, device: torch.device, root: int
+    bucket: list[_Batched],
+    split_sizes: list[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    root: int,
+    global_ranks: list[int],
 ) -> _InFlight:
     """Send every shard straight into the one receiver's full tensors. See [Note: one receiver].
 
-    The receiver (global rank ``root``) allocates each padded full tensor,
-    copies its own shard into its rows and posts one receive per (tensor,
-    sender) straight into the sender's rows; each sender sends each shard as
-    it is (or cast, staged in scratch). Rows a rank does not hold (an empty
+    ``global_ranks`` are the group's, by group rank. The receiver (global
+    rank ``root``) allocates each padded full tensor, copies its own shard
+    into its rows and posts one receive per (tensor, sender) straight into
+    the sender's rows; each sender sends each shard as it is (or cast,
+    staged in scratch). Rows a rank does not hold (an empty
     trailing shard) travel on neither side. Both sides derive every message
     from global metadata, so they agree; a tensor's tag is its place in the
     bucket, and messages with one tag between two ranks match in order.
     """
     first = bucket[0].layout
     group, world_size, rank = first.group, first.world_size, first.rank
-    global_ranks = dist.get_process_group_ranks(group)
     works: list[dist.Work] = []
     if global_ranks[rank] == root:
         padded_fulls = [torch.empty(world_size * padded, dtype=dtype, device=device) for padded in split_sizes]
@@ -497,7 +508,7 @@ def _start_to_one(
         for tag, (b, full) in enumerate(zip(bucket, padded_fulls)):
             layout, rows = b.layout, b.dtensor.shape[0]
             for source in range(world_size):
-                held = max(0, min(layout.chunk_rows, rows - source * layout.chunk_rows))
+                held = rows_held(rows, layout.chunk_rows, source)
                 if held == 0:
                     continue
                 piece = full.narrow(0, source * layout.padded_numel, held * layout.row_numel)
