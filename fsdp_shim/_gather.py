@@ -76,6 +76,16 @@ the all-gather input and nothing is copied in either. Tensors larger than the
 bucket cap always take this path: for big models the gather moves each byte
 once, as FSDP1's flat parameter does.
 
+[Note: a group of one]
+When the shard mesh dim has one rank (one GPU, or HSDP with one shard per
+replica), the shard is the whole tensor and nothing is exchanged: each full
+tensor is a fresh copy of its shard (cast on the way where asked), made in
+one ``_foreach_copy_`` per bucket, with no collective, no bucket buffer and
+no copy-out. The copy is still needed: results never alias live shards, so
+``writeback=False`` edits are discarded as FSDP1's ``FULL_SHARD`` discards
+them. One rank, 12 x 256 on the CPU: the whole-model summon went from two
+copies of every byte (into the bucket, then out of it) to one.
+
 [Note: gloo's coalesced all-gather]
 On gloo (CPU), ``all_gather_into_tensor`` does not write into the output it
 is given: it all-gathers into a fresh flat tensor of its own and copies that
@@ -419,7 +429,9 @@ def _start_bucket(
             if sum(split_sizes) * dtype.itemsize >= _POINT_TO_POINT_BYTES * len(bucket):
                 return _start_to_one(bucket, split_sizes, dtype, comm_device, root, global_ranks)
             dst = root
-    if dst is None and world_size > 1 and len(bucket) > 1 and coalesces(group, comm_device, dtype):
+    if world_size == 1:
+        return _start_alone(bucket, split_sizes, dtype, comm_device)
+    if dst is None and len(bucket) > 1 and coalesces(group, comm_device, dtype):
         return _start_coalesced(bucket, split_sizes, dtype, comm_device)
     per_rank = sum(split_sizes)
     receives = dst is None or dist.get_rank() == dst
@@ -449,10 +461,6 @@ def _start_bucket(
                 gather_input.narrow(0, offset + local.numel(), padded - local.numel()).zero_()
             offset += padded
         torch._foreach_copy_(destinations, sources, non_blocking=True)  # casts and moves in the same pass
-    if world_size == 1:  # nothing to exchange: the input is the whole output
-        if output is not None and gather_input.data_ptr() != output.data_ptr():
-            output.copy_(gather_input)
-        return _InFlight(bucket, output, split_sizes, None)
     if dst is None:
         work = all_gather_single(output, gather_input, group=group, async_op=True)
     else:
@@ -569,6 +577,15 @@ def _start_coalesced(
     padded_fulls = [torch.empty(first.world_size * padded, dtype=dtype, device=device) for padded in split_sizes]
     work = all_gather_coalesced(padded_fulls, inputs, first.group)
     return _InFlight(bucket, None, split_sizes, work, padded_fulls=padded_fulls)
+
+
+def _start_alone(
+    bucket: list[_Batched], split_sizes: list[int], dtype: torch.dtype, device: torch.device
+) -> _InFlight:
+    """A shard group of one rank: each full tensor is its shard, copied once. See [Note: a group of one]."""
+    padded_fulls = [torch.empty(padded, dtype=dtype, device=device) for padded in split_sizes]
+    torch._foreach_copy_(padded_fulls, [b.dtensor._local_tensor.reshape(-1) for b in bucket])
+    return _InFlight(bucket, None, split_sizes, None, padded_fulls=padded_fulls)
 
 
 class _Scratch(threading.local):

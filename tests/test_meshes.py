@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -15,6 +16,7 @@ from _helpers import (
     LMConfig, assert_params_equal, assert_unchanged, build_lm, full_state, patched, rank, shard_lm, snapshot,
     tokens_for,
 )
+import fsdp_shim
 from fsdp_shim._gather import dim0_layout
 
 
@@ -212,3 +214,46 @@ def rank_strided_shard_parameter_is_exact_or_refused_by_name():
 
 def test_strided_shard_parameter_is_exact_or_refused_by_name(dist_run):
     dist_run(2, rank_strided_shard_parameter_is_exact_or_refused_by_name)
+
+
+# --------------------------------------------------------------------------- a shard group of one
+def rank_shard_group_of_one(mesh_shape: tuple[int, ...]):
+    """One rank per shard group ([Note: a group of one]): a world of one, or HSDP with one shard per replica."""
+    names = ("replicate", "shard")[-len(mesh_shape):]
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    ref, model = build_lm(), shard_lm(build_lm(), mesh)
+    weight = model.blocks[0].fc1.weight
+    layout = dim0_layout(weight)
+    assert layout is not None and layout.world_size == 1
+    before = snapshot(model)
+    with patched():
+        with FSDP.summon_full_params(model, writeback=False):
+            assert_params_equal(model, ref)
+            full = model.blocks[0].fc1.weight
+            assert full.untyped_storage().data_ptr() != weight._local_tensor.untyped_storage().data_ptr()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)  # discarded: the full tensors are copies, never the live shards
+        assert_unchanged(model, before)
+        with FSDP.summon_full_params(model, writeback=False, rank0_only=True, offload_to_cpu=True):
+            if rank() == 0:
+                assert_params_equal(model, ref)
+        with FSDP.summon_full_params(model.blocks[1], recurse=False, writeback=True):
+            with torch.no_grad():
+                model.blocks[1].fc2.weight.mul_(-3.0)
+        with torch.no_grad():
+            ref.blocks[1].fc2.weight.mul_(-3.0)
+    got = full_state(model)
+    assert [n for n, p in ref.named_parameters() if not torch.equal(got[n], p)] == []
+    names = []
+    for name, full in fsdp_shim.iter_full_params(model, dtype=torch.bfloat16, rank0_only=False):
+        assert torch.equal(full, dict(ref.named_parameters())[name].detach().to(torch.bfloat16)), name
+        names.append(name)
+    assert sorted(names) == sorted(n for n, _ in ref.named_parameters())  # each once, a tie under its first name
+    tokens = tokens_for(LMConfig())
+    assert torch.equal(model(tokens), ref(tokens))
+
+
+@pytest.mark.parametrize("world_size, mesh_shape", [(1, (1,)), (2, (2, 1))])
+def test_shard_group_of_one(dist_run, world_size, mesh_shape):
+    dist_run(world_size, rank_shard_group_of_one, mesh_shape)
