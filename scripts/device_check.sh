@@ -33,10 +33,10 @@ run() {  # run NAME SECONDS ARGS...: one fsdp-shim command, its log in $OUT/NAME
     [ "$rc" -eq 0 ] || status=1
 }
 
-run check 150 check --verbose --timeout 140
-run bench37 150 bench --reps 20 --warmup 3 --timeout 140
-run bench327 180 bench --width 768 --reps 10 --warmup 2 --timeout 170
+run check 120 check --verbose --timeout 110
+run bench37 120 bench --reps 20 --warmup 3 --timeout 110
+run bench327 150 bench --width 768 --reps 10 --warmup 2 --timeout 140
 if [ "${BIG:-0}" = 1 ]; then
-    run bench2g 200 bench --width 2048 --reps 5 --warmup 1 --no-between --timeout 190
+    run bench2g 150 bench --width 2048 --reps 5 --warmup 1 --no-between --timeout 140
 fi
 exit $status
