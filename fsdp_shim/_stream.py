@@ -13,10 +13,12 @@ an inference engine) without a context and without swapping anything:
   per-unit summon loop on 2 gloo ranks). Ties are one parameter, named by
   ``named_parameters()``'s first name. The plan reads only structure, so
   every rank makes the same.
-* *One batch in flight.* Batch ``k + 1``'s all-gathers are launched, all of
-  them, before batch ``k`` is handed out, so they transfer while the caller
-  sends batch ``k``. Batch ``k + 1`` is finished only when the caller asks for
-  it, and only then is ``k + 2`` launched.
+* *One batch in flight, the next one staged.* Batch ``k + 1`` is staged
+  (copied in and cast, see [Note: staged, then launched] in ``_gather``)
+  before batch ``k`` is waited for, so the CPU's copies overlap batch ``k``'s
+  transfer; its collectives are launched, all of them, as soon as batch ``k``
+  is in and before it is handed out, so they transfer while the caller sends
+  batch ``k``. Batch ``k + 1`` is finished only when the caller asks for it.
 * *Bounded memory.* At any time the generator holds batch ``k``'s full
   tensors and batch ``k + 1``'s bucket buffers: about the two largest
   adjacent units, plus padding (at most ``W - 1`` rows a tensor). While batch
@@ -121,17 +123,25 @@ def _merge_small(batches: list[_Batch], bucket_bytes: int) -> list[_Batch]:
 
 
 class _InFlightBatch:
-    """One batch with its DTensors' all-gathers launched."""
+    """One batch, its DTensors' buckets staged and (unless ``launch=False``) their collectives launched."""
 
-    def __init__(self, batch: _Batch, cast_to: torch.dtype | None, bucket_bytes: int, receiver: Receiver):
+    def __init__(
+        self, batch: _Batch, cast_to: torch.dtype | None, bucket_bytes: int, receiver: Receiver, launch: bool = True
+    ):
         self.batch = batch
         self._cast_to = cast_to
         self._distributed = [i for i, t in enumerate(batch.tensors) if isinstance(t, DTensor)]
         dtensors = [batch.tensors[i] for i in self._distributed]
         self._pending: PendingGather | None = (
-            start_gather(dtensors, cast_to=cast_to, bucket_bytes=bucket_bytes, receiver=receiver)  # type: ignore[arg-type]
+            start_gather(dtensors, cast_to=cast_to, bucket_bytes=bucket_bytes, receiver=receiver,  # type: ignore[arg-type]
+                         launch=launch)
             if dtensors else None
         )
+
+    def launch(self) -> None:
+        """Launch the staged collectives (a collective: every rank, in batch order)."""
+        if self._pending is not None:
+            self._pending.launch()
 
     def finish(self, keep: bool, out_device: torch.device | None) -> list[torch.Tensor | None]:
         fulls: list[torch.Tensor | None] = [None] * len(self.batch.tensors)
@@ -181,21 +191,24 @@ def stream_full_params(
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     receiver: Receiver = "global_rank0" if rank0_only else "all"  # see [Note: one receiver] in _gather
     started = time.perf_counter()
-    in_flight = _InFlightBatch(batches[0], dtype, bucket_bytes, receiver) if batches else None
+    in_flight = [_InFlightBatch(batches[0], dtype, bucket_bytes, receiver)] if batches else []
     sent_bytes = 0
     try:
         for index, batch in enumerate(batches):
-            assert in_flight is not None
-            fulls = in_flight.finish(keep, device)
-            following = batches[index + 1] if index + 1 < len(batches) else None
-            in_flight = _InFlightBatch(following, dtype, bucket_bytes, receiver) if following else None
+            following = None
+            if index + 1 < len(batches):  # staged while batch k arrives, launched once it is in
+                following = _InFlightBatch(batches[index + 1], dtype, bucket_bytes, receiver, launch=False)
+                in_flight.append(following)
+            fulls = in_flight.pop(0).finish(keep, device)
+            if following is not None:
+                following.launch()
             sent_bytes += batch.nbytes
             for position, name in enumerate(batch.names):
                 yield name, fulls[position]
                 fulls[position] = None  # valid until the next step: see [Note: streaming]
     finally:
-        if in_flight is not None:
-            in_flight.abandon()
+        for pending in in_flight:
+            pending.abandon()
     logger.debug(
         "iter_full_params: %d batches, %.1f MiB gathered (%s), kept on this rank: %s, %.1f ms",
         len(batches), sent_bytes / 2**20, dtype or "stored dtypes", keep, (time.perf_counter() - started) * 1e3,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,7 +14,7 @@ from _helpers import mesh1d, point_to_point_always
 from fsdp_shim._compat import STRIDED_SHARD_FULL_TENSOR_BROKEN
 from fsdp_shim._gather import (
     BUCKET_ENV, DEFAULT_BUCKET_MB, bucket_bytes_from_env, dim0_layout, gather_full_tensors, plan_buckets,
-    write_back_local,
+    start_gather, write_back_local,
 )
 
 
@@ -229,3 +231,35 @@ def rank_receivers_deliver_to_exactly_the_ranks_named():
 
 def test_receivers_deliver_to_exactly_the_ranks_named(dist_run):
     dist_run(4, rank_receivers_deliver_to_exactly_the_ranks_named)
+
+
+# --------------------------------------------------------------------------- staged, then launched
+def rank_staged_buckets_launch_later_and_in_order():
+    """[Note: staged, then launched]: a staged gather moves nothing until launched; order and values hold."""
+    specs = [((37, 5), torch.float32, [Shard(0)]), ((64, 3), torch.float32, [Shard(0)]), ((9,), torch.float32, [Shard(0)])]
+    fulls, dtensors = _tensors(specs)
+    for receiver in ("all", "global_rank0"):
+        for forced in (False, True):
+            with point_to_point_always() if forced else contextlib.nullcontext():
+                first = start_gather(dtensors[:2], cast_to=torch.bfloat16, bucket_bytes=64, receiver=receiver)
+                staged = start_gather(dtensors[1:], bucket_bytes=1 << 20, receiver=receiver, launch=False)
+                assert all(f.work is None for f in staged._flights)  # staged: nothing posted yet
+                keeps = receiver == "all" or dist.get_rank() == 0
+                got_first = first.finish(keep=keeps)
+                staged.launch()
+                got_staged = staged.finish(keep=keeps)
+            if keeps:
+                for full, got in zip(fulls[:2], got_first):
+                    assert torch.equal(got, full.to(torch.bfloat16))
+                for full, got in zip(fulls[1:], got_staged):
+                    assert torch.equal(got, full)
+            else:
+                assert got_first == [None, None] and got_staged == [None, None]
+    dropped = start_gather(dtensors, receiver="all", launch=False)
+    dropped.abandon()  # never launched on any rank: nothing to wait for, and nothing left behind
+    assert [torch.equal(g, f) for g, f in zip(gather_full_tensors(dtensors).tensors, fulls)] == [True] * 3
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_staged_buckets_launch_later_and_in_order(dist_run, world_size):
+    dist_run(world_size, rank_staged_buckets_launch_later_and_in_order)
