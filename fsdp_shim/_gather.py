@@ -118,17 +118,26 @@ it), waits first.
 A bucket starts in two steps. Staging does the CPU's part: the padded input
 copied in and cast, the output or full tensors allocated, a receiver's own
 rows copied. Launching posts the collective (or the point-to-point
-messages). The summon does both at once (``_start_bucket``). The stream
-stages batch ``k + 1`` *before* it waits for batch ``k`` and launches it as
-soon as ``k`` is in: the copies and casts run while batch ``k`` is on the
-wire, yet the process group never holds more than one batch's collectives.
-2 gloo ranks, interleaved, stream / per-unit summon loop: at 12 x 256 bf16
-0.55 -> 0.46, fp32 0.88 -> 0.70; at 12 x 768 bf16 0.76 -> 0.67, fp32 1.04 ->
-0.98. Launching batch ``k + 1`` before waiting for ``k`` (two batches'
-collectives in flight) was faster still, but in 2 of 6 stress runs of 40-80 s
-a rank died of heap corruption ("malloc(): unaligned tcache chunk
-detected"), both with ``rank0_only=False`` (coalesced all-gathers); the
-cause was not found, so it is not done.
+messages). The summon does both at once (``_start_bucket``), a
+point-to-point receiver posting its receives before it copies its own rows,
+so that copy overlaps the transfer (copying first made the per-unit loop
+1.12x slower at 12 x 768). The stream stages batch ``k + 1`` *before* it
+waits for batch ``k`` and launches its collectives as soon as ``k`` is in:
+the copies and casts run while batch ``k`` is on the wire, yet the process
+group never holds more than one batch's collectives. Point-to-point
+buckets are the exception: their messages are outside the group's
+collective order and match by tag, in order, so they are posted at staging
+and keep the wire busy across the batch boundary. 2 gloo ranks,
+interleaved, stream / per-unit summon loop: at 12 x 256 bf16 0.55 -> 0.46,
+fp32 0.88 -> 0.70; at 12 x 768 bf16 0.76 -> 0.67, fp32 1.04 -> 0.98 by
+staging, then bf16 0.64 -> 0.59 and fp32 0.87 -> 0.75 by posting
+point-to-point messages at staging. Launching every collective of batch
+``k + 1`` before waiting for ``k`` (two batches' collectives in flight) was
+faster still, but in 2 of 6 stress runs of 40-80 s a rank died of heap
+corruption ("malloc(): unaligned tcache chunk detected"), both with
+``rank0_only=False`` (coalesced all-gathers); the cause was not found, so
+it is not done. Staging alone, and point-to-point posted at staging, ran
+clean through 4 and 3 such runs of 80 s.
 
 [Note: cast before gather]
 With ``cast_to`` (``iter_full_params(dtype=...)``), each floating local shard
@@ -415,6 +424,7 @@ class _InFlight(NamedTuple):
     padded_fulls: list[torch.Tensor] | None = None
     #: The bucket's collective, while it is staged and not yet launched. See [Note: staged, then launched].
     launch: Callable[[], _Waitable] | None = None
+    point_to_point: bool = False  # its messages are isend/irecv, outside the group's collective order
 
     @property
     def receives(self) -> bool:
@@ -432,14 +442,18 @@ def _start_bucket(
     bucket: list[_Batched], cast_to: torch.dtype | None = None, receiver: Receiver = "all"
 ) -> _InFlight:
     """Stage the bucket and launch its collective at once."""
-    return _stage_bucket(bucket, cast_to, receiver).launched()
+    return _stage_bucket(bucket, cast_to, receiver, launch_now=True).launched()
 
 
 @torch.no_grad()
 def _stage_bucket(
-    bucket: list[_Batched], cast_to: torch.dtype | None = None, receiver: Receiver = "all"
+    bucket: list[_Batched], cast_to: torch.dtype | None = None, receiver: Receiver = "all", launch_now: bool = False
 ) -> _InFlight:
     """Copy in this rank's padded shards; the bucket's collective is left for ``launched()``.
+
+    ``launch_now``: the caller launches at once, so a point-to-point receiver
+    posts its receives before copying its own rows, which then overlap the
+    transfer (see [Note: staged, then launched]).
 
     As FSDP2 does, the input is this rank's block of the output buffer, so the
     copy-in needs no buffer of its own and the all-gather runs in place. A
@@ -459,7 +473,7 @@ def _stage_bucket(
             return _InFlight(bucket, None, split_sizes, None)  # nobody here receives: nothing to move
         if world_size > 1 and gathers_to_one(group):
             if sum(split_sizes) * dtype.itemsize >= _POINT_TO_POINT_BYTES * len(bucket):
-                return _start_to_one(bucket, split_sizes, dtype, comm_device, root, global_ranks)
+                return _start_to_one(bucket, split_sizes, dtype, comm_device, root, global_ranks, launch_now)
             dst = root
     if world_size == 1:
         return _start_alone(bucket, split_sizes, dtype, comm_device)
@@ -538,6 +552,7 @@ def _start_to_one(
     device: torch.device,
     root: int,
     global_ranks: list[int],
+    launch_now: bool = False,
 ) -> _InFlight:
     """Send every shard straight into the one receiver's full tensors. See [Note: one receiver].
 
@@ -569,10 +584,12 @@ def _start_to_one(
                     own_sources.append(b.dtensor._local_tensor.reshape(-1))
                 else:
                     receives.append((piece, global_ranks[source], tag))
+        launch = functools.partial(_post_receives, receives, group)
+        work = launch() if launch_now else None  # receives first: the own-rows copy then overlaps them
         if own_destinations:
             torch._foreach_copy_(own_destinations, own_sources, non_blocking=True)  # casts and moves too
-        return _InFlight(bucket, None, split_sizes, None, padded_fulls=padded_fulls,
-                         launch=functools.partial(_post_receives, receives, group))
+        return _InFlight(bucket, None, split_sizes, work, padded_fulls=padded_fulls,
+                         launch=None if launch_now else launch, point_to_point=True)
     locals_ = [b.dtensor._local_tensor for b in bucket]
     staged = [i for i, t in enumerate(locals_) if t.numel() and not (
         t.dtype == dtype and t.device == device and t.is_contiguous())]
@@ -588,7 +605,7 @@ def _start_to_one(
         for k, i in enumerate(staged):
             pieces[i] = destinations[k]
     return _InFlight(bucket, None, split_sizes, None, scratch_input,
-                     launch=functools.partial(_post_sends, pieces, root, group))
+                     launch=functools.partial(_post_sends, pieces, root, group), point_to_point=True)
 
 
 def _start_coalesced(
@@ -865,6 +882,8 @@ class PendingGather:
         self._flights = [_stage_bucket(bucket, cast_to, receiver) for bucket in buckets]
         if launch:
             self.launch()
+        else:  # see [Note: staged, then launched]: messages outside the collective order go at once
+            self._flights = [f.launched() if f.point_to_point else f for f in self._flights]
 
     def launch(self) -> None:
         """Launch every staged bucket's collective, in bucket order. A collective; a no-op once done."""
