@@ -42,18 +42,6 @@ _TORCH = parse_version(torch.__version__)
 all_gather_single: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def all_gather_coalesced(
-    outputs: list[torch.Tensor], inputs: list[torch.Tensor], group: dist.ProcessGroup
-) -> dist.Work:
-    """Asynchronous ``all_gather_into_tensor`` of ``inputs[i]`` into ``outputs[i]`` for every ``i``, as one op.
-
-    The process group's own coalesced entry point (what ``dist._coalescing_manager``
-    calls), present on every release we support; called directly to skip the
-    coalescing manager's per-call bookkeeping.
-    """
-    return group.allgather_into_tensor_coalesced(outputs, inputs)
-
-
 def is_dim0_shard(placement: Placement) -> bool:
     """Exactly ``Shard(0)``: no subclass (``_StridedShard`` is one on torch <= 2.9)."""
     return type(placement) is Shard and placement.dim == 0  # type: ignore[attr-defined]

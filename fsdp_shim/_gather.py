@@ -86,28 +86,24 @@ no copy-out. The copy is still needed: results never alias live shards, so
 them. One rank, 12 x 256 on the CPU: the whole-model summon went from two
 copies of every byte (into the bucket, then out of it) to one.
 
-[Note: gloo's coalesced all-gather]
-On gloo (CPU), ``all_gather_into_tensor`` does not write into the output it
-is given: it all-gathers into a fresh flat tensor of its own and copies that
-into the output's rank chunks (``ProcessGroupGloo::allgather``). So a bucket's
-copy-out after it is a second copy of every byte. The process group's coalesced
-all-gather (``allgather_into_tensor_coalesced``) takes one output per input
-and does the same flat gather, then copies rank ``r``'s piece of input ``i``
-straight into chunk ``r`` of output ``i``. With each padded full tensor as an
-output, a multi-tensor bucket's bytes are copied once, on gloo's worker
-thread rather than ours, and no scratch output is needed: the per-unit
-``rank0_only=False`` loop (2 gloo ranks, 12 x 256) went from 1.25 to 1.12-1.16
-of FSDP1's, interleaved. Each input is the local shard itself when it needs
-no padding, cast or move. Only gloo on the CPU, measured: NCCL keeps the
-copy-in, all-gather, copy-out that FSDP2 uses (nobody has measured the
-coalesced form there), as does a ``gather`` to one receiver (which has no
-coalesced form).
+[Note: no coalesced all-gather]
+On gloo (CPU), ``all_gather_into_tensor`` gathers into a flat tensor of its
+own and copies it into the output (``ProcessGroupGloo::allgather``), so a
+bucket's copy-out after it is a second copy. 0.4.0 skipped that copy with
+the process group's coalesced all-gather (``allgather_into_tensor_coalesced``,
+one output per full tensor). It is gone: a stress loop of whole-model
+``rank0_only=False`` summons on 2 gloo ranks (12 x 256, two buckets in
+flight, torch 2.13) died of heap corruption ("malloc(): unaligned tcache
+chunk detected") in 5 of 8 runs of 80 s, and ran clean in 6 of 6 with the
+copy-in, all-gather, copy-out below. The cause was not found (the same
+call on plain tensors, two in flight, ran clean for 2 x 60 s); until it
+is, every bucket takes the path FSDP2 takes.
 
 [Note: values arriving]
 A summon's own bookkeeping (new ``nn.Parameter`` objects in every slot,
 group marks, hooks) needs the full tensor *objects*, not their values. When
 the last bucket's collective writes straight into its full tensors
-(coalesced, or a bucket of one), ``start_full_tensors`` hands them out while
+(point to point, or a bucket of one), ``start_full_tensors`` hands them out while
 it is in flight and the swap runs meanwhile; ``Arrival.wait()`` comes before
 the context's body, and on every error path. For a per-unit summon (one
 bucket) that hides the swap's Python behind the transfer. Anything that
@@ -134,10 +130,10 @@ staging, then bf16 0.64 -> 0.59 and fp32 0.87 -> 0.75 by posting
 point-to-point messages at staging. Launching every collective of batch
 ``k + 1`` before waiting for ``k`` (two batches' collectives in flight) was
 faster still, but in 2 of 6 stress runs of 40-80 s a rank died of heap
-corruption ("malloc(): unaligned tcache chunk detected"), both with
-``rank0_only=False`` (coalesced all-gathers); the cause was not found, so
-it is not done. Staging alone, and point-to-point posted at staging, ran
-clean through 4 and 3 such runs of 80 s.
+corruption, both with ``rank0_only=False``, while the coalesced all-gather
+was in use (see [Note: no coalesced all-gather]); it is not done. Staging
+alone, and point-to-point posted at staging, ran clean through 4 and 3
+such runs of 80 s.
 
 [Note: cast before gather]
 With ``cast_to`` (``iter_full_params(dtype=...)``), each floating local shard
@@ -170,7 +166,6 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from fsdp_shim._compat import (
     WRITABLE_PARTIAL_OPS,
-    all_gather_coalesced,
     all_gather_single,
     is_dim0_shard,
     is_live_group,
@@ -398,16 +393,6 @@ def gathers_to_one(group: dist.ProcessGroup) -> bool:
     return dist.get_backend(group) == "gloo"
 
 
-def coalesces(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a multi-tensor bucket all-gathers straight into its full tensors on ``group``.
-
-    gloo on the CPU: see [Note: gloo's coalesced all-gather]. Elsewhere (NCCL)
-    the bucket keeps FSDP2's copy-in, one all-gather, copy-out. Complex
-    tensors keep it too (the process group itself takes no complex dtype).
-    """
-    return device.type == "cpu" and not dtype.is_complex and dist.get_backend(group) == "gloo"
-
-
 class _Waitable(Protocol):
     """A collective's ``dist.Work``, or several point-to-point ones (``_AllOf``)."""
 
@@ -420,7 +405,7 @@ class _InFlight(NamedTuple):
     split_sizes: list[int]
     work: _Waitable | None
     scratch_input: torch.Tensor | None = None  # a sender's input, reusable once ``work`` is done
-    #: The padded full tensors themselves, when the collective writes them directly (coalesced).
+    #: The padded full tensors themselves, when the messages land in them directly (point to point, alone).
     padded_fulls: list[torch.Tensor] | None = None
     #: The bucket's collective, while it is staged and not yet launched. See [Note: staged, then launched].
     launch: Callable[[], _Waitable] | None = None
@@ -477,8 +462,6 @@ def _stage_bucket(
             dst = root
     if world_size == 1:
         return _start_alone(bucket, split_sizes, dtype, comm_device)
-    if dst is None and len(bucket) > 1 and coalesces(group, comm_device, dtype):
-        return _start_coalesced(bucket, split_sizes, dtype, comm_device)
     per_rank = sum(split_sizes)
     receives = dst is None or dist.get_rank() == dst
     scratch_input: torch.Tensor | None = None
@@ -608,37 +591,6 @@ def _start_to_one(
                      launch=functools.partial(_post_sends, pieces, root, group), point_to_point=True)
 
 
-def _start_coalesced(
-    bucket: list[_Batched], split_sizes: list[int], dtype: torch.dtype, device: torch.device
-) -> _InFlight:
-    """Launch one coalesced all-gather whose outputs are the bucket's padded full tensors.
-
-    See [Note: gloo's coalesced all-gather]. Each input is the local shard
-    itself where it already has ``c`` rows in ``dtype`` on ``device``;
-    otherwise (short trailing shard, cast, offloaded shard) a padded copy.
-    """
-    first = bucket[0].layout
-    inputs: list[torch.Tensor] = []
-    destinations: list[torch.Tensor] = []
-    sources: list[torch.Tensor] = []
-    for b, padded in zip(bucket, split_sizes):
-        local = b.dtensor._local_tensor
-        if local.numel() == padded and local.dtype == dtype and local.device == device and local.is_contiguous():
-            inputs.append(local.view(-1))
-            continue
-        staged = torch.empty(padded, dtype=dtype, device=device)
-        if padded > local.numel():  # zeros: padding is never exposed, but stays deterministic
-            staged.narrow(0, local.numel(), padded - local.numel()).zero_()
-        destinations.append(staged.narrow(0, 0, local.numel()))
-        sources.append(local.reshape(-1))
-        inputs.append(staged)
-    if destinations:
-        torch._foreach_copy_(destinations, sources)  # casts and moves in the same pass
-    padded_fulls = [torch.empty(first.world_size * padded, dtype=dtype, device=device) for padded in split_sizes]
-    return _InFlight(bucket, None, split_sizes, None, padded_fulls=padded_fulls,
-                     launch=functools.partial(all_gather_coalesced, padded_fulls, inputs, first.group))
-
-
 def _start_alone(
     bucket: list[_Batched], split_sizes: list[int], dtype: torch.dtype, device: torch.device
 ) -> _InFlight:
@@ -680,7 +632,7 @@ def _finish_bucket(flight: _InFlight, keep: bool, out_device: torch.device | Non
         flight.work.wait()
     if flight.scratch_input is not None:
         _scratch.give(flight.scratch_input)
-    if flight.padded_fulls is not None:  # see [Note: gloo's coalesced all-gather]
+    if flight.padded_fulls is not None:  # point to point, or a group of one: already in place
         return [_on(full, out_device) for full in _in_place_results(flight)] if keep else []
     if not keep:
         if flight.output is not None and len(flight.bucket) > 1:
@@ -715,7 +667,7 @@ def _finish_bucket(flight: _InFlight, keep: bool, out_device: torch.device | Non
 def _arrives_in_place(flight: _InFlight, keep: bool, out_device: torch.device | None) -> bool:
     """Whether ``flight``'s full tensors exist before its collective is done: it writes into them.
 
-    True for a coalesced bucket and for a bucket of one that this rank
+    True for a point-to-point bucket and for a bucket of one that this rank
     receives, when the results stay where the collective puts them.
     """
     if not keep:

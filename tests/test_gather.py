@@ -211,10 +211,9 @@ def rank_receivers_deliver_to_exactly_the_ranks_named():
         moved = [flight.work is not None for flight in flights]
         if receiver == "all":
             assert all(received) and all(moved)
-            # [Note: gloo's coalesced all-gather]: multi-tensor buckets land in their full tensors, no scratch
+            # [Note: no coalesced all-gather]: every all-gather bucket lands in one output, copied out
             assert any(len(flight.bucket) > 1 for flight in flights)
-            assert all((flight.padded_fulls is not None) == (len(flight.bucket) > 1) for flight in flights)
-            assert all(flight.output is None for flight in flights if len(flight.bucket) > 1)
+            assert all(flight.output is not None and flight.padded_fulls is None for flight in flights)
         elif receiver == "group_rank0":  # a gather: only each shard group's rank 0 allocates an output
             assert all(r == (shard_rank == 0) for r in received) and all(moved)
         else:  # ranks 2 and 3 (the other replica) move nothing at all

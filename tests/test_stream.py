@@ -140,17 +140,13 @@ def test_stream_reads_fp32_masters_of_units_left_unsharded(dist_run):
 def rank_cast_before_gather_moves_half_the_bytes():
     model = shard_lm(build_lm())
     moved: list[tuple[torch.dtype, int]] = []
-    original, original_coalesced = _gather.all_gather_single, _gather.all_gather_coalesced
+    original = _gather.all_gather_single
 
     def recording(output, gather_input, **kwargs):
         moved.append((output.dtype, output.numel() * output.element_size()))
         return original(output, gather_input, **kwargs)
 
-    def recording_coalesced(outputs, inputs, group):  # see [Note: gloo's coalesced all-gather]
-        moved.extend((output.dtype, output.numel() * output.element_size()) for output in outputs)
-        return original_coalesced(outputs, inputs, group)
-
-    _gather.all_gather_single, _gather.all_gather_coalesced = recording, recording_coalesced
+    _gather.all_gather_single = recording
     try:
         by_dtype = {}
         for dtype in (None, torch.bfloat16):
@@ -159,7 +155,7 @@ def rank_cast_before_gather_moves_half_the_bytes():
                 pass
             by_dtype[dtype] = list(moved)
     finally:
-        _gather.all_gather_single, _gather.all_gather_coalesced = original, original_coalesced
+        _gather.all_gather_single = original
     assert {d for d, _ in by_dtype[None]} == {torch.float32}
     assert {d for d, _ in by_dtype[torch.bfloat16]} == {torch.bfloat16}
     assert sum(n for _, n in by_dtype[torch.bfloat16]) * 2 == sum(n for _, n in by_dtype[None])
