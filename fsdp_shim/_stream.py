@@ -19,10 +19,11 @@ an inference engine) without a context and without swapping anything:
   transfer; its collectives are launched, all of them, as soon as batch ``k``
   is in and before it is handed out, so they transfer while the caller sends
   batch ``k``. Batch ``k + 1`` is finished only when the caller asks for it.
-* *Bounded memory.* At any time the generator holds batch ``k``'s full
-  tensors and batch ``k + 1``'s bucket buffers: about the two largest
-  adjacent units, plus padding (at most ``W - 1`` rows a tensor). While batch
-  ``k + 1`` is copied out its buffers are freed one bucket at a time. A tensor
+* *Bounded memory.* At any time the generator holds two adjacent batches:
+  batch ``k``'s full tensors (while they are copied out, also its bucket
+  buffers, freed one bucket at a time) and batch ``k + 1``'s staged or
+  in-flight buffers; about the two largest adjacent units, plus padding (at
+  most ``W - 1`` rows a tensor) and bucket buffers. A tensor
   handed out is dropped by the generator at the next step, so a caller that
   keeps no reference keeps memory at that bound whatever the model's size.
 * *Cast before gather.* With ``dtype``, floating shards are cast as they are
