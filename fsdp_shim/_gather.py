@@ -113,17 +113,17 @@ it), waits first.
 [Note: staged, then launched]
 A bucket starts in two steps. Staging does the CPU's part: the padded input
 copied in and cast, the output or full tensors allocated, a receiver's own
-rows copied. Launching posts the collective (or the point-to-point
-messages). The summon does both at once (``_start_bucket``), a
-point-to-point receiver posting its receives before it copies its own rows,
+rows copied. Launching posts the collective. The summon does both at once
+(``_start_bucket``). Point-to-point buckets are always posted while they
+are staged, a receiver posting its receives before it copies its own rows,
 so that copy overlaps the transfer (copying first made the per-unit loop
 1.12x slower at 12 x 768). The stream stages batch ``k + 1`` *before* it
 waits for batch ``k`` and launches its collectives as soon as ``k`` is in:
 the copies and casts run while batch ``k`` is on the wire, yet the process
 group never holds more than one batch's collectives. Point-to-point
-buckets are the exception: their messages are outside the group's
-collective order and match by tag, in order, so they are posted at staging
-and keep the wire busy across the batch boundary. 2 gloo ranks,
+messages are outside the group's collective order and match by tag, in
+order, so posting them at staging is safe and keeps the wire busy across
+the batch boundary. 2 gloo ranks,
 interleaved, stream / per-unit summon loop: at 12 x 256 bf16 0.55 -> 0.46,
 fp32 0.88 -> 0.70; at 12 x 768 bf16 0.76 -> 0.67, fp32 1.04 -> 0.98 by
 staging, then bf16 0.64 -> 0.59 and fp32 0.87 -> 0.75 by posting
@@ -409,7 +409,6 @@ class _InFlight(NamedTuple):
     padded_fulls: list[torch.Tensor] | None = None
     #: The bucket's collective, while it is staged and not yet launched. See [Note: staged, then launched].
     launch: Callable[[], _Waitable] | None = None
-    point_to_point: bool = False  # its messages are isend/irecv, outside the group's collective order
 
     @property
     def receives(self) -> bool:
@@ -427,18 +426,17 @@ def _start_bucket(
     bucket: list[_Batched], cast_to: torch.dtype | None = None, receiver: Receiver = "all"
 ) -> _InFlight:
     """Stage the bucket and launch its collective at once."""
-    return _stage_bucket(bucket, cast_to, receiver, launch_now=True).launched()
+    return _stage_bucket(bucket, cast_to, receiver).launched()
 
 
 @torch.no_grad()
 def _stage_bucket(
-    bucket: list[_Batched], cast_to: torch.dtype | None = None, receiver: Receiver = "all", launch_now: bool = False
+    bucket: list[_Batched], cast_to: torch.dtype | None = None, receiver: Receiver = "all"
 ) -> _InFlight:
     """Copy in this rank's padded shards; the bucket's collective is left for ``launched()``.
 
-    ``launch_now``: the caller launches at once, so a point-to-point receiver
-    posts its receives before copying its own rows, which then overlap the
-    transfer (see [Note: staged, then launched]).
+    Point-to-point buckets are the exception: their messages are posted here
+    (see [Note: staged, then launched]).
 
     As FSDP2 does, the input is this rank's block of the output buffer, so the
     copy-in needs no buffer of its own and the all-gather runs in place. A
@@ -458,7 +456,7 @@ def _stage_bucket(
             return _InFlight(bucket, None, split_sizes, None)  # nobody here receives: nothing to move
         if world_size > 1 and gathers_to_one(group):
             if sum(split_sizes) * dtype.itemsize >= _POINT_TO_POINT_BYTES * len(bucket):
-                return _start_to_one(bucket, split_sizes, dtype, comm_device, root, global_ranks, launch_now)
+                return _start_to_one(bucket, split_sizes, dtype, comm_device, root, global_ranks)
             dst = root
     if world_size == 1:
         return _start_alone(bucket, split_sizes, dtype, comm_device)
@@ -517,17 +515,6 @@ class _AllOf:
         return True
 
 
-def _post_receives(receives: list[tuple[torch.Tensor, int, int]], group: dist.ProcessGroup) -> _AllOf:
-    """``irecv`` each ``(piece, global source rank, tag)``, in order."""
-    return _AllOf([cast(dist.Work, dist.irecv(piece, src=src, group=group, tag=tag)) for piece, src, tag in receives])
-
-
-def _post_sends(pieces: list[torch.Tensor], dst: int, group: dist.ProcessGroup) -> _AllOf:
-    """``isend`` each non-empty piece to global rank ``dst``, tagged with its place."""
-    return _AllOf([cast(dist.Work, dist.isend(piece, dst=dst, group=group, tag=tag))
-                   for tag, piece in enumerate(pieces) if piece.numel()])
-
-
 def _start_to_one(
     bucket: list[_Batched],
     split_sizes: list[int],
@@ -535,9 +522,11 @@ def _start_to_one(
     device: torch.device,
     root: int,
     global_ranks: list[int],
-    launch_now: bool = False,
 ) -> _InFlight:
     """Send every shard straight into the one receiver's full tensors. See [Note: one receiver].
+
+    Staged and launched at once, also when the caller stages: the messages
+    are outside the group's collective order (see [Note: staged, then launched]).
 
     ``global_ranks`` are the group's, by group rank. The receiver (global
     rank ``root``) allocates each padded full tensor, copies its own shard
@@ -550,11 +539,11 @@ def _start_to_one(
     """
     first = bucket[0].layout
     group, world_size, rank = first.group, first.world_size, first.rank
+    works: list[dist.Work] = []
     if global_ranks[rank] == root:
         padded_fulls = [torch.empty(world_size * padded, dtype=dtype, device=device) for padded in split_sizes]
         own_destinations: list[torch.Tensor] = []
         own_sources: list[torch.Tensor] = []
-        receives: list[tuple[torch.Tensor, int, int]] = []
         for tag, (b, full) in enumerate(zip(bucket, padded_fulls)):
             layout, rows = b.layout, b.dtensor.shape[0]
             for source in range(world_size):
@@ -565,14 +554,11 @@ def _start_to_one(
                 if source == rank:
                     own_destinations.append(piece)
                     own_sources.append(b.dtensor._local_tensor.reshape(-1))
-                else:
-                    receives.append((piece, global_ranks[source], tag))
-        launch = functools.partial(_post_receives, receives, group)
-        work = launch() if launch_now else None  # receives first: the own-rows copy then overlaps them
+                else:  # posted before the own-rows copy below, which then overlaps them
+                    works.append(cast(dist.Work, dist.irecv(piece, src=global_ranks[source], group=group, tag=tag)))
         if own_destinations:
             torch._foreach_copy_(own_destinations, own_sources, non_blocking=True)  # casts and moves too
-        return _InFlight(bucket, None, split_sizes, work, padded_fulls=padded_fulls,
-                         launch=None if launch_now else launch, point_to_point=True)
+        return _InFlight(bucket, None, split_sizes, _AllOf(works), padded_fulls=padded_fulls)
     locals_ = [b.dtensor._local_tensor for b in bucket]
     staged = [i for i, t in enumerate(locals_) if t.numel() and not (
         t.dtype == dtype and t.device == device and t.is_contiguous())]
@@ -587,8 +573,10 @@ def _start_to_one(
         torch._foreach_copy_(destinations, [pieces[i] for i in staged], non_blocking=True)
         for k, i in enumerate(staged):
             pieces[i] = destinations[k]
-    return _InFlight(bucket, None, split_sizes, None, scratch_input,
-                     launch=functools.partial(_post_sends, pieces, root, group), point_to_point=True)
+    for tag, piece in enumerate(pieces):
+        if piece.numel():
+            works.append(cast(dist.Work, dist.isend(piece, dst=root, group=group, tag=tag)))
+    return _InFlight(bucket, None, split_sizes, _AllOf(works), scratch_input)
 
 
 def _start_alone(
@@ -834,8 +822,6 @@ class PendingGather:
         self._flights = [_stage_bucket(bucket, cast_to, receiver) for bucket in buckets]
         if launch:
             self.launch()
-        else:  # see [Note: staged, then launched]: messages outside the collective order go at once
-            self._flights = [f.launched() if f.point_to_point else f for f in self._flights]
 
     def launch(self) -> None:
         """Launch every staged bucket's collective, in bucket order. A collective; a no-op once done."""
