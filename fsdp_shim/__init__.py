@@ -19,7 +19,7 @@ after which existing call sites work on models sharded with ``fully_shard``::
         model.lm_head.weight.mul_(0.5)            # persisted into every shard
 
 New weight-sync code can stream instead, the next unit in flight and bf16
-cast before the all-gather (half the bytes)::
+cast before the gather (half the bytes)::
 
     for name, tensor in fsdp_shim.iter_full_params(model, dtype=torch.bfloat16):
         if tensor is not None:                    # rank 0
@@ -40,7 +40,7 @@ Supported: torch >= 2.7, < 2.15 (verified on every release from 2.7.0 to
 logs why; ``FSDP_SHIM_ALLOW_UNSUPPORTED_TORCH=1`` patches anyway.
 
 Set ``FSDP_SHIM_DISABLE=1`` to import without patching, and
-``FSDP_SHIM_BUCKET_MB`` to change the all-gather bucket size.
+``FSDP_SHIM_BUCKET_MB`` to change the gather bucket size.
 
 [Note: deferred activation]
 ``import fsdp_shim`` imports neither torch nor anything that does: it
@@ -250,7 +250,7 @@ def summon_full_params(
         rank0_only: only global rank 0 gets full parameters.
         offload_to_cpu: the full parameters live on CPU.
         with_grads: full parameters carry full gradients (``None`` stays ``None``).
-        bucket_mb: cap on one all-gather bucket, in MiB (default: ``$FSDP_SHIM_BUCKET_MB`` or 4).
+        bucket_mb: cap on one gather bucket, in MiB (default: ``$FSDP_SHIM_BUCKET_MB`` or 4).
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``.
@@ -290,17 +290,17 @@ def iter_full_params(
 
     Args:
         dtype: floating parameters travel in this dtype: each rank casts its
-            shard *before* the all-gather (bf16 moves half of fp32's bytes).
+            shard *before* the gather (bf16 moves half of fp32's bytes).
             Values equal ``full.to(dtype)``. ``None``: the stored dtype (the
             fp32 master weights under a bf16 ``MixedPrecisionPolicy``), exact.
         rank0_only: only global rank 0 receives tensors; the others get
-            ``None`` for each name (and still take part in every all-gather).
+            ``None`` for each name (and still send their shards).
         device: where the full tensors land (``"cpu"`` for host memory); default
             where the gather runs.
-        bucket_mb: cap on one all-gather bucket, in MiB (default: ``$FSDP_SHIM_BUCKET_MB`` or 6).
+        bucket_mb: cap on one gather bucket, in MiB (default: ``$FSDP_SHIM_BUCKET_MB`` or 6).
 
     A tensor is valid until the next step of the iteration: the generator
-    drops it then, and the next unit's all-gather is already in flight while
+    drops it then, and the next unit's gather is already in flight while
     you use the current one. Keep no references and the extra memory stays
     near the two largest units plus padding, whatever the model's size;
     clone a tensor you must keep. Treat tensors as read-only.

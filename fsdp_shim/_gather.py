@@ -24,37 +24,54 @@ full tensor handed out is a view of that buffer's first ``n_i`` rows: the only
 memory beyond the full size is the padding (at most ``W - 1`` rows a tensor).
 
 [Note: one bucket in flight]
-Bucket ``k + 1``'s all-gather is launched (``async_op=True``) before bucket
-``k`` is copied out, so the copy-out overlaps the next transfer. At most two
-buckets' all-gather outputs are alive at once (inputs live inside them), so
-the extra memory beyond the full tensors is at most two buckets (the default
-cap is sized for that).
+Bucket ``k + 1``'s collective (or messages) is launched before bucket ``k``
+is copied out, so the copy-out overlaps the next transfer. At most two
+buckets' outputs are alive at once (inputs live inside them), so the extra
+memory beyond the full tensors is at most two buckets (the default cap is
+sized for that).
 
-[Note: one receiver]
-``rank0_only`` needs the full tensors on one rank of each group, not all.
-On gloo two forms serve it, chosen per bucket by message size:
+[Note: point to point]
+On gloo (CPU) no bucket moves by a collective: each is sent with
+``isend``/``irecv`` from the ranks that hold shards to the ranks that
+receive, every rank of the group (``receiver="all"``) or one
+(``rank0_only``). gloo's ``all_gather_into_tensor`` and ``gather`` each
+collect into a flat tensor of their own and copy it into the output, and
+the all-gather is slow on the wire besides. 2 ranks on loopback, twelve
+blocks of the bench model's shapes, each block's shards packed,
+all-gathered and copied out: 48.8 ms at 12 x 256; the same blocks sent
+point to point took 0.83x of that, and 0.49x at 12 x 768 (3 ranks: 0.72x).
+Two forms, chosen per bucket by message size:
 
-* *Point to point*, when a bucket's tensors average at least
-  ``_POINT_TO_POINT_BYTES`` (1 MiB) of shard a rank: the receiver allocates
-  each full tensor and posts one receive per (tensor, sender) straight into
-  that sender's rows; senders send their shards as they are. Nothing is
-  copied on either side (gloo's ``gather`` gathers into a fresh flat tensor
-  of its own and copies it out, and a multi-tensor bucket then needs our
-  copy-out too). A 27 MiB unit to rank 0 (2 ranks): 12.1 against 30.0 ms in
-  fp32, 8.8 against 27.4 ms in bf16; per-unit summon loop at 327 MiB 0.78x
-  and bf16 stream 0.79x of the gather form, interleaved.
-* *One ``gather``* of the packed bucket otherwise: a point-to-point message
-  costs about 50 us on gloo, so a 12 x 256 unit's dozen small tensors are
-  faster packed (point to point there: 1.05-1.13x). A ``gather`` moves a
-  bucket in about half the time of an all-gather (2 ranks on loopback: 1.2
-  against 2.9 ms for 1 MiB a rank, 5.1 against 9.8 ms for 4 MiB), and the
-  other ranks allocate no output at all.
+* *Direct*, when a bucket's tensors average at least
+  ``_POINT_TO_POINT_BYTES`` (1 MiB) of shard a rank: each receiver
+  allocates each padded full tensor and posts one receive per (tensor,
+  sender) straight into that sender's rows; every rank sends each shard,
+  as it is, to every other receiver. Nothing is copied but a receiver's
+  own rows. At 12 x 768: 0.39x the all-gather's time (3 ranks: 0.62x).
+* *Packed* otherwise: a message costs about 50 us, so a 12 x 256 block's
+  dozen small tensors travel faster as one (direct, they took 1.4x the
+  all-gather's time): each rank packs its padded shards as for an
+  all-gather (a receiver into its own block of the output) and sends the
+  block to every other receiver, which posts one receive per sender
+  straight into that sender's block; the output is copied out as an
+  all-gather's is.
 
-On other backends the all-gather stays (``gathers_to_one``): nobody has
-measured gather or point to point there. ``global_rank0``
-(``iter_full_params``) also skips, on every rank of it, a group that does
-not contain global rank 0: under HSDP only global rank 0's replica moves
-anything. The ``full_tensor()`` fallback is unchanged (every rank receives).
+The shim's per-unit summon loop against FSDP1's (12 x 256, 2 ranks,
+interleaved) went from 1.16x (all-gather) to 0.98x for every rank, and
+from 0.70x (``gather``) to 0.51x with ``rank0_only``.
+
+Both sides derive every message from global metadata and post them in
+program order, so they agree: a packed bucket's messages carry tag 0, a
+direct bucket's tensor ``i`` tag ``i + 1``, and messages with one tag
+between two ranks match in order. They are outside the group's collective
+order, so they are posted as soon as a bucket is staged (see [Note:
+staged, then launched]). On other backends the all-gather stays
+(``moves_point_to_point``), as in FSDP1 and FSDP2: nobody has measured
+there, and ``rank0_only``'s other ranks drop what they receive.
+``global_rank0`` (``iter_full_params``) skips, on every rank of it, a
+group that does not contain global rank 0: under HSDP only global rank
+0's replica moves anything. The ``full_tensor()`` fallback is unchanged
+(every rank receives).
 
 [Note: scratch buffers]
 A multi-tensor bucket's output buffer is scratch: every full tensor is
@@ -87,17 +104,18 @@ them. One rank, 12 x 256 on the CPU: the whole-model summon went from two
 copies of every byte (into the bucket, then out of it) to one.
 
 [Note: no coalesced all-gather]
-On gloo (CPU), ``all_gather_into_tensor`` gathers into a flat tensor of its
-own and copies it into the output (``ProcessGroupGloo::allgather``), so a
-bucket's copy-out after it is a second copy. 0.4.0 skipped that copy with
-the process group's coalesced all-gather (``allgather_into_tensor_coalesced``,
-one output per full tensor). It is gone: a stress loop of whole-model
+On gloo, ``all_gather_into_tensor`` gathers into a flat tensor of its own
+and copies it into the output, so a bucket's copy-out after it is a second
+copy. 0.4.0 skipped that copy with the process group's coalesced
+all-gather (``allgather_into_tensor_coalesced``, one output per full
+tensor). 0.4.1 dropped it: a stress loop of whole-model
 ``rank0_only=False`` summons on 2 gloo ranks (12 x 256, two buckets in
 flight, torch 2.13) died of heap corruption ("malloc(): unaligned tcache
-chunk detected") in 5 of 8 runs of 80 s, and ran clean in 6 of 6 with the
-copy-in, all-gather, copy-out below. The cause was not found (the same
-call on plain tensors, two in flight, ran clean for 2 x 60 s); until it
-is, every bucket takes the path FSDP2 takes.
+chunk detected") in 5 of 8 runs of 80 s with it, and ran clean in 6 of 6
+without. The cause was not found (the same call on plain tensors, two in
+flight, ran clean for 2 x 60 s). Since 0.4.2 gloo moves no bucket by a
+collective at all ([Note: point to point]); ``scripts/stress.py`` ran
+every mode of it clean (see the changelog).
 
 [Note: values arriving]
 A summon's own bookkeeping (new ``nn.Parameter`` objects in every slot,
@@ -112,28 +130,24 @@ it), waits first.
 
 [Note: staged, then launched]
 A bucket starts in two steps. Staging does the CPU's part: the padded input
-copied in and cast, the output or full tensors allocated, a receiver's own
-rows copied. Launching posts the collective. The summon does both at once
-(``_start_bucket``). Point-to-point buckets are always posted while they
-are staged, a receiver posting its receives before it copies its own rows,
-so that copy overlaps the transfer (copying first made the per-unit loop
-1.12x slower at 12 x 768). The stream stages batch ``k + 1`` *before* it
-waits for batch ``k`` and launches its collectives as soon as ``k`` is in:
-the copies and casts run while batch ``k`` is on the wire, yet the process
-group never holds more than one batch's collectives. Point-to-point
-messages are outside the group's collective order and match by tag, in
-order, so posting them at staging is safe and keeps the wire busy across
-the batch boundary. 2 gloo ranks,
-interleaved, stream / per-unit summon loop: at 12 x 256 bf16 0.55 -> 0.46,
-fp32 0.88 -> 0.70; at 12 x 768 bf16 0.76 -> 0.67, fp32 1.04 -> 0.98 by
-staging, then bf16 0.64 -> 0.59 and fp32 0.87 -> 0.75 by posting
-point-to-point messages at staging. Launching every collective of batch
-``k + 1`` before waiting for ``k`` (two batches' collectives in flight) was
-faster still, but in 2 of 6 stress runs of 40-80 s a rank died of heap
-corruption, both with ``rank0_only=False``, while the coalesced all-gather
-was in use (see [Note: no coalesced all-gather]); it is not done. Staging
-alone, and point-to-point posted at staging, ran clean through 4 and 3
-such runs of 80 s.
+copied in and cast, the output or full tensors allocated. Launching posts
+the collective. The summon does both at once (``_start_bucket``). On gloo
+every bucket moves point to point and its messages are posted while it is
+staged ([Note: point to point]), a receiver posting its receives before it
+copies its own rows, so that copy overlaps the transfer (copying first
+made the per-unit loop 1.12x slower at 12 x 768). The stream stages batch
+``k + 1`` *before* it waits for batch ``k``: the copies and casts run while
+batch ``k`` is on the wire, and on gloo batch ``k + 1``'s messages are then
+moving while ``k`` is copied out and consumed. A collective (NCCL) is
+launched only once batch ``k`` is in, so the process group never holds more
+than one batch's collectives: launching them earlier was faster on gloo
+but a rank died of heap corruption in 2 of 6 stress runs, while the
+coalesced all-gather was in use (see [Note: no coalesced all-gather]), and
+nobody has run that on NCCL. 2 gloo ranks, interleaved, stream / per-unit
+summon loop, while buckets still moved by collectives: at 12 x 256 bf16
+0.55 -> 0.46, fp32 0.88 -> 0.70; at 12 x 768 bf16 0.76 -> 0.67, fp32 1.04
+-> 0.98 by staging, then bf16 0.64 -> 0.59 and fp32 0.87 -> 0.75 by
+posting point-to-point messages at staging.
 
 [Note: cast before gather]
 With ``cast_to`` (``iter_full_params(dtype=...)``), each floating local shard
@@ -379,16 +393,16 @@ def _comm_device(dtensor: DTensor) -> torch.device:
 #: Who receives full tensors. ``"all"``: every rank (all-gather). ``"group_rank0"``:
 #: rank 0 of each process group gathered over (FSDP1's ``rank0_only``: each
 #: shard group's). ``"global_rank0"``: global rank 0 alone; buckets over groups
-#: without it are skipped. See [Note: one receiver].
+#: without it are skipped. See [Note: point to point].
 Receiver = Literal["all", "group_rank0", "global_rank0"]
 
 
-def gathers_to_one(group: dist.ProcessGroup) -> bool:
-    """Whether one receiver is served by moving data to it alone rather than by ``all_gather`` on ``group``.
+def moves_point_to_point(group: dist.ProcessGroup) -> bool:
+    """Whether buckets on ``group`` move by point-to-point messages rather than by a collective.
 
-    gloo: measured, a ``gather`` or point-to-point sends to one rank in about
-    half the time of ``all_gather`` (see [Note: one receiver]). Elsewhere
-    (NCCL) the all-gather stays, as FSDP1 does: nobody has measured there yet.
+    gloo: measured faster for every receiver, one or all (see [Note: point
+    to point]). Elsewhere (NCCL) the all-gather stays, as FSDP1 and FSDP2
+    do: nobody has measured there yet.
     """
     return dist.get_backend(group) == "gloo"
 
@@ -435,8 +449,9 @@ def _stage_bucket(
 ) -> _InFlight:
     """Copy in this rank's padded shards; the bucket's collective is left for ``launched()``.
 
-    Point-to-point buckets are the exception: their messages are posted here
-    (see [Note: staged, then launched]).
+    On gloo there is no collective: the bucket moves point to point, and its
+    messages are posted here (see [Note: point to point] and [Note: staged,
+    then launched]).
 
     As FSDP2 does, the input is this rank's block of the output buffer, so the
     copy-in needs no buffer of its own and the all-gather runs in place. A
@@ -448,59 +463,67 @@ def _stage_bucket(
     split_sizes = [b.layout.padded_numel for b in bucket]
     dtype = gathered_dtype(first.dtensor, cast_to)
     comm_device = _comm_device(first.dtensor)
-    dst: int | None = None  # global rank of the one receiver, if a gather serves it
+    global_ranks = dist.get_process_group_ranks(group)  # by group rank
+    receivers = range(world_size)  # group ranks that receive full tensors
     if receiver != "all":
-        root = 0 if receiver == "global_rank0" else dist.get_global_rank(group, 0)
-        global_ranks = dist.get_process_group_ranks(group)
+        root = 0 if receiver == "global_rank0" else global_ranks[0]
         if root not in global_ranks:
             return _InFlight(bucket, None, split_sizes, None)  # nobody here receives: nothing to move
-        if world_size > 1 and gathers_to_one(group):
-            if sum(split_sizes) * dtype.itemsize >= _POINT_TO_POINT_BYTES * len(bucket):
-                return _start_to_one(bucket, split_sizes, dtype, comm_device, root, global_ranks)
-            dst = root
+        receivers = range(global_ranks.index(root), global_ranks.index(root) + 1)
     if world_size == 1:
         return _start_alone(bucket, split_sizes, dtype, comm_device)
+    if moves_point_to_point(group):
+        if sum(split_sizes) * dtype.itemsize >= _POINT_TO_POINT_BYTES * len(bucket):
+            return _post_direct(bucket, split_sizes, dtype, comm_device, receivers, global_ranks)
+        return _post_packed(bucket, split_sizes, dtype, comm_device, receivers, global_ranks)
     per_rank = sum(split_sizes)
-    receives = dst is None or dist.get_rank() == dst
-    scratch_input: torch.Tensor | None = None
-    output = None
-    if receives:  # a bucket of one hands its output out as the full tensor: never scratch
-        numel = world_size * per_rank
-        output = _scratch.take(numel, dtype, comm_device) if len(bucket) > 1 else torch.empty(
-            numel, dtype=dtype, device=comm_device)
-    local = first.dtensor._local_tensor
-    if (len(bucket) == 1 and local.numel() == per_rank and local.dtype == dtype and local.device == comm_device
+    numel = world_size * per_rank  # a bucket of one hands its output out as the full tensor: never scratch
+    output = _scratch.take(numel, dtype, comm_device) if len(bucket) > 1 else torch.empty(
+        numel, dtype=dtype, device=comm_device)
+    gather_input, _ = _copy_in(bucket, split_sizes, dtype, comm_device, output.narrow(0, rank * per_rank, per_rank))
+    launch = functools.partial(all_gather_single, output, gather_input, group=group, async_op=True)
+    return _InFlight(bucket, output, split_sizes, None, launch=launch)
+
+
+def _copy_in(
+    bucket: list[_Batched], split_sizes: list[int], dtype: torch.dtype, device: torch.device,
+    block: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This rank's padded shards, back to back: (the input, the scratch it lives in if any).
+
+    Packed into ``block`` (this rank's block of the output), or into scratch
+    where this rank receives nothing. A bucket of one whose shard needs no
+    padding, cast or move is its own input (see [Note: a bucket of one]).
+    """
+    per_rank = sum(split_sizes)
+    local = bucket[0].dtensor._local_tensor
+    if (len(bucket) == 1 and local.numel() == per_rank and local.dtype == dtype and local.device == device
             and local.is_contiguous()):
-        gather_input = local.view(-1)
-    else:
-        if output is not None:
-            gather_input = output.narrow(0, rank * per_rank, per_rank)
-        else:  # a gather's sender: scratch, given back once the gather is done
-            gather_input = scratch_input = _scratch.take(per_rank, dtype, comm_device)
-        destinations: list[torch.Tensor] = []
-        sources: list[torch.Tensor] = []
-        offset = 0
-        for b, padded in zip(bucket, split_sizes):
-            local = b.dtensor._local_tensor.reshape(-1)
-            destinations.append(gather_input.narrow(0, offset, local.numel()))
-            sources.append(local)
-            if padded > local.numel():  # zeros: padding is never exposed, but stays deterministic
-                gather_input.narrow(0, offset + local.numel(), padded - local.numel()).zero_()
-            offset += padded
-        torch._foreach_copy_(destinations, sources, non_blocking=True)  # casts and moves in the same pass
-    launch: Callable[[], _Waitable]
-    if dst is None:
-        launch = functools.partial(all_gather_single, output, gather_input, group=group, async_op=True)
-    else:
-        blocks = list(output.view(world_size, per_rank).unbind(0)) if output is not None else None
-        launch = functools.partial(dist.gather, gather_input, blocks, dst=dst, group=group, async_op=True)
-    return _InFlight(bucket, output, split_sizes, None, scratch_input, launch=launch)
+        return local.view(-1), None
+    scratch_input = None
+    if block is None:  # a sender only: scratch, given back once its messages are out
+        block = scratch_input = _scratch.take(per_rank, dtype, device)
+    destinations: list[torch.Tensor] = []
+    sources: list[torch.Tensor] = []
+    offset = 0
+    for b, padded in zip(bucket, split_sizes):
+        local = b.dtensor._local_tensor.reshape(-1)
+        destinations.append(block.narrow(0, offset, local.numel()))
+        sources.append(local)
+        if padded > local.numel():  # zeros: padding is never exposed, but stays deterministic
+            block.narrow(0, offset + local.numel(), padded - local.numel()).zero_()
+        offset += padded
+    torch._foreach_copy_(destinations, sources, non_blocking=True)  # casts and moves in the same pass
+    return block, scratch_input
 
 
-#: Point-to-point serves one receiver when a bucket's messages carry at least
-#: this many bytes each on average; below it, one ``gather`` of the packed
-#: bucket. See [Note: one receiver].
+#: Each message of a bucket that carries at least this many bytes on average
+#: goes straight between shard and full tensor; below it, the bucket is packed.
+#: See [Note: point to point].
 _POINT_TO_POINT_BYTES = 1 << 20
+#: The tag of a packed bucket's messages; a direct bucket tags each tensor's
+#: by its place in the bucket, from 1.
+_PACKED_TAG = 0
 
 
 class _AllOf:
@@ -515,36 +538,73 @@ class _AllOf:
         return True
 
 
-def _start_to_one(
+def _post_packed(
     bucket: list[_Batched],
     split_sizes: list[int],
     dtype: torch.dtype,
     device: torch.device,
-    root: int,
+    receivers: range,
     global_ranks: list[int],
 ) -> _InFlight:
-    """Send every shard straight into the one receiver's full tensors. See [Note: one receiver].
+    """Move the packed bucket point to point: one message per (sender, receiver). See [Note: point to point].
 
-    Staged and launched at once, also when the caller stages: the messages
-    are outside the group's collective order (see [Note: staged, then launched]).
+    A receiver posts its receives straight into the senders' blocks of its
+    output, then packs its own block; every rank then sends its block, as it
+    is, to every other receiver. The output is then copied out as an
+    all-gather's would be.
+    """
+    first = bucket[0].layout
+    group, world_size, rank = first.group, first.world_size, first.rank
+    per_rank = sum(split_sizes)
+    works: list[dist.Work] = []
+    output = block = None
+    if rank in receivers:  # a bucket of one hands its output out as the full tensor: never scratch
+        numel = world_size * per_rank
+        output = _scratch.take(numel, dtype, device) if len(bucket) > 1 else torch.empty(
+            numel, dtype=dtype, device=device)
+        for source in range(world_size):
+            if source != rank:
+                piece = output.narrow(0, source * per_rank, per_rank)
+                works.append(cast(dist.Work, dist.irecv(piece, src=global_ranks[source], group=group, tag=_PACKED_TAG)))
+        block = output.narrow(0, rank * per_rank, per_rank)
+    packed, scratch_input = _copy_in(bucket, split_sizes, dtype, device, block)
+    for peer in receivers:
+        if peer != rank:
+            works.append(cast(dist.Work, dist.isend(packed, dst=global_ranks[peer], group=group, tag=_PACKED_TAG)))
+    if block is not None and packed is not block:  # a bucket of one sent as it is: its own rows still land here
+        block.copy_(packed)
+    return _InFlight(bucket, output, split_sizes, _AllOf(works), scratch_input)
 
-    ``global_ranks`` are the group's, by group rank. The receiver (global
-    rank ``root``) allocates each padded full tensor, copies its own shard
-    into its rows and posts one receive per (tensor, sender) straight into
-    the sender's rows; each sender sends each shard as it is (or cast,
-    staged in scratch). Rows a rank does not hold (an empty
-    trailing shard) travel on neither side. Both sides derive every message
-    from global metadata, so they agree; a tensor's tag is its place in the
+
+def _post_direct(
+    bucket: list[_Batched],
+    split_sizes: list[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    receivers: range,
+    global_ranks: list[int],
+) -> _InFlight:
+    """Send every shard straight into the receivers' full tensors. See [Note: point to point].
+
+    ``global_ranks`` are the group's, by group rank; ``receivers`` group
+    ranks. A receiver allocates each padded full tensor and posts one
+    receive per (tensor, sender) straight into that sender's rows; every
+    rank sends each shard, as it is (or cast, staged in scratch), to every
+    other receiver; a receiver then copies its own shards into its rows,
+    while the messages move. Rows a rank does not hold (an empty trailing
+    shard) travel on neither side. Both sides derive every message from
+    global metadata, so they agree; a tensor's tag is its place in the
     bucket, and messages with one tag between two ranks match in order.
     """
     first = bucket[0].layout
     group, world_size, rank = first.group, first.world_size, first.rank
     works: list[dist.Work] = []
-    if global_ranks[rank] == root:
+    padded_fulls: list[torch.Tensor] | None = None
+    own_destinations: list[torch.Tensor] = []
+    own_sources: list[torch.Tensor] = []
+    if rank in receivers:
         padded_fulls = [torch.empty(world_size * padded, dtype=dtype, device=device) for padded in split_sizes]
-        own_destinations: list[torch.Tensor] = []
-        own_sources: list[torch.Tensor] = []
-        for tag, (b, full) in enumerate(zip(bucket, padded_fulls)):
+        for tag, (b, full) in enumerate(zip(bucket, padded_fulls), start=1):
             layout, rows = b.layout, b.dtensor.shape[0]
             for source in range(world_size):
                 held = rows_held(rows, layout.chunk_rows, source)
@@ -554,29 +614,29 @@ def _start_to_one(
                 if source == rank:
                     own_destinations.append(piece)
                     own_sources.append(b.dtensor._local_tensor.reshape(-1))
-                else:  # posted before the own-rows copy below, which then overlaps them
+                else:
                     works.append(cast(dist.Work, dist.irecv(piece, src=global_ranks[source], group=group, tag=tag)))
-        if own_destinations:
-            torch._foreach_copy_(own_destinations, own_sources, non_blocking=True)  # casts and moves too
-        return _InFlight(bucket, None, split_sizes, _AllOf(works), padded_fulls=padded_fulls)
-    locals_ = [b.dtensor._local_tensor for b in bucket]
-    staged = [i for i, t in enumerate(locals_) if t.numel() and not (
-        t.dtype == dtype and t.device == device and t.is_contiguous())]
+    peers = [global_ranks[peer] for peer in receivers if peer != rank]
     scratch_input = None
-    pieces = [t.reshape(-1) for t in locals_]
-    if staged:  # cast (or moved), in one pass, into scratch given back once the sends are done
-        scratch_input = _scratch.take(sum(pieces[i].numel() for i in staged), dtype, device)
-        offsets = [0]
-        for i in staged:
-            offsets.append(offsets[-1] + pieces[i].numel())
-        destinations = [scratch_input.narrow(0, offsets[k], pieces[i].numel()) for k, i in enumerate(staged)]
-        torch._foreach_copy_(destinations, [pieces[i] for i in staged], non_blocking=True)
-        for k, i in enumerate(staged):
-            pieces[i] = destinations[k]
-    for tag, piece in enumerate(pieces):
-        if piece.numel():
-            works.append(cast(dist.Work, dist.isend(piece, dst=root, group=group, tag=tag)))
-    return _InFlight(bucket, None, split_sizes, _AllOf(works), scratch_input)
+    if peers:
+        pieces = [b.dtensor._local_tensor.reshape(-1) for b in bucket]
+        staged = [i for i, t in enumerate(pieces) if t.numel() and not (t.dtype == dtype and t.device == device)]
+        if staged:  # cast (or moved), in one pass, into scratch given back once the sends are done
+            scratch_input = _scratch.take(sum(pieces[i].numel() for i in staged), dtype, device)
+            offsets = [0]
+            for i in staged:
+                offsets.append(offsets[-1] + pieces[i].numel())
+            destinations = [scratch_input.narrow(0, offsets[k], pieces[i].numel()) for k, i in enumerate(staged)]
+            torch._foreach_copy_(destinations, [pieces[i] for i in staged], non_blocking=True)
+            for k, i in enumerate(staged):
+                pieces[i] = destinations[k]
+        for tag, piece in enumerate(pieces, start=1):
+            if piece.numel():
+                for peer in peers:
+                    works.append(cast(dist.Work, dist.isend(piece, dst=peer, group=group, tag=tag)))
+    if own_destinations:  # after the messages are posted, so it overlaps them
+        torch._foreach_copy_(own_destinations, own_sources, non_blocking=True)  # casts and moves too
+    return _InFlight(bucket, None, split_sizes, _AllOf(works), scratch_input, padded_fulls=padded_fulls)
 
 
 def _start_alone(

@@ -158,7 +158,7 @@ class _InFlightBatch:
         return fulls
 
     def abandon(self) -> None:
-        """Wait for the launched all-gathers and drop them (the caller stopped early)."""
+        """Wait for the launched gathers and drop them (the caller stopped early)."""
         if self._pending is not None:
             self._pending.abandon()
             self._pending = None
@@ -190,7 +190,7 @@ def stream_full_params(
     bucket_bytes = bucket_bytes_from_env(bucket_mb, STREAM_BUCKET_MB)
     batches = plan_batches(model, bucket_bytes, dtype)
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
-    receiver: Receiver = "global_rank0" if rank0_only else "all"  # see [Note: one receiver] in _gather
+    receiver: Receiver = "global_rank0" if rank0_only else "all"  # see [Note: point to point] in _gather
     started = time.perf_counter()
     in_flight = [_InFlightBatch(batches[0], dtype, bucket_bytes, receiver)] if batches else []
     sent_bytes = 0

@@ -17,7 +17,7 @@ from fsdp_shim import _versions
 
 EPILOG = """exit status: 0 success; 1 a scenario or run failed; 2 bad usage, or the
 ranks could not be started. Environment: FSDP_SHIM_DISABLE=1 turns the shim
-off; FSDP_SHIM_BUCKET_MB sets the all-gather bucket size; logging: the
+off; FSDP_SHIM_BUCKET_MB sets the gather bucket size; logging: the
 "fsdp_shim" logger (FSDP_SHIM_LOG=debug shows each summon's route, size and time)."""
 
 

@@ -16,7 +16,7 @@ from fsdp_shim._models import LMConfig, TinyLM, build_lm, shard_lm, tokens_for
 
 __all__ = [
     "LMConfig", "TinyLM", "build_lm", "shard_lm", "tokens_for",
-    "assert_params_equal", "full_state", "mesh1d", "patched", "point_to_point_always", "snapshot",
+    "assert_params_equal", "full_state", "mesh1d", "patched", "direct_always", "snapshot",
     "assert_unchanged", "rank",
 ]
 
@@ -30,8 +30,8 @@ def mesh1d():
 
 
 @contextlib.contextmanager
-def point_to_point_always() -> Iterator[None]:
-    """Every one-receiver bucket point-to-point (test models are too small to choose it by size)."""
+def direct_always() -> Iterator[None]:
+    """Every gloo bucket sent direct, shard to full tensor (test models are too small to choose it by size)."""
     from fsdp_shim import _gather
 
     saved = _gather._POINT_TO_POINT_BYTES

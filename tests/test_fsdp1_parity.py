@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import DTensor
 
-from _helpers import LMConfig, build_lm, patched, rank, shard_lm, tokens_for
+from _helpers import LMConfig, build_lm, direct_always, patched, rank, shard_lm, tokens_for
 from fsdp_shim._models import Block
 
 CASES = [
@@ -56,8 +58,10 @@ def rank_same_view_as_fsdp1():
         fsdp1, fsdp2 = _fsdp1(), shard_lm(build_lm())
         for model in (fsdp1, fsdp2):
             model(tokens).sum().backward()
-        for kwargs in CASES:
-            one, two = _seen(fsdp1, kwargs), _seen(fsdp2, kwargs)
+        for kwargs, direct in [(kwargs, direct) for direct in (False, True) for kwargs in CASES]:
+            one = _seen(fsdp1, kwargs)
+            with direct_always() if direct else contextlib.nullcontext():  # [Note: point to point]'s two forms
+                two = _seen(fsdp2, kwargs)
             full_one = {k for k, v in one.items() if v[0] is not None}
             full_two = {k for k, v in two.items() if v[0] is not None}
             assert full_one == full_two, (kwargs, full_one ^ full_two)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from _helpers import mesh1d, point_to_point_always
+from _helpers import mesh1d, direct_always
 from fsdp_shim._compat import STRIDED_SHARD_FULL_TENSOR_BROKEN
 from fsdp_shim._gather import (
     BUCKET_ENV, DEFAULT_BUCKET_MB, bucket_bytes_from_env, dim0_layout, gather_full_tensors, plan_buckets,
@@ -68,6 +68,10 @@ def rank_bucket_boundaries():
     # uneven and empty shards (dim 0 smaller than the world size)
     uneven = [((1, 3), torch.float32, s0), ((world + 1,), torch.float32, s0), ((97, 5), torch.float32, s0)]
     assert _check_roundtrip(uneven, 1 << 20) == ([[0, 1, 2]], [])
+    with direct_always():  # [Note: point to point]: every shard straight into every rank's full tensors
+        assert _check_roundtrip(uneven, 1 << 20) == ([[0, 1, 2]], [])
+        assert _check_roundtrip(mixed, 1 << 20) == ([[0, 3], [1], [2]], [])
+        assert _check_roundtrip(big, cap) == ([[0, 2], [1], [3]], [])
 
 
 def rank_fallback_placements_are_bit_identical():
@@ -131,6 +135,8 @@ def rank_non_contiguous_shards_and_broken_layouts():
     assert dim0_layout(dtensor) is not None
     got, layouts = gather_full_tensors([dtensor])
     assert torch.equal(got[0], full)
+    with direct_always():
+        assert torch.equal(gather_full_tensors([dtensor]).tensors[0], full)
     write_back_local(dtensor, got[0] * 2, layouts[0])
     assert torch.equal(dtensor._local_tensor, full[4 * me: 4 * me + 4] * 2)
     # a Shard(0) DTensor whose shards are not torch.chunk slices: refused on every rank
@@ -177,27 +183,27 @@ def test_bucket_size_from_keyword_env_and_default(monkeypatch):
 
 
 def rank_receivers_deliver_to_exactly_the_ranks_named():
-    """[Note: one receiver]: group rank 0 of each shard group, or global rank 0 alone (others skip)."""
+    """[Note: point to point]: group rank 0 of each shard group, or global rank 0 alone (others skip)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp_shim._gather import gathers_to_one, start_gather
+    from fsdp_shim._gather import moves_point_to_point, start_gather
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
     fulls = [torch.randn(shape) for shape in ((5, 3), (4,), (64, 8), (1, 2))]  # uneven, tiny, solo-sized
     dtensors = [distribute_tensor(f.clone(), mesh, [Replicate(), Shard(0)]) for f in fulls]
     shard_rank = mesh.get_local_rank("shard")
-    assert gathers_to_one(mesh.get_group("shard"))  # gloo: a gather serves one receiver
+    assert moves_point_to_point(mesh.get_group("shard"))  # gloo
     for receiver, keeps in (("all", True), ("group_rank0", shard_rank == 0), ("global_rank0", dist.get_rank() == 0)):
-        with point_to_point_always():  # every one-receiver bucket point-to-point, straight into the full tensors
+        with direct_always():  # every one-receiver bucket point-to-point, straight into the full tensors
             got, _ = gather_full_tensors(dtensors, keep=keeps, receiver=receiver, bucket_bytes=300)
             for full, out in zip(fulls, got):
                 assert (out is not None) == keeps, receiver
                 assert out is None or torch.equal(out, full), receiver
             flights = list(start_gather(dtensors, receiver=receiver, bucket_bytes=300)._flights)
-            if receiver != "all":  # the receiver's full tensors are the messages' destinations
-                assert all(f.padded_fulls is not None for f in flights if f.receives)
-                assert all(f.output is None for f in flights)
+            # every receiver's full tensors are the messages' destinations, "all" included
+            assert all(f.padded_fulls is not None for f in flights if f.receives)
+            assert all(f.output is None for f in flights)
             for flight in flights:
                 if flight.work is not None:
                     flight.work.wait()
@@ -209,12 +215,13 @@ def rank_receivers_deliver_to_exactly_the_ranks_named():
         flights = list(pending._flights)
         received = [flight.receives for flight in flights]
         moved = [flight.work is not None for flight in flights]
+        # [Note: point to point]: small tensors travel packed, each sender's block into one output, copied out
+        assert any(len(flight.bucket) > 1 for flight in flights)
+        assert all(flight.padded_fulls is None and isinstance(flight.work, (_AllOf, type(None))) for flight in flights)
         if receiver == "all":
             assert all(received) and all(moved)
-            # [Note: no coalesced all-gather]: every all-gather bucket lands in one output, copied out
-            assert any(len(flight.bucket) > 1 for flight in flights)
-            assert all(flight.output is not None and flight.padded_fulls is None for flight in flights)
-        elif receiver == "group_rank0":  # a gather: only each shard group's rank 0 allocates an output
+            assert all(flight.output is not None for flight in flights)
+        elif receiver == "group_rank0":  # only each shard group's rank 0 allocates an output
             assert all(r == (shard_rank == 0) for r in received) and all(moved)
         else:  # ranks 2 and 3 (the other replica) move nothing at all
             assert all(r == (dist.get_rank() == 0) for r in received)
@@ -239,7 +246,7 @@ def rank_staged_buckets_launch_later_and_in_order():
     fulls, dtensors = _tensors(specs)
     for receiver in ("all", "global_rank0"):
         for forced in (False, True):
-            with point_to_point_always() if forced else contextlib.nullcontext():
+            with direct_always() if forced else contextlib.nullcontext():
                 first = start_gather(dtensors[:2], cast_to=torch.bfloat16, bucket_bytes=64, receiver=receiver)
                 staged = start_gather(dtensors[1:], bucket_bytes=1 << 20, receiver=receiver, launch=False)
                 # staged: no collective posted yet; point-to-point messages go at once

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from _helpers import (
-    LMConfig, assert_unchanged, build_lm, point_to_point_always, rank, shard_lm, snapshot, tokens_for,
+    LMConfig, assert_unchanged, build_lm, direct_always, rank, shard_lm, snapshot, tokens_for,
 )
 import fsdp_shim
 from fsdp_shim import _gather
@@ -61,10 +61,12 @@ def rank_stream_names_values_and_ties():
     _check_stream(model, ref, dtype=torch.bfloat16, rank0_only=False)  # == full.to(bf16)
     _check_stream(model, ref, bucket_mb=0.01)  # many small buckets: same answer
     _check_stream(model, ref, device="cpu")
-    with point_to_point_always():  # [Note: one receiver]: shards sent straight into rank 0's full tensors
+    with direct_always():  # [Note: point to point]: shards sent straight into the receivers' full tensors
         _check_stream(model, ref)
         _check_stream(model, ref, dtype=torch.bfloat16)
         _check_stream(model, ref, bucket_mb=0.01)
+        _check_stream(model, ref, rank0_only=False)
+        _check_stream(model, ref, dtype=torch.bfloat16, rank0_only=False)
     assert_unchanged(model, before)
     model.double()  # FSDP2 swaps parameters (swap_tensors): the stream must leave no weakref on them
     _check_stream(model, ref.double(), rank0_only=False)
@@ -88,8 +90,9 @@ def rank_stream_on_hsdp():
     before = snapshot(model)
     _check_stream(model, ref)  # only global rank 0 receives
     _check_stream(model, ref, rank0_only=False, dtype=torch.bfloat16)
-    with point_to_point_always():
+    with direct_always():
         _check_stream(model, ref, dtype=torch.bfloat16)
+        _check_stream(model, ref, rank0_only=False)
     assert_unchanged(model, before)
 
 
@@ -140,25 +143,25 @@ def test_stream_reads_fp32_masters_of_units_left_unsharded(dist_run):
 def rank_cast_before_gather_moves_half_the_bytes():
     model = shard_lm(build_lm())
     moved: list[tuple[torch.dtype, int]] = []
-    original = _gather.all_gather_single
+    original = dist.isend  # gloo: every bucket moves point to point ([Note: point to point])
 
-    def recording(output, gather_input, **kwargs):
-        moved.append((output.dtype, output.numel() * output.element_size()))
-        return original(output, gather_input, **kwargs)
+    def recording(tensor, *args, **kwargs):
+        moved.append((tensor.dtype, tensor.numel() * tensor.element_size()))
+        return original(tensor, *args, **kwargs)
 
-    _gather.all_gather_single = recording
+    dist.isend = recording
     try:
         by_dtype = {}
         for dtype in (None, torch.bfloat16):
             moved.clear()
-            for _ in fsdp_shim.iter_full_params(model, dtype=dtype, rank0_only=False):  # every rank all-gathers
+            for _ in fsdp_shim.iter_full_params(model, dtype=dtype, rank0_only=False):  # every rank receives
                 pass
             by_dtype[dtype] = list(moved)
     finally:
-        _gather.all_gather_single = original
+        dist.isend = original
     assert {d for d, _ in by_dtype[None]} == {torch.float32}
     assert {d for d, _ in by_dtype[torch.bfloat16]} == {torch.bfloat16}
-    assert sum(n for _, n in by_dtype[torch.bfloat16]) * 2 == sum(n for _, n in by_dtype[None])
+    assert sum(n for _, n in by_dtype[torch.bfloat16]) * 2 == sum(n for _, n in by_dtype[None]) > 0
 
 
 def test_cast_before_gather_moves_half_the_bytes(dist_run):
