@@ -14,7 +14,7 @@ from _helpers import mesh1d, direct_always
 from fsdp_shim._compat import STRIDED_SHARD_FULL_TENSOR_BROKEN
 from fsdp_shim._gather import (
     BUCKET_ENV, DEFAULT_BUCKET_MB, bucket_bytes_from_env, dim0_layout, gather_full_tensors, plan_buckets,
-    _AllOf, start_gather, write_back_local,
+    _AllOf, _CopiedOut, start_full_tensors, start_gather, write_back_local,
 )
 
 
@@ -68,6 +68,13 @@ def rank_bucket_boundaries():
     # uneven and empty shards (dim 0 smaller than the world size)
     uneven = [((1, 3), torch.float32, s0), ((world + 1,), torch.float32, s0), ((97, 5), torch.float32, s0)]
     assert _check_roundtrip(uneven, 1 << 20) == ([[0, 1, 2]], [])
+    # on gloo a tensor with at least 1 MiB of shard a rank travels alone, sent direct, under any cap
+    alone = [((4,), torch.float32, s0), ((world * 256, 1024), torch.float32, s0), ((4,), torch.float32, s0)]
+    assert _check_roundtrip(alone, 64 << 20) == ([[0, 2], [1]], [])
+    flights = start_gather(_tensors(alone)[1], bucket_bytes=64 << 20)._flights
+    assert [f.padded_fulls is not None for f in flights] == [False, True]
+    for flight in flights:
+        flight.work.wait()
     with direct_always():  # [Note: point to point]: every shard straight into every rank's full tensors
         assert _check_roundtrip(uneven, 1 << 20) == ([[0, 1, 2]], [])
         assert _check_roundtrip(mixed, 1 << 20) == ([[0, 3], [1], [2]], [])
@@ -265,6 +272,10 @@ def rank_staged_buckets_launch_later_and_in_order():
                     assert torch.equal(got, full)
             else:
                 assert got_first == [None, None] and got_staged == [None, None]
+    again = start_gather(dtensors, receiver="all")
+    for flight in again._flights:  # a gloo message's work waited for twice would block forever
+        assert flight.work is not None and flight.work.wait() and flight.work.wait()
+    assert all(torch.equal(g, f) for g, f in zip(again.finish(keep=True), fulls))
     dropped = start_gather(dtensors, receiver="all", launch=False)
     dropped.abandon()  # never launched on any rank: nothing to wait for, and nothing left behind
     assert [torch.equal(g, f) for g, f in zip(gather_full_tensors(dtensors).tensors, fulls)] == [True] * 3
@@ -273,3 +284,27 @@ def rank_staged_buckets_launch_later_and_in_order():
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_staged_buckets_launch_later_and_in_order(dist_run, world_size):
     dist_run(world_size, rank_staged_buckets_launch_later_and_in_order)
+
+
+# --------------------------------------------------------------------------- values arriving
+def rank_last_bucket_handed_out_before_its_values():
+    """[Note: values arriving]: the last bucket's full tensors exist at once; ``Arrival.wait()`` fills them."""
+    specs = [((37, 5), torch.float32, [Shard(0)]), ((9,), torch.float32, [Shard(0)]), ((6, 2), torch.float32, [Shard(0)])]
+    fulls, dtensors = _tensors(specs)
+    for direct, receiver in ((False, "all"), (True, "all"), (False, "group_rank0"), (True, "group_rank0")):
+        keep = receiver == "all" or dist.get_rank() == 0
+        with direct_always() if direct else contextlib.nullcontext():
+            (got, _), arrival = start_full_tensors(dtensors, keep=keep, receiver=receiver)
+        pending = arrival._work
+        if keep:  # packed: empty until the copy-out, which waits; direct: the messages' own destinations
+            assert isinstance(pending, _AllOf if direct else _CopiedOut), (direct, receiver)
+            assert [g.shape for g in got] == [f.shape for f in fulls]
+        else:
+            assert got == [None] * 3 and pending is None
+        arrival.wait()
+        arrival.wait()  # idempotent
+        assert all(g is None or torch.equal(g, f) for g, f in zip(got, fulls))
+
+
+def test_last_bucket_handed_out_before_its_values(dist_run):
+    dist_run(3, rank_last_bucket_handed_out_before_its_values)
