@@ -48,6 +48,11 @@ Two forms, chosen per bucket by message size:
   sender) straight into that sender's rows; every rank sends each shard,
   as it is, to every other receiver. Nothing is copied but a receiver's
   own rows. At 12 x 768: 0.39x the all-gather's time (3 ranks: 0.62x).
+  ``plan_buckets`` gives a tensor with at least ``_ALONE_BYTES`` (1 MiB)
+  of shard a bucket of its own here, so a large tensor is always sent
+  direct, never packed with small ones and copied out again (the bf16
+  stream at 12 x 768: 0.47 -> 0.41 and 0.44 -> 0.38 of the per-unit
+  loop, interleaved, where the bf16 ``qkv`` weight had shared a bucket).
 * *Packed* otherwise: a message costs about 50 us, so a 12 x 256 block's
   dozen small tensors travel faster as one (direct, they took 1.4x the
   all-gather's time): each rank packs its padded shards as for an
@@ -61,9 +66,9 @@ interleaved) went from 1.16x (all-gather) to 0.98x for every rank, and
 from 0.70x (``gather``) to 0.51x with ``rank0_only``.
 
 Both sides derive every message from global metadata and post them in
-program order, so they agree: a packed bucket's messages carry tag 0, a
-direct bucket's tensor ``i`` tag ``i + 1``, and messages with one tag
-between two ranks match in order. They are outside the group's collective
+program order, so they agree: a packed bucket's messages carry one tag
+(``_PACKED_TAG``), a direct bucket's tensor ``i`` that tag ``+ 1 + i``, and
+messages with one tag between two ranks match in order. They are outside the group's collective
 order, so they are posted as soon as a bucket is staged (see [Note:
 staged, then launched]). On other backends the all-gather stays
 (``moves_point_to_point``), as in FSDP1 and FSDP2: nobody has measured
@@ -533,9 +538,10 @@ def _copy_in(
 #: goes straight between shard and full tensor; below it, the bucket is packed.
 #: See [Note: point to point].
 _POINT_TO_POINT_BYTES = 1 << 20
-#: The tag of a packed bucket's messages; a direct bucket tags each tensor's
-#: by its place in the bucket, from 1.
-_PACKED_TAG = 0
+#: The tag of a packed bucket's messages; a direct bucket tags tensor ``i``'s
+#: ``_PACKED_TAG + 1 + i``. Far from 0, the tag other code on the same group
+#: most likely uses, so a receive someone else left posted never takes ours.
+_PACKED_TAG = 0x46530000
 #: Where buckets move point to point, a tensor whose shard carries at least
 #: this many bytes gets a bucket of its own, and so is sent direct (``plan_buckets``).
 _ALONE_BYTES = 1 << 20
@@ -624,7 +630,7 @@ def _post_direct(
     own_sources: list[torch.Tensor] = []
     if rank in receivers:
         padded_fulls = [torch.empty(world_size * padded, dtype=dtype, device=device) for padded in split_sizes]
-        for tag, (b, full) in enumerate(zip(bucket, padded_fulls), start=1):
+        for tag, (b, full) in enumerate(zip(bucket, padded_fulls), start=_PACKED_TAG + 1):
             layout, rows = b.layout, b.dtensor.shape[0]
             for source in range(world_size):
                 held = rows_held(rows, layout.chunk_rows, source)
@@ -650,7 +656,7 @@ def _post_direct(
             torch._foreach_copy_(destinations, [pieces[i] for i in staged], non_blocking=True)
             for k, i in enumerate(staged):
                 pieces[i] = destinations[k]
-        for tag, piece in enumerate(pieces, start=1):
+        for tag, piece in enumerate(pieces, start=_PACKED_TAG + 1):
             if piece.numel():
                 for peer in peers:
                     works.append(cast(dist.Work, dist.isend(piece, dst=peer, group=group, tag=tag)))
