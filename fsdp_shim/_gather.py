@@ -67,10 +67,10 @@ from 0.70x (``gather``) to 0.51x with ``rank0_only``.
 
 Both sides derive every message from global metadata and post them in
 program order, so they agree: a packed bucket's messages carry one tag
-(``_PACKED_TAG``), a direct bucket's tensor ``i`` that tag ``+ 1 + i``, and
-messages with one tag between two ranks match in order. They are outside the group's collective
-order, so they are posted as soon as a bucket is staged (see [Note:
-staged, then launched]). On other backends the all-gather stays
+(``_PACKED_TAG``), a direct bucket's tensor ``i`` that tag ``+ 1 + i``,
+and messages with one tag between two ranks match in order. They are
+outside the group's collective order, so they are posted as soon as a
+bucket is staged (see [Note: staged, then launched]). On other backends the all-gather stays
 (``moves_point_to_point``), as in FSDP1 and FSDP2: nobody has measured
 there, and ``rank0_only``'s other ranks drop what they receive.
 ``global_rank0`` (``iter_full_params``) skips, on every rank of it, a
@@ -494,12 +494,17 @@ def _stage_bucket(
             return _post_direct(bucket, split_sizes, dtype, comm_device, receivers, global_ranks)
         return _post_packed(bucket, split_sizes, dtype, comm_device, receivers, global_ranks)
     per_rank = sum(split_sizes)
-    numel = world_size * per_rank  # a bucket of one hands its output out as the full tensor: never scratch
-    output = _scratch.take(numel, dtype, comm_device) if len(bucket) > 1 else torch.empty(
-        numel, dtype=dtype, device=comm_device)
+    output = _bucket_output(bucket, world_size * per_rank, dtype, comm_device)
     gather_input, _ = _copy_in(bucket, split_sizes, dtype, comm_device, output.narrow(0, rank * per_rank, per_rank))
     launch = functools.partial(all_gather_single, output, gather_input, group=group, async_op=True)
     return _InFlight(bucket, output, split_sizes, None, launch=launch)
+
+
+def _bucket_output(bucket: list[_Batched], numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A bucket's flat output: scratch, except that a bucket of one hands it out as its full tensor."""
+    if len(bucket) > 1:
+        return _scratch.take(numel, dtype, device)
+    return torch.empty(numel, dtype=dtype, device=device)
 
 
 def _copy_in(
@@ -584,10 +589,8 @@ def _post_packed(
     per_rank = sum(split_sizes)
     works: list[dist.Work] = []
     output = block = None
-    if rank in receivers:  # a bucket of one hands its output out as the full tensor: never scratch
-        numel = world_size * per_rank
-        output = _scratch.take(numel, dtype, device) if len(bucket) > 1 else torch.empty(
-            numel, dtype=dtype, device=device)
+    if rank in receivers:
+        output = _bucket_output(bucket, world_size * per_rank, dtype, device)
         for source in range(world_size):
             if source != rank:
                 piece = output.narrow(0, source * per_rank, per_rank)
@@ -812,9 +815,9 @@ def _arrives_in_place(flight: _InFlight, keep: bool, out_device: torch.device | 
 
 
 def _in_place_results(flight: _InFlight) -> list[torch.Tensor]:
-    """The full tensors of a flight that ``_arrives_in_place``: views of what the collective writes."""
+    """The full tensors of a flight that ``_arrives_in_place``: views of what the messages write."""
     buffers = flight.padded_fulls if flight.padded_fulls is not None else [flight.output]
-    return [buf[: b.dtensor.numel()].view(b.dtensor.shape) for buf, b in zip(buffers, flight.bucket)]  # type: ignore[index]
+    return _views(buffers, flight)  # type: ignore[arg-type]
 
 
 def _on(tensor: torch.Tensor, device: torch.device | None) -> torch.Tensor:
