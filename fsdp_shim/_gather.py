@@ -702,13 +702,18 @@ class _Scratch(threading.local):
 
 _scratch = _Scratch()
 
-@torch.no_grad()
-def _finish_bucket(flight: _InFlight, keep: bool, out_device: torch.device | None) -> list[torch.Tensor]:
-    """Wait for the bucket's collective or messages and copy each tensor out. See [Note: bucket layout]."""
+def _arrived(flight: _InFlight) -> None:
+    """Wait for ``flight``'s collective or messages; a sender's scratch input is then free again."""
     if flight.work is not None:
         flight.work.wait()
     if flight.scratch_input is not None:
         _scratch.give(flight.scratch_input)
+
+
+@torch.no_grad()
+def _finish_bucket(flight: _InFlight, keep: bool, out_device: torch.device | None) -> list[torch.Tensor]:
+    """Wait for the bucket's collective or messages and copy each tensor out. See [Note: bucket layout]."""
+    _arrived(flight)
     if flight.padded_fulls is not None:  # point to point, or a group of one: already in place
         return [_on(full, out_device) for full in _in_place_results(flight)] if keep else []
     if not keep:
@@ -770,10 +775,7 @@ class _CopiedOut:
     def wait(self) -> bool:
         flight, self._flight = self._flight, None
         if flight is not None:
-            if flight.work is not None:
-                flight.work.wait()
-            if flight.scratch_input is not None:
-                _scratch.give(flight.scratch_input)
+            _arrived(flight)
             assert flight.output is not None
             _copy_out(flight.output, flight, self._padded_fulls)
         return True

@@ -16,9 +16,11 @@ an inference engine) without a context and without swapping anything:
 * *One batch in flight, the next one staged.* Batch ``k + 1`` is staged
   (copied in and cast, see [Note: staged, then launched] in ``_gather``)
   before batch ``k`` is waited for, so the CPU's copies overlap batch ``k``'s
-  transfer; its collectives are launched, all of them, as soon as batch ``k``
-  is in and before it is handed out, so they transfer while the caller sends
-  batch ``k``. Batch ``k + 1`` is finished only when the caller asks for it.
+  transfer. On gloo its point-to-point messages are posted while it is
+  staged; a collective (NCCL) is launched, all of batch ``k + 1``'s, as
+  soon as batch ``k`` is in and before it is handed out. Either way batch
+  ``k + 1`` transfers while the caller sends batch ``k``, and is finished
+  only when the caller asks for it.
 * *Bounded memory.* At any time the generator holds two adjacent batches:
   batch ``k``'s full tensors (while they are copied out, also its bucket
   buffers, freed one bucket at a time) and batch ``k + 1``'s staged or

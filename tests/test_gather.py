@@ -202,7 +202,7 @@ def rank_receivers_deliver_to_exactly_the_ranks_named():
     shard_rank = mesh.get_local_rank("shard")
     assert moves_point_to_point(mesh.get_group("shard"))  # gloo
     for receiver, keeps in (("all", True), ("group_rank0", shard_rank == 0), ("global_rank0", dist.get_rank() == 0)):
-        with direct_always():  # every one-receiver bucket point-to-point, straight into the full tensors
+        with direct_always():  # every bucket sent direct, straight into the receivers' full tensors
             got, _ = gather_full_tensors(dtensors, keep=keeps, receiver=receiver, bucket_bytes=300)
             for full, out in zip(fulls, got):
                 assert (out is not None) == keeps, receiver
