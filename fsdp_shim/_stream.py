@@ -28,6 +28,9 @@ an inference engine) without a context and without swapping anything:
   most ``W - 1`` rows a tensor) and bucket buffers. A tensor
   handed out is dropped by the generator at the next step, so a caller that
   keeps no reference keeps memory at that bound whatever the model's size.
+* *Recycled buffers.* On the CPU batch ``k + 1`` takes batch ``k - 1``'s
+  buffers, those nobody holds any more, instead of fresh memory (see
+  [Note: recycled buffers] in ``_gather``).
 * *Cast before gather.* With ``dtype``, floating shards are cast as they are
   copied into the bucket (see [Note: cast before gather] in ``_gather``).
 * *What is read.* The sharded parameters FSDP2 and the optimizer hold (fp32
@@ -39,7 +42,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -49,7 +52,14 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
 from fsdp_shim import _fsdp2_internals as fsdp2
-from fsdp_shim._gather import PendingGather, Receiver, bucket_bytes_from_env, gathered_dtype, start_gather
+from fsdp_shim._gather import (
+    PendingGather,
+    Receiver,
+    RecycledBuffers,
+    bucket_bytes_from_env,
+    gathered_dtype,
+    start_gather,
+)
 from fsdp_shim._scope import fsdp_slot_owners, slot_key
 
 logger = logging.getLogger("fsdp_shim")
@@ -129,17 +139,21 @@ class _InFlightBatch:
     """One batch, its DTensors' buckets staged and (unless ``launch=False``) their collectives launched."""
 
     def __init__(
-        self, batch: _Batch, cast_to: torch.dtype | None, bucket_bytes: int, receiver: Receiver, launch: bool = True
+        self, batch: _Batch, cast_to: torch.dtype | None, bucket_bytes: int, receiver: Receiver, launch: bool = True,
+        recycled: Sequence[tuple[torch.Tensor, int]] = (),
     ):
         self.batch = batch
         self._cast_to = cast_to
+        #: Its full tensors' buffers, reusing ``recycled`` (see [Note: recycled buffers] in ``_gather``).
+        self.buffers = RecycledBuffers(recycled)
         self._distributed = [i for i, t in enumerate(batch.tensors) if isinstance(t, DTensor)]
         dtensors = [batch.tensors[i] for i in self._distributed]
         self._pending: PendingGather | None = (
             start_gather(dtensors, cast_to=cast_to, bucket_bytes=bucket_bytes, receiver=receiver,  # type: ignore[arg-type]
-                         launch=launch)
+                         launch=launch, buffers=self.buffers)
             if dtensors else None
         )
+        self.buffers.forget_earlier()
 
     def launch(self) -> None:
         """Launch the staged collectives (a collective: every rank, in batch order)."""
@@ -195,14 +209,19 @@ def stream_full_params(
     receiver: Receiver = "global_rank0" if rank0_only else "all"  # see [Note: point to point] in _gather
     started = time.perf_counter()
     in_flight = [_InFlightBatch(batches[0], dtype, bucket_bytes, receiver)] if batches else []
+    recyclable: list[tuple[torch.Tensor, int]] = []  # batch k - 1's buffers, handed out at the last step
     sent_bytes = 0
     try:
         for index, batch in enumerate(batches):
             following = None
             if index + 1 < len(batches):  # staged while batch k arrives, launched once it is in
-                following = _InFlightBatch(batches[index + 1], dtype, bucket_bytes, receiver, launch=False)
+                following = _InFlightBatch(batches[index + 1], dtype, bucket_bytes, receiver, launch=False,
+                                           recycled=recyclable)
                 in_flight.append(following)
-            fulls = in_flight.pop(0).finish(keep, device)
+            recyclable = []  # what batch k + 1 did not take is freed
+            arrived = in_flight.pop(0)
+            fulls = arrived.finish(keep, device)
+            recyclable = arrived.buffers.taken
             if following is not None:
                 following.launch()
             sent_bytes += batch.nbytes

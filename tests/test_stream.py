@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import pytest
@@ -185,7 +186,7 @@ def _live_tensor_bytes() -> int:
     return sum(storages.values())
 
 
-def rank_stream_memory_is_bounded_by_two_units(hsdp: bool):
+def rank_stream_memory_is_bounded_by_two_units(hsdp: bool, direct: bool):
     config = LMConfig(vocab=64, width=64, layers=8)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if hsdp else None
     model = shard_lm(build_lm(config), mesh)
@@ -199,19 +200,77 @@ def rank_stream_memory_is_bounded_by_two_units(hsdp: bool):
     base = _live_tensor_bytes()
     peak = 0
     count = 0
-    for name, full in fsdp_shim.iter_full_params(model, rank0_only=False, bucket_mb=bucket_mb):
-        count += 1
-        if name in firsts:
-            peak = max(peak, _live_tensor_bytes() - base)
-        del full
+    with direct_always() if direct else contextlib.nullcontext():  # direct: buffers recycled, kept between steps
+        for name, full in fsdp_shim.iter_full_params(model, rank0_only=False, bucket_mb=bucket_mb):
+            count += 1
+            if name in firsts:
+                peak = max(peak, _live_tensor_bytes() - base)
+            del full
     assert count == len(list(model.parameters()))
     assert model_bytes > 3 * largest_two  # the bound says something
     assert peak <= largest_two + 2 * bucket_mb * 2**20 + padding, (peak, largest_two, model_bytes)
 
 
-@pytest.mark.parametrize("world_size, hsdp", [(2, False), (3, False), (4, True)])
-def test_stream_memory_is_bounded_by_two_units(dist_run, world_size, hsdp):
-    dist_run(world_size, rank_stream_memory_is_bounded_by_two_units, hsdp)
+@pytest.mark.parametrize(
+    "world_size, hsdp, direct", [(2, False, False), (2, False, True), (3, False, False), (4, True, False)]
+)
+def test_stream_memory_is_bounded_by_two_units(dist_run, world_size, hsdp, direct):
+    dist_run(world_size, rank_stream_memory_is_bounded_by_two_units, hsdp, direct)
+
+
+# --------------------------------------------------------------------------- recycled buffers
+def test_recycled_buffer_is_reused_only_once_nothing_holds_it():
+    cpu = torch.device("cpu")
+    first = _gather.RecycledBuffers()
+    buffer = first.take(64, torch.float32, cpu)
+    view = buffer[:8].view(2, 4)  # what a caller keeps: a view of the buffer
+    assert _gather.RecycledBuffers(first.taken).take(64, torch.float32, cpu) is not buffer  # never written under it
+    work_like = [buffer.narrow(0, 8, 8)]  # a pending send holds a view just the same
+    del view
+    assert _gather.RecycledBuffers(first.taken).take(64, torch.float32, cpu) is not buffer
+    del work_like
+    again = _gather.RecycledBuffers(first.taken)
+    assert again.take(64, torch.float32, cpu) is buffer  # alone again: reused
+    assert again.take(64, torch.float32, cpu) is not buffer  # once
+    assert [b for b, _ in again.taken][0] is buffer  # and handed on to the batch after next
+    for size, dtype in ((32, torch.float32), (64, torch.bfloat16)):  # another size or dtype: the earlier ones go
+        other = _gather.RecycledBuffers(first.taken)
+        assert other.take(size, dtype, cpu) is not buffer
+        assert other.take(64, torch.float32, cpu) is not buffer  # freed before the fresh one was taken
+
+
+def rank_stream_recycles_only_buffers_nobody_holds():
+    config = LMConfig(width=32, layers=6)
+    ref, model = build_lm(config), shard_lm(build_lm(config))
+    reference = {name: p.detach() for name, p in ref.named_parameters()}
+    fresh: list[int] = []
+    original = _gather.FullBuffers.take
+
+    def counting(self, numel, dtype, device):
+        fresh.append(numel)
+        return original(self, numel, dtype, device)
+
+    _gather.FullBuffers.take = counting
+    try:
+        with direct_always():  # every full tensor allocated at staging: all of them recyclable
+            for name, full in fsdp_shim.iter_full_params(model, rank0_only=False, bucket_mb=0.001):
+                assert torch.equal(full, reference[name]), name
+                del full  # the contract: nothing kept past the step
+            dropped = len(fresh)
+            fresh.clear()
+            kept = list(fsdp_shim.iter_full_params(model, rank0_only=False, bucket_mb=0.001))
+            kept_fresh = len(fresh)
+    finally:
+        _gather.FullBuffers.take = original
+    for name, full in kept:  # a caller that keeps everything: no buffer was written twice
+        assert torch.equal(full, reference[name]), f"{name} was overwritten by a recycled buffer"
+    per_block = len(list(model.blocks[0].parameters()))
+    assert kept_fresh == len(kept)  # every one fresh: each was still held
+    assert dropped <= kept_fresh - 3 * per_block  # blocks 2 to 5 took only recycled buffers, at least three
+
+
+def test_stream_recycles_only_buffers_nobody_holds(dist_run):
+    dist_run(2, rank_stream_recycles_only_buffers_nobody_holds)
 
 
 # --------------------------------------------------------------------------- stopping early, misuse
