@@ -302,8 +302,10 @@ def iter_full_params(
     A tensor is valid until the next step of the iteration: the generator
     drops it then, and the next unit's gather is already in flight while
     you use the current one. Keep no references and the extra memory stays
-    near the two largest units plus padding, whatever the model's size;
-    clone a tensor you must keep. Treat tensors as read-only.
+    near the two largest units plus padding, whatever the model's size; on
+    the CPU the memory of tensors you dropped is reused for later units (a
+    tensor or view you still hold is never reused, so keeping one costs
+    memory, never its values). Treat tensors as read-only.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, holds FSDP1 units, or ``dtype`` is not floating.
