@@ -106,11 +106,14 @@ the documented contract) gets fresh memory and correct values, never a
 buffer written under it. What the batch did not take is freed once it is
 staged, or sooner, at the first request none of them has the size for
 (another unit's structure: they are gone before fresh memory is taken), so
-the stream's memory bound is unchanged. A packed bucket's
-full tensors, allocated at its copy-out, stay fresh. Accelerators' caching
-allocators reuse memory already; nothing is recycled there. 2 gloo ranks,
-12 x 768, interleaved, recycled / fresh: the bf16 stream 0.87, the fp32
-stream 0.79 (12 x 256: 0.87 and 0.95). The summon does not recycle: its
+the stream's memory bound is unchanged. A packed bucket's full tensors,
+allocated at its copy-out, stay fresh. Accelerators' caching allocators
+reuse memory already; nothing is recycled there. 2 gloo ranks, 12 x 768,
+interleaved, recycled / fresh: the fp32 stream 0.79, 0.77 and 0.80 in
+three runs; the bf16 stream 0.87 in one, but 1.02 and 1.04 in two after
+``_post_direct`` began sending each cast shard at once (why its gain went
+is not known; the bench's bf16 stream still went from 83-91 ms to 76-85).
+12 x 256, one run: fp32 0.95, bf16 0.87. The summon does not recycle: its
 full tensors are freed at exit, as FSDP1's are, and memory kept between
 calls would be memory a training step does not get back.
 
@@ -654,9 +657,9 @@ def _post_direct(
     ``global_ranks`` are the group's, by group rank; ``receivers`` group
     ranks. A receiver allocates each padded full tensor and posts one
     receive per (tensor, sender) straight into that sender's rows; every
-    rank sends each shard, as it is (or cast into scratch, each sent as soon
-    as it is cast), to every other receiver; a receiver then copies its own shards into its rows,
-    while the messages move. Rows a rank does not hold (an empty trailing
+    rank sends each shard, as it is (or cast into scratch, each sent as
+    soon as it is cast), to every other receiver; a receiver then copies its
+    own shards into its rows, while the messages move. Rows a rank does not hold (an empty trailing
     shard) travel on neither side. Both sides derive every message from
     global metadata, so they agree; a tensor's tag is its place in the
     bucket, and messages with one tag between two ranks match in order.
@@ -784,6 +787,7 @@ class RecycledBuffers(FullBuffers):
     def forget_earlier(self) -> None:
         """Free the earlier buffers no request took."""
         self._earlier = []
+
 
 def _arrived(flight: _InFlight) -> None:
     """Wait for ``flight``'s collective or messages; a sender's scratch input is then free again."""
