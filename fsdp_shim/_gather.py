@@ -659,10 +659,11 @@ def _post_direct(
     receive per (tensor, sender) straight into that sender's rows; every
     rank sends each shard, as it is (or cast into scratch, each sent as
     soon as it is cast), to every other receiver; a receiver then copies its
-    own shards into its rows, while the messages move. Rows a rank does not hold (an empty trailing
-    shard) travel on neither side. Both sides derive every message from
-    global metadata, so they agree; a tensor's tag is its place in the
-    bucket, and messages with one tag between two ranks match in order.
+    own shards into its rows, while the messages move. Rows a rank does not
+    hold (an empty trailing shard) travel on neither side. Both sides derive
+    every message from global metadata, so they agree; a tensor's tag is its
+    place in the bucket, and messages with one tag between two ranks match
+    in order.
     """
     first = bucket[0].layout
     group, world_size, rank = first.group, first.world_size, first.rank
