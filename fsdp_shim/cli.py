@@ -137,10 +137,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(f"fsdp-shim bench: {_environment_line(args.ranks, args.device)}")
     print(f"model: {cfg.layers} layers, width {cfg.width}, {_format_bytes(result['model_bytes']).strip()} fp32; "
           f"{cfg.reps} reps after {cfg.warmup} warm-up, contenders interleaved\n")
-    print(f"{'contender':<22}{'median ms':>11}{'IQR ms':>9}{'peak extra':>15}")
+    print(f"{'contender':<22}{'median ms':>11}{'IQR ms':>9}{'peak extra':>15}{'page faults':>13}")
     for name, ms in result["median_ms"].items():
-        iqr = result["iqr_ms"][name]
-        print(f"{name:<22}{ms:>11.1f}{iqr:>9.1f}{_format_bytes(result['peak_extra_bytes'][name]):>15}")
+        iqr, faults = result["iqr_ms"][name], result["median_minor_faults"][name]
+        print(f"{name:<22}{ms:>11.1f}{iqr:>9.1f}{_format_bytes(result['peak_extra_bytes'][name]):>15}{faults:>13.0f}")
     print(f"\n{'median of per-rep ratios':<36}value    IQR")
     for label, value in result["ratios"].items():
         print(f"{label:<36}{value:.3f}  {result['ratio_iqr'][label]:.3f}")

@@ -37,10 +37,32 @@ def test_bench_json_reports_every_contender_and_ratio():
     assert set(report["ratios"]) >= {"shim / unshard", "shim / fsdp1", "shim / full_tensor_loop",
                                      "writeback / no writeback", "per-unit loop: shim / unshard"}
     assert set(report["peak_extra_bytes"]) == set(report["median_ms"]) == set(report["iqr_ms"])
+    assert set(report["median_minor_faults"]) == set(report["median_ms"])
+    assert all(faults >= 0 for faults in report["median_minor_faults"].values())
     assert all(len(samples) == 2 for samples in report["samples_ms"].values())  # per repetition
     assert set(report["ratio_iqr"]) == set(report["ratios"]) and report["bucket_mb"] > 0
     assert {"torch", "wrapt", "fsdp_shim", "python"} <= set(report["versions"])
     assert "rep 2/2" in result.stderr  # progress line
+
+
+def test_bench_table_lists_every_contender_with_its_page_faults():
+    result = _run(sys.executable, "-m", "fsdp_shim", "bench", "--layers", "1", "--width", "32", "--reps", "1",
+                  "--warmup", "0", "--no-per-unit", "--no-between", "--no-stream", "--no-fsdp1")
+    assert result.returncode == 0, result.stderr
+    table = result.stdout.split("\ncontender ", 1)[1].split("\n\n", 1)[0]
+    header, *rows = table.splitlines()
+    assert header.split()[-2:] == ["page", "faults"]
+    assert [row.split()[0] for row in rows] == ["shim", "shim_writeback", "unshard", "full_tensor_loop"]
+    assert all(row.split()[-1].isdigit() for row in rows)
+
+
+def test_minor_faults_count_fresh_memory():
+    from fsdp_shim._bench import _minor_faults
+
+    before = _minor_faults()
+    fresh = bytearray(64 * 2**20)  # larger than glibc's largest mmap threshold: new pages, zeroed on first touch
+    assert _minor_faults() - before >= 64 * 2**20 // 4096 // 2
+    del fresh
 
 
 SCRIPT = textwrap.dedent('''
