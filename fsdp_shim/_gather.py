@@ -525,9 +525,10 @@ def _stage_bucket(
     if world_size == 1:
         return _start_alone(bucket, split_sizes, dtype, comm_device, buffers)
     if moves_point_to_point(group):
+        route = _Route(split_sizes, dtype, comm_device, receivers, global_ranks, buffers)
         if sum(split_sizes) * dtype.itemsize >= _POINT_TO_POINT_BYTES * len(bucket):
-            return _post_direct(bucket, split_sizes, dtype, comm_device, receivers, global_ranks, buffers)
-        return _post_packed(bucket, split_sizes, dtype, comm_device, receivers, global_ranks, buffers)
+            return _post_direct(bucket, route)
+        return _post_packed(bucket, route)
     per_rank = sum(split_sizes)
     output = _bucket_output(bucket, world_size * per_rank, dtype, comm_device, buffers)
     gather_input, _ = _copy_in(bucket, split_sizes, dtype, comm_device, output.narrow(0, rank * per_rank, per_rank))
@@ -606,15 +607,18 @@ class _AllOf:
         return True
 
 
-def _post_packed(
-    bucket: list[_Batched],
-    split_sizes: list[int],
-    dtype: torch.dtype,
-    device: torch.device,
-    receivers: range,
-    global_ranks: list[int],
-    buffers: FullBuffers,
-) -> _InFlight:
+class _Route(NamedTuple):
+    """How one bucket moves point to point, worked out once in ``_stage_bucket``."""
+
+    split_sizes: list[int]  # each tensor's padded shard, in elements
+    dtype: torch.dtype  # what travels: the stored dtype, or the cast one
+    device: torch.device  # where it travels from and lands
+    receivers: range  # the group ranks that receive full tensors
+    global_ranks: list[int]  # the group's ranks, by group rank
+    buffers: FullBuffers  # where full tensors written in place come from
+
+
+def _post_packed(bucket: list[_Batched], route: _Route) -> _InFlight:
     """Move the packed bucket point to point: one message per (sender, receiver). See [Note: point to point].
 
     A receiver posts its receives straight into the senders' blocks of its
@@ -624,55 +628,48 @@ def _post_packed(
     """
     first = bucket[0].layout
     group, world_size, rank = first.group, first.world_size, first.rank
-    per_rank = sum(split_sizes)
+    ranks = route.global_ranks
+    per_rank = sum(route.split_sizes)
     works: list[dist.Work] = []
     output = block = None
-    if rank in receivers:
-        output = _bucket_output(bucket, world_size * per_rank, dtype, device, buffers)
+    if rank in route.receivers:
+        output = _bucket_output(bucket, world_size * per_rank, route.dtype, route.device, route.buffers)
         for source in range(world_size):
             if source != rank:
                 piece = output.narrow(0, source * per_rank, per_rank)
-                works.append(cast(dist.Work, dist.irecv(piece, src=global_ranks[source], group=group, tag=_PACKED_TAG)))
+                works.append(cast(dist.Work, dist.irecv(piece, src=ranks[source], group=group, tag=_PACKED_TAG)))
         block = output.narrow(0, rank * per_rank, per_rank)
-    packed, scratch_input = _copy_in(bucket, split_sizes, dtype, device, block)
-    for peer in receivers:
+    packed, scratch_input = _copy_in(bucket, route.split_sizes, route.dtype, route.device, block)
+    for peer in route.receivers:
         if peer != rank:
-            works.append(cast(dist.Work, dist.isend(packed, dst=global_ranks[peer], group=group, tag=_PACKED_TAG)))
+            works.append(cast(dist.Work, dist.isend(packed, dst=ranks[peer], group=group, tag=_PACKED_TAG)))
     if block is not None and packed is not block:  # a bucket of one sent as it is: its own rows still land here
         block.copy_(packed)
-    return _InFlight(bucket, output, split_sizes, _AllOf(works), scratch_input)
+    return _InFlight(bucket, output, route.split_sizes, _AllOf(works), scratch_input)
 
 
-def _post_direct(
-    bucket: list[_Batched],
-    split_sizes: list[int],
-    dtype: torch.dtype,
-    device: torch.device,
-    receivers: range,
-    global_ranks: list[int],
-    buffers: FullBuffers,
-) -> _InFlight:
+def _post_direct(bucket: list[_Batched], route: _Route) -> _InFlight:
     """Send every shard straight into the receivers' full tensors. See [Note: point to point].
 
-    ``global_ranks`` are the group's, by group rank; ``receivers`` group
-    ranks. A receiver allocates each padded full tensor and posts one
-    receive per (tensor, sender) straight into that sender's rows; every
-    rank sends each shard, as it is (or cast into scratch, each sent as
-    soon as it is cast), to every other receiver; a receiver then copies its
-    own shards into its rows, while the messages move. Rows a rank does not
-    hold (an empty trailing shard) travel on neither side. Both sides derive
-    every message from global metadata, so they agree; a tensor's tag is its
-    place in the bucket, and messages with one tag between two ranks match
-    in order.
+    A receiver (``route.receivers``) allocates each padded full tensor and
+    posts one receive per (tensor, sender) straight into that sender's rows;
+    every rank sends each shard, as it is (or cast into scratch, each sent
+    as soon as it is cast), to every other receiver; a receiver then copies
+    its own shards into its rows, while the messages move. Rows a rank does
+    not hold (an empty trailing shard) travel on neither side. Both sides
+    derive every message from global metadata, so they agree; a tensor's tag
+    is its place in the bucket, and messages with one tag between two ranks
+    match in order.
     """
     first = bucket[0].layout
     group, world_size, rank = first.group, first.world_size, first.rank
+    dtype, device = route.dtype, route.device
     works: list[dist.Work] = []
     padded_fulls: list[torch.Tensor] | None = None
     own_destinations: list[torch.Tensor] = []
     own_sources: list[torch.Tensor] = []
-    if rank in receivers:
-        padded_fulls = [buffers.take(world_size * padded, dtype, device) for padded in split_sizes]
+    if rank in route.receivers:
+        padded_fulls = [route.buffers.take(world_size * padded, dtype, device) for padded in route.split_sizes]
         for tag, (b, full) in enumerate(zip(bucket, padded_fulls), start=_PACKED_TAG + 1):
             layout, rows = b.layout, b.dtensor.shape[0]
             for source in range(world_size):
@@ -684,8 +681,8 @@ def _post_direct(
                     own_destinations.append(piece)
                     own_sources.append(b.dtensor._local_tensor.reshape(-1))
                 else:
-                    works.append(cast(dist.Work, dist.irecv(piece, src=global_ranks[source], group=group, tag=tag)))
-    peers = [global_ranks[peer] for peer in receivers if peer != rank]
+                    works.append(cast(dist.Work, dist.irecv(piece, src=route.global_ranks[source], group=group, tag=tag)))
+    peers = [route.global_ranks[peer] for peer in route.receivers if peer != rank]
     scratch_input = None
     if peers:
         pieces = [b.dtensor._local_tensor.reshape(-1) for b in bucket]
@@ -704,7 +701,7 @@ def _post_direct(
                     works.append(cast(dist.Work, dist.isend(piece, dst=peer, group=group, tag=tag)))
     if own_destinations:  # after the messages are posted, so it overlaps them
         torch._foreach_copy_(own_destinations, own_sources, non_blocking=True)  # casts and moves too
-    return _InFlight(bucket, None, split_sizes, _AllOf(works), scratch_input, padded_fulls=padded_fulls)
+    return _InFlight(bucket, None, route.split_sizes, _AllOf(works), scratch_input, padded_fulls=padded_fulls)
 
 
 def _start_alone(
