@@ -26,7 +26,6 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import DTensor
 
 import wrapt
@@ -35,7 +34,7 @@ import fsdp_shim
 from fsdp_shim._compat import all_gather_single
 from fsdp_shim._gather import bucket_bytes_from_env
 from fsdp_shim._launch import rank_device, report_progress
-from fsdp_shim._models import Block, LMConfig, build_lm, shard_lm, tokens_for
+from fsdp_shim._models import LMConfig, build_lm, shard_lm, tokens_for, wrap_lm_fsdp1
 
 
 @dataclass(frozen=True)
@@ -261,8 +260,7 @@ def _setup(cfg: BenchConfig) -> tuple[torch.device, LMConfig, dict[str, Callable
     model = shard_lm(build_lm(model_cfg).to(device), mesh)
     fsdp1_model = None
     if cfg.fsdp1:
-        fsdp1_model = FSDP(build_lm(model_cfg).to(device), auto_wrap_policy=ModuleWrapPolicy({Block}),
-                           use_orig_params=True, device_id=device)
+        fsdp1_model = wrap_lm_fsdp1(build_lm(model_cfg).to(device), device)
     held = None
     if cfg.between:
         held = shard_lm(build_lm(model_cfg).to(device), mesh, reshard_after_forward=False)

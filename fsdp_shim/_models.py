@@ -14,7 +14,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,13 @@ def shard_lm(
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     return model
+
+
+def wrap_lm_fsdp1(model: nn.Module, device: torch.device) -> FullyShardedDataParallel:
+    """FSDP1's twin of ``shard_lm``: one unit per block, the rest on the root, original parameters exposed."""
+    return FullyShardedDataParallel(
+        model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True, device_id=device
+    )
 
 
 def tokens_for(config: LMConfig, batch: int = 2, length: int = 8, seed: int = 1) -> torch.Tensor:

@@ -36,10 +36,9 @@ def _per_call_ms(reps: int) -> list[tuple[str, bool, float, float, float]]:
     import torch.distributed as dist
     import torch.nn as nn
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     import fsdp_shim
-    from fsdp_shim._models import Block, LMConfig, build_lm, shard_lm
+    from fsdp_shim._models import Block, LMConfig, build_lm, shard_lm, wrap_lm_fsdp1
 
     fsdp_shim.patch()
 
@@ -52,8 +51,7 @@ def _per_call_ms(reps: int) -> list[tuple[str, bool, float, float, float]]:
     rows = []
     for label, (layers, extra) in MODELS.items():
         fsdp2_model = shard_lm(build(layers, extra))
-        fsdp1_model = FSDP(build(layers, extra), auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True,
-                           device_id=torch.device("cpu"))
+        fsdp1_model = wrap_lm_fsdp1(build(layers, extra), torch.device("cpu"))
         fsdp2_unit = fsdp2_model.blocks[layers // 2]
         fsdp1_unit = fsdp1_model.module.blocks[layers // 2]  # the FSDP1 unit that wraps the block
         assert isinstance(fsdp1_unit, FSDP) and isinstance(fsdp1_unit.module, Block)

@@ -7,11 +7,10 @@ import contextlib
 import pytest
 import torch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import DTensor
 
 from _helpers import LMConfig, build_lm, direct_always, patched, rank, shard_lm, tokens_for
-from fsdp_shim._models import Block
+from fsdp_shim._models import wrap_lm_fsdp1
 
 CASES = [
     dict(recurse=True, writeback=False),
@@ -28,9 +27,7 @@ MISUSE = [
 
 
 def _fsdp1():
-    return FSDP(
-        build_lm(), auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True, device_id=torch.device("cpu")
-    )
+    return wrap_lm_fsdp1(build_lm(), torch.device("cpu"))
 
 
 def _seen(model, kwargs):
