@@ -35,9 +35,11 @@ parameter). Contexts are per thread: one thread per rank issues collectives.
 sync runs unchanged) and the instance form ``unit.summon_full_params(unit)``.
 The README lists the exact semantics next to FSDP1's.
 
-Supported: torch >= 2.7, < 2.15 (verified on every release from 2.7.0 to
-2.14.1) and wrapt >= 2.5. Outside that range the import patches nothing and
-logs why; ``FSDP_SHIM_ALLOW_UNSUPPORTED_TORCH=1`` patches anyway.
+Supported: torch >= 2.7, < 2.16 (verified on every release from 2.7.0 to
+2.15.0) and wrapt >= 2.5. A newer torch is served if every FSDP2 internal
+the shim reads is present (with a warning); on any other torch a summon of a
+DTensor module raises instead of doing nothing, and
+``FSDP_SHIM_ALLOW_UNSUPPORTED_TORCH=1`` gathers anyway.
 
 Set ``FSDP_SHIM_DISABLE=1`` to import without patching, and
 ``FSDP_SHIM_BUCKET_MB`` to change the gather bucket size.
@@ -90,39 +92,56 @@ __all__ = [
 # still shows our few warnings (an inactive or untested environment).
 logger = logging.getLogger("fsdp_shim")
 
-#: Why the shim did not patch, if it did not (``None`` when it did). Reading
-#: it activates the shim (imports torch); see [Note: deferred activation].
+#: Why the shim does not serve DTensor summons here (``None`` when it does):
+#: it is inactive, or patched in refusing mode (see [Note: version policy] in
+#: ``_versions``). Reading it activates the shim (imports torch); see
+#: [Note: deferred activation].
 unsupported_reason: str | None
 
 _UNITS_API = ("fsdp_units", "is_fsdp_module", "param_fqn")
 _activation_lock = threading.RLock()
 _activation = "pending"  # "pending" -> "running" -> "done"
+_refusal: str | None = None  # set when the shim patches in refusing mode (see [Note: version policy])
 
 
-def _environment_problem() -> str | None:
-    """Why the shim must stay inactive here, or None. See [Note: version policy] in ``_versions``."""
+def _environment_problem() -> tuple[str | None, str | None]:
+    """``(inactive, refusing)``: why the shim cannot patch, or why it patches refusing; None each when fine.
+
+    See [Note: version policy] in ``_versions``.
+    """
     try:
         import torch  # noqa: PLC0415
     except ImportError as exc:
-        return f"torch cannot be imported ({exc})"
-    if not _versions.is_supported_torch(torch.__version__):
-        if not _versions.env_flag(_versions.ALLOW_UNSUPPORTED_TORCH_ENV):
-            return (
-                f"torch {torch.__version__} is outside the supported {_versions.SUPPORTED_TORCH} "
-                f"(set {_versions.ALLOW_UNSUPPORTED_TORCH_ENV}=1 to patch anyway, at your own risk)"
-            )
-        _diagnostics.log_warning(
-            "fsdp_shim: patching torch %s, outside the supported %s, because %s is set",
-            torch.__version__, _versions.SUPPORTED_TORCH, _versions.ALLOW_UNSUPPORTED_TORCH_ENV,
-        )
+        return f"torch cannot be imported ({exc})", None
     wrapt_version = getattr(wrapt, "__version__", "0")
     if not _versions.at_least(wrapt_version, _versions.MIN_WRAPT):
-        return f"wrapt {wrapt_version} lacks unwrap_object (needs >= {_versions.MIN_WRAPT})"
+        return f"wrapt {wrapt_version} lacks unwrap_object (needs >= {_versions.MIN_WRAPT})", None
+    version = torch.__version__
+    allowed = _versions.env_flag(_versions.ALLOW_UNSUPPORTED_TORCH_ENV)
+    override = f"set {_versions.ALLOW_UNSUPPORTED_TORCH_ENV}=1 to gather anyway, at your own risk"
     try:
-        from fsdp_shim import _fsdp2_internals  # noqa: F401,PLC0415
+        from fsdp_shim import _fsdp2_internals  # noqa: PLC0415
     except ImportError as exc:  # the FSDP2 internals we rely on moved
-        return f"torch {torch.__version__} lacks the FSDP2 internals fsdp_shim uses ({exc})"
-    return None
+        return None, f"torch {version} lacks the FSDP2 internals fsdp_shim uses ({exc})"
+    if _versions.is_supported_torch(version):
+        return None, None
+    if _versions.is_newer_than_supported(version):
+        missing = _fsdp2_internals.missing_internals()
+        if not missing:
+            _diagnostics.log_warning(
+                "fsdp_shim: torch %s is newer than the verified %s; every FSDP2 internal fsdp_shim reads is "
+                "present, so it is active. Run `fsdp-shim check` to verify this release.",
+                version, _versions.SUPPORTED_TORCH,
+            )
+            return None, None
+        problem = f"torch {version} lacks FSDP2 internals fsdp_shim reads: {', '.join(missing)}"
+    else:
+        problem = f"torch {version} is outside the supported {_versions.SUPPORTED_TORCH}"
+    if not allowed:
+        return None, f"{problem} ({override})"
+    _diagnostics.log_warning("fsdp_shim: gathering although %s, because %s is set",
+                             problem, _versions.ALLOW_UNSUPPORTED_TORCH_ENV)
+    return None, None
 
 
 def _activate() -> str | None:
@@ -131,7 +150,7 @@ def _activate() -> str | None:
     Re-entrant: checking imports ``torch.distributed.fsdp``, whose post-import
     hook calls back here and returns at once; the outer call finishes the work.
     """
-    global _activation, unsupported_reason
+    global _activation, unsupported_reason, _refusal
     with _activation_lock:
         if _activation == "done":
             return unsupported_reason
@@ -139,18 +158,21 @@ def _activate() -> str | None:
             return None
         _activation = "running"
         try:
-            reason = _environment_problem()
+            inactive, refusal = _environment_problem()
         finally:
             _activation = "pending"
-        unsupported_reason = reason
+        unsupported_reason, _refusal = inactive or refusal, refusal
         _activation = "done"
-        if reason is not None:
-            _diagnostics.log_warning("fsdp_shim is inactive: %s", reason)
+        if inactive is not None:
+            _diagnostics.log_warning("fsdp_shim is inactive: %s", inactive)
         elif not _versions.env_flag(_versions.DISABLE_ENV):
+            if refusal is not None:
+                _diagnostics.log_warning(
+                    "fsdp_shim refuses DTensor summons here (FSDP1 and plain modules are unaffected): %s", refusal)
             from fsdp_shim import _patching  # noqa: PLC0415
 
-            _patching.patch()
-        return reason
+            _patching.patch(refusal)
+        return unsupported_reason
 
 
 @wrapt.when_imported("torch.distributed.fsdp")
@@ -171,6 +193,8 @@ def __getattr__(name: str) -> Any:
 
 def _require_support() -> None:
     reason = _activate()
+    if _refusal is not None:
+        raise RuntimeError(f"fsdp_shim refuses to gather DTensor parameters here: {_refusal}")
     if reason is not None:
         raise RuntimeError(f"fsdp_shim is inactive: {reason}")
 
@@ -180,20 +204,25 @@ def patch() -> bool:
 
     Idempotent: returns True if it installed the wrapper, False if ours was
     already installed (it never stacks a second one; the import installs it)
-    or if ``FSDP_SHIM_DISABLE`` is set (1, true, yes or on, any case).
+    or if ``FSDP_SHIM_DISABLE`` is set (1, true, yes or on, any case). On a
+    torch it cannot serve (``unsupported_reason`` says why) the wrapper
+    refuses DTensor summons with a ``RuntimeError`` instead of FSDP1's
+    silent no-op.
     """
-    _require_support()
+    reason = _activate()
+    if reason is not None and _refusal is None:
+        raise RuntimeError(f"fsdp_shim is inactive: {reason}")
     if _versions.env_flag(_versions.DISABLE_ENV):
         logger.info("fsdp_shim: %s is set, not patching", _versions.DISABLE_ENV)
         return False
     from fsdp_shim import _patching  # noqa: PLC0415
 
-    return _patching.patch()
+    return _patching.patch(_refusal)
 
 
 def unpatch() -> bool:
     """Restore the exact original ``summon_full_params``; returns False if there was nothing to undo."""
-    if _activate() is not None:
+    if _activate() is not None and _refusal is None:
         return False
     from fsdp_shim import _patching  # noqa: PLC0415
 
@@ -201,8 +230,8 @@ def unpatch() -> bool:
 
 
 def is_patched() -> bool:
-    """Whether our wrapper is currently installed on ``FullyShardedDataParallel``."""
-    if _activate() is not None:
+    """Whether our wrapper is currently installed on ``FullyShardedDataParallel`` (refusing or not)."""
+    if _activate() is not None and _refusal is None:
         return False
     from fsdp_shim import _patching  # noqa: PLC0415
 

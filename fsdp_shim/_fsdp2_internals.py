@@ -5,9 +5,12 @@ FSDP2 (``torch.distributed.fsdp.fully_shard``) exposes ``unshard()`` and
 ``summon_full_params`` needs. This module reads and changes that bookkeeping
 and nothing else in the package does.
 
-Read against torch 2.7.0 through 2.14.1 (``_fully_shard/_fsdp_state.py``,
+Read against torch 2.7.0 through 2.15.0 (``_fully_shard/_fsdp_state.py``,
 ``_fsdp_param_group.py``, ``_fsdp_param.py``) and exercised on each by the
-version matrix. The differences that matter, each handled where named:
+version matrix. ``READS`` lists every name read here; on a torch newer than
+the verified range ``missing_internals`` checks them all once, at activation
+(see [Note: version policy] in ``_versions``). The differences that matter,
+each handled where named:
 
 | behaviour                                                  | releases | where              |
 |------------------------------------------------------------|----------|--------------------|
@@ -17,6 +20,11 @@ version matrix. The differences that matter, each handled where named:
 | unconditionally (later: only with auto reshard)            |          |                    |
 | ``FSDPParamGroup.pre_forward`` reads ``unsharded_param`` of | >= 2.14  | ``mark_summoned``  |
 | every parameter, also when ``unshard()`` was a no-op       |          |                    |
+| mixed precision resolved per parameter; the group has no   | >= 2.15  | ``param_dtype_for_  |
+| ``mp_policy`` (``FSDPParam.mp_policy`` instead)            |          | forward``          |
+| ``set_keep_unsharded_storage``: ``reshard()`` may keep the | >= 2.15  | nothing to do: the |
+| unsharded storage (allocated, stale after an optimizer     |          | shim always gathers|
+| step)                                                      |          | from the shards    |
 
 [Note: summoned groups]
 While a context owns a unit's module attributes, FSDP2 must neither all-gather
@@ -49,7 +57,9 @@ cannot be initialised (``fully_shard([a, b])`` at the top).
 
 from __future__ import annotations
 
+import sys
 import threading
+import types
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -61,7 +71,7 @@ import wrapt
 from torch.distributed._composable_state import _module_state_mapping
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, ShardedState
+from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, ParamModuleInfo, ShardedState
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState, _get_module_fsdp_state
 
@@ -77,9 +87,9 @@ __all__ = [
     "is_fsdp2_module",
     "lazy_init_root",
     "mark_summoned",
+    "missing_internals",
     "SuspendedHooks",
     "suspend_load_post_hooks",
-    "unsharded_in_stored_dtype",
     "unsharded_param_if_any",
     "param_dtype_for_forward",
     "param_groups",
@@ -218,44 +228,34 @@ def adopt_module_params(group: FSDPParamGroup) -> None:
         group._reset_sharded_params = True
 
 
-def unsharded_in_stored_dtype(group: FSDPParamGroup) -> bool:
-    """Whether a forward left this group unsharded with exact copies of its sharded parameters.
-
-    True when FSDP2's unsharded parameters sit in the module slots, allocated,
-    in the sharded parameters' own dtype (no ``param_dtype`` cast): they are
-    then the full values, with no all-gather needed. See [Note: units left
-    unsharded] in ``_swap``. Depends only on FSDP2 state every rank shares.
-    """
-    if group._sharded_state != ShardedState.UNSHARDED:
-        return False
-    for fsdp_param in group.fsdp_params:
-        unsharded = unsharded_param_if_any(fsdp_param)
-        info = fsdp_param._module_info
-        if (
-            unsharded is None
-            or info.module._parameters.get(info.param_name) is not unsharded
-            or unsharded.dtype != fsdp_param.sharded_param.dtype
-            or unsharded.untyped_storage().size() == 0
-        ):
-            return False
-    return True
-
-
 def reshard_group(group: FSDPParamGroup) -> None:
     """Free the unsharded copy and register the sharded parameters, as ``reshard()`` does.
 
-    Used for units an earlier forward left unsharded in ``param_dtype`` (the
-    root, or ``reshard_after_forward=False``); ``state_dict()``'s pre-hook does
-    the same. The next forward all-gathers again.
+    Used for units an earlier forward left unsharded (the root, or
+    ``reshard_after_forward=False``); ``state_dict()``'s pre-hook does the
+    same. The next forward all-gathers again. See [Note: units left unsharded]
+    in ``_swap``.
     """
     if not group.is_sharded:
         group._to_sharded()
 
 
 def param_dtype_for_forward(group: FSDPParamGroup, fsdp_param: FSDPParam) -> torch.dtype | None:
-    """The dtype FSDP2 would compute this parameter in, if it differs from the stored one."""
-    dtype = group.mp_policy.param_dtype
-    if dtype is None or dtype == fsdp_param.sharded_param.dtype:
+    """The dtype FSDP2 would compute this parameter in, if it differs from the stored one.
+
+    FSDP2's lazy init resolves it per parameter (``FSDPParam.param_dtype``,
+    ``None`` for no cast). Before that (a group whose root cannot be
+    initialised) the policy is read where this release keeps it: per
+    parameter from 2.15 (``param_dtype_override_fn``), on the group before.
+    """
+    if hasattr(fsdp_param, "param_dtype"):  # set by init_dtype_attrs at lazy init, every release
+        dtype = fsdp_param.param_dtype
+    else:
+        policy = getattr(fsdp_param, "mp_policy", None)  # torch >= 2.15: resolved per parameter
+        if policy is None:
+            policy = group.mp_policy  # torch <= 2.14
+        dtype = policy.param_dtype
+    if dtype is None or dtype == fsdp_param.sharded_param.dtype or not fsdp_param.sharded_param.is_floating_point():
         return None
     return dtype
 
@@ -409,3 +409,69 @@ def group_modules(group: FSDPParamGroup) -> tuple[nn.Module, ...]:
     """The modules whose forward hooks drive this group (``fully_shard``'s arguments)."""
     return tuple(group.modules)
 
+
+
+# [Note: internals probe]
+# What this package reads of FSDP2 and c10d, by owner. A method must be an
+# attribute of its class; a field (set on instances, so invisible on the
+# class) must be named somewhere in the class: an annotation, or an attribute
+# any of its methods loads or stores. A name listed as a tuple needs one of
+# its alternatives (releases differ). Methods include properties. Attributes read with a ``getattr``
+# default are optional and not listed. The probe is static, so it runs
+# without a process group, once, at activation on an unverified torch.
+_METHODS: dict[type, tuple[str, ...]] = {
+    FSDPState: ("_lazy_init",),
+    FSDPParamGroup: ("_to_sharded", "is_sharded"),
+    FSDPParam: ("reset_sharded_param",),
+}
+_FIELDS: dict[type, tuple[str | tuple[str, ...], ...]] = {
+    FSDPState: ("_modules", "_training_state", "_state_ctx", "_is_root", ("_fsdp_param_groups", "_fsdp_param_group")),
+    FSDPParamGroup: ("fsdp_params", "_sharded_state", "post_forward_mesh_info", "_training_state",
+                     "_reset_sharded_params", "modules", "mesh_info"),
+    FSDPParam: ("sharded_param", "_module_info", "_unsharded_param", ("param_dtype", "mp_policy")),
+    ParamModuleInfo: ("module", "param_name", "shared_modules", "shared_param_names"),
+}
+#: Everything probed, for ``fsdp-shim check -v``.
+READS: tuple[str, ...] = tuple(
+    f"{owner.__name__}.{name if isinstance(name, str) else ' or '.join(name)}"
+    for table in (_METHODS, _FIELDS) for owner, names in table.items() for name in names
+) + ("TrainingState.IDLE", "ShardedState.UNSHARDED", "torch._C._current_graph_task_id",
+     "distributed_c10d._world.pg_map")
+
+
+def _names_in(cls: type) -> set[str]:
+    """Every attribute name ``cls`` defines, annotates, or loads or stores in its own code."""
+    names = set(dir(cls))
+    for klass in cls.__mro__:
+        names.update(vars(klass).get("__annotations__", {}))
+        for value in vars(klass).values():
+            functions = [value.fget, value.fset] if isinstance(value, property) else [getattr(value, "__func__", value)]
+            stack = [f.__code__ for f in functions if hasattr(f, "__code__")]
+            while stack:
+                code = stack.pop()
+                names.update(code.co_names)
+                stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    return names
+
+
+def missing_internals() -> list[str]:
+    """The internals in ``READS`` this torch lacks, as ``Owner.name``; empty when all are there."""
+    missing: list[str] = []
+    for owner, methods in _METHODS.items():
+        missing += [f"{owner.__name__}.{m}" for m in methods if getattr(owner, m, None) is None]
+    for owner, fields in _FIELDS.items():
+        names = _names_in(owner)
+        for field_name in fields:
+            alternatives = (field_name,) if isinstance(field_name, str) else field_name
+            if not any(a in names for a in alternatives):
+                missing.append(f"{owner.__name__}.{' or '.join(alternatives)}")
+    for enum, member in ((TrainingState, "IDLE"), (ShardedState, "UNSHARDED")):
+        if not hasattr(enum, member):
+            missing.append(f"{enum.__name__}.{member}")
+    if not callable(getattr(torch._C, "_current_graph_task_id", None)):
+        missing.append("torch._C._current_graph_task_id")
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    world = getattr(c10d, "_world", None)
+    if world is None or not hasattr(type(world), "pg_map"):
+        missing.append("distributed_c10d._world.pg_map")
+    return missing

@@ -20,6 +20,14 @@ attribute is never replaced. ``unpatch`` removes it, by identity.
 
 ``patch`` also installs the client instrumentations (``_instrumentation``) and
 ``unpatch`` removes them.
+
+[Note: refusing mode]
+``patch(refusal)`` with a reason installs the same wrapper, routing to
+``_refusing_summon`` instead of ``_dispatch``: FSDP1 trees and plain modules
+reach FSDP1's original, a module holding DTensors (or an FSDP2 unit) raises.
+It reads only public torch (``FSDPModule``, ``DTensor``), so it works on a
+torch whose FSDP2 internals moved; nothing else of the package is imported
+(no instrumentations, no guard). See [Note: version policy] in ``_versions``.
 """
 
 from __future__ import annotations
@@ -29,12 +37,12 @@ import logging
 import threading
 from typing import Any
 
+import torch.nn as nn
 import wrapt
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.distributed.tensor import DTensor
 
-from fsdp_shim import _diagnostics, _instrumentation
-from fsdp_shim._dispatch import summon
-from fsdp_shim._fsdp2_internals import remove_fully_shard_guard
+from fsdp_shim import _diagnostics
 
 logger = logging.getLogger("fsdp_shim")
 
@@ -44,13 +52,33 @@ _SIGNATURE = inspect.signature(FullyShardedDataParallel.summon_full_params)
 
 _lock = threading.Lock()
 _handle: wrapt.FunctionWrapper | None = None
+_refusal: str | None = None  # see [Note: refusing mode]
+_route: Any = None  # _dispatch.summon, bound by patch() when not refusing
 
 
 def _summon_full_params_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Route one ``FSDP.summon_full_params(...)`` call (see ``_dispatch``)."""
     bound = _SIGNATURE.bind(*args, **kwargs)
     bound.apply_defaults()
-    return summon(**bound.arguments, fsdp1=wrapped)
+    if _refusal is not None:
+        return _refusing_summon(wrapped, _refusal, **bound.arguments)
+    return _route(**bound.arguments, fsdp1=wrapped)
+
+
+def _refusing_summon(wrapped: Any, refusal: str, module: Any, recurse: bool, **kwargs: Any) -> Any:
+    """FSDP1's own context, unless the module holds DTensors: then raise. See [Note: refusing mode]."""
+    if isinstance(module, FullyShardedDataParallel) or (
+        recurse and isinstance(module, nn.Module) and any(isinstance(m, FullyShardedDataParallel) for m in module.modules())
+    ):
+        return wrapped(module, recurse, **kwargs)
+    if isinstance(module, FSDPModule) or (isinstance(module, nn.Module) and any(
+        isinstance(t, DTensor) for t in (*module.parameters(), *module.buffers())
+    )):
+        raise RuntimeError(
+            f"summon_full_params({type(module).__name__}) holds DTensor parameters, which fsdp_shim cannot gather "
+            f"on this torch: {refusal}. Without fsdp_shim this call would silently do nothing."
+        )
+    return wrapped(module, recurse, **kwargs)
 
 
 def _instance_form(*args: Any, **kwargs: Any) -> Any:
@@ -77,16 +105,27 @@ def is_patched() -> bool:
     return _handle is not None and wrapt.is_wrapped_by(current, _handle)
 
 
-def patch() -> bool:
-    """Install the wrapper; returns False (and changes nothing) if ours is already there."""
-    global _handle
+def patch(refusal: str | None = None) -> bool:
+    """Install the wrapper; returns False (and changes nothing) if ours is already there.
+
+    With ``refusal``, the wrapper refuses DTensor summons: see [Note: refusing mode].
+    """
+    global _handle, _refusal, _route
     with _lock:
         if is_patched():
             return False
+        _refusal = refusal
+        if refusal is None:
+            from fsdp_shim._dispatch import summon  # noqa: PLC0415  (needs the FSDP2 internals)
+
+            _route = summon
         _handle = wrapt.wrap_function_wrapper(_TARGET, _NAME, _summon_full_params_wrapper)
         _install_instance_form()
-        _instrumentation.instrument_all()
-        logger.debug("patched FullyShardedDataParallel.summon_full_params")
+        if refusal is None:
+            from fsdp_shim import _instrumentation  # noqa: PLC0415
+
+            _instrumentation.instrument_all()
+        logger.debug("patched FullyShardedDataParallel.summon_full_params%s", " (refusing)" if refusal else "")
         return True
 
 
@@ -99,8 +138,12 @@ def unpatch() -> bool:
         removed = wrapt.unwrap_object(_TARGET, _NAME, _handle, missing_ok=True)
         _handle = None
         _remove_instance_form()
-        _instrumentation.uninstrument_all()
-        remove_fully_shard_guard()
+        if _refusal is None:
+            from fsdp_shim._fsdp2_internals import remove_fully_shard_guard  # noqa: PLC0415
+            from fsdp_shim._instrumentation import uninstrument_all  # noqa: PLC0415
+
+            uninstrument_all()
+            remove_fully_shard_guard()
         if removed is None:
             _diagnostics.log_warning("summon_full_params was replaced by someone else; nothing to unpatch")
             return False

@@ -22,20 +22,18 @@ original shards, see [Note: writeback needs no collective]).
 
 [Note: units left unsharded]
 FSDP2 leaves the root unsharded after forward, and every unit with
-``reshard_after_forward=False``. If such a unit is wholly in scope and its
-unsharded parameters are exact copies of the sharded ones (no
-``param_dtype`` cast), the context copies them instead of all-gathering.
-Unsharded in a ``param_dtype`` (bf16 copies), it is resharded on entry and
-gathered from the fp32 master weights. Either way the unit is resharded when
-the context ends, as FSDP2's own ``state_dict()`` does, and its next forward
-(or pre-backward) all-gathers again. FSDP1 instead keeps "storage behaviour
-the same as forward"; we do not, on evidence: in plain FSDP2 (2.7 and 2.13,
+``reshard_after_forward=False``. Such a unit in scope is resharded on entry,
+as FSDP2's own ``state_dict()`` does, and gathered from its sharded
+parameters: they are what the optimizer updates, while the unsharded copy
+may be stale (an optimizer step after a ``no_grad`` forward leaves the copy
+at the old values, and FSDP2's state cannot tell; 0.4.3 served that copy).
+The unit stays sharded when the context ends, and its next forward (or
+pre-backward) all-gathers again. FSDP1 instead keeps "storage behaviour the
+same as forward"; we do not, on evidence too: in plain FSDP2 (2.7 and 2.13,
 no shim involved), training that starts while a ``no_grad`` forward (eval,
 ``generate()``) has left units unsharded drifts from the reference (Llama,
 2 ranks: 3.6e-2 after 2 SGD steps with the root unsharded, 1.0e-2 with
 ``reshard_after_forward=False`` layers), and exact after ``reshard()``.
-Keeping units unsharded would carry that into every RL step that generates
-under ``summon_full_params`` and then trains.
 
 [Note: exit checks]
 Before the slots are restored, each summoned tensor's slots are read: they
@@ -587,12 +585,9 @@ def _summoned(
 ) -> Iterator[None]:
     started = time.perf_counter()
     fsdp2.lazy_init_root(_states_of(scope))
-    # See [Note: units left unsharded]
-    unsharded_groups = {g for g, fully in scope.groups.items() if fully and fsdp2.unsharded_in_stored_dtype(g)}
     for group in scope.groups:
         fsdp2.adopt_module_params(group)
-        if group not in unsharded_groups:
-            fsdp2.reshard_group(group)
+        fsdp2.reshard_group(group)  # See [Note: units left unsharded]
     dtensors: list[DTensor] = []
     for entry in scope.params:
         dtensor = entry.sharded()  # after adoption: FSDP2 may have adopted a replaced parameter
@@ -601,23 +596,11 @@ def _summoned(
         dtensors.append(dtensor)
     keep = _keeps_full_params(scope, rank0_only)
     out_device = torch.device("cpu") if offload_to_cpu else None
-    to_gather = [i for i, entry in enumerate(scope.params) if entry.group not in unsharded_groups]
     receiver = _receiver(scope, rank0_only)
     # See [Note: values arriving] in _gather: the swap below may run while the last bucket arrives.
-    some, arrival = start_full_tensors([dtensors[i] for i in to_gather], keep=keep, out_device=out_device,
-                                       bucket_bytes=bucket_bytes, receiver=receiver)
-    gathered = Gathered([None] * len(dtensors), [None] * len(dtensors))
-    for i, full, layout in zip(to_gather, *some):
-        gathered.tensors[i], gathered.layouts[i] = full, layout
-    del some
+    gathered, arrival = start_full_tensors(dtensors, keep=keep, out_device=out_device,
+                                           bucket_bytes=bucket_bytes, receiver=receiver)
     try:
-        if keep and unsharded_groups:
-            with torch.no_grad():
-                for i, entry in enumerate(scope.params):
-                    if entry.group in unsharded_groups:
-                        unsharded = fsdp2.unsharded_param_if_any(entry.fsdp_param)  # type: ignore[arg-type]
-                        assert unsharded is not None
-                        gathered.tensors[i] = unsharded.detach().to(out_device or unsharded.device, copy=True)
         grads = _gather_grads(dtensors, keep, out_device, bucket_bytes, receiver) if with_grads else {}
     except BaseException:
         arrival.wait()
@@ -648,8 +631,6 @@ def _summoned(
             try:
                 swap.inspect()
                 swap.restore()
-                for group in unsharded_groups:  # as 0.1.0 and FSDP2's state_dict(): see [Note: units left unsharded]
-                    fsdp2.reshard_group(group)
                 swap.replay_conversions()
                 if writeback:
                     swap.write_back(with_grads)

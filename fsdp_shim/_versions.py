@@ -5,15 +5,25 @@ This module imports nothing heavier than the standard library, so that
 can all read the same facts without importing torch first.
 
 [Note: version policy]
-- torch inside ``SUPPORTED_TORCH`` (every release in ``VERIFIED_TORCH`` passed
-  the whole suite and ``fsdp-shim check``): ``import fsdp_shim`` patches.
-- torch outside it: the import patches nothing and logs a warning that says
-  why, because the FSDP2 internals the shim relies on change between
-  releases (see ``_fsdp2_internals``) and a wrong gather is worse than none.
-  ``FSDP_SHIM_ALLOW_UNSUPPORTED_TORCH=1`` patches anyway, with a warning.
-- ``setup.cfg`` declares the lower bound only: an upper bound there would make
-  pip replace a training environment's torch, a multi-GB change nobody asked
-  for. The upper bound is enforced here, at import.
+A call site must never be FSDP1's silent no-op on a DTensor model: a summon
+either gathers correctly or raises. So ``import fsdp_shim`` always patches
+(unless ``FSDP_SHIM_DISABLE`` is set), in one of two modes:
+- *active*: torch inside ``SUPPORTED_TORCH`` (every release in
+  ``VERIFIED_TORCH`` passed the whole suite and ``fsdp-shim check``); or a
+  newer, unverified torch on which every FSDP2 and c10d internal the shim
+  reads is present (``_fsdp2_internals.missing_internals``, probed once at
+  activation, listed by ``fsdp-shim check -v``), with a warning once.
+- *refusing*: any other torch (older than ``MIN_TORCH``, or newer with an
+  internal missing). FSDP1 trees still go to FSDP1 and plain modules get
+  FSDP1's null context, but a summon of a module holding DTensors raises a
+  ``RuntimeError`` naming the torch release, what is missing and the
+  override. ``FSDP_SHIM_ALLOW_UNSUPPORTED_TORCH=1`` makes it active anyway,
+  with a warning: a wrong gather is worse than an error, so that is the
+  user's explicit choice.
+Only a missing torch or a wrapt without ``unwrap_object`` leaves the shim
+unpatched (*inactive*), with a warning. ``setup.cfg`` declares the lower
+bounds only: an upper bound there would make pip replace a training
+environment's torch, a multi-GB change nobody asked for.
 """
 
 from __future__ import annotations
@@ -26,13 +36,13 @@ __version__ = "0.4.3"
 #: The lowest torch release supported (inclusive) and the first one not yet
 #: verified (exclusive).
 MIN_TORCH = "2.7"
-NEXT_UNVERIFIED_TORCH = "2.15"
+NEXT_UNVERIFIED_TORCH = "2.16"
 SUPPORTED_TORCH = f"torch >= {MIN_TORCH}, < {NEXT_UNVERIFIED_TORCH}"
 
 #: Releases on which the whole suite and ``fsdp-shim check`` passed
 #: (``scripts/matrix.py``; the README's "Supported versions" table).
 VERIFIED_TORCH: tuple[str, ...] = (
-    "2.7.0", "2.7.1", "2.8.0", "2.9.1", "2.10.0", "2.11.0", "2.12.1", "2.13.0", "2.14.1",
+    "2.7.0", "2.7.1", "2.8.0", "2.9.1", "2.10.0", "2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0",
 )
 
 #: The lowest wrapt release the patch lifecycle was tested with (it needs
@@ -78,6 +88,11 @@ def is_supported_torch(version: str) -> bool:
     """Inside ``SUPPORTED_TORCH``, by release (pre-releases of a supported release count)."""
     release = parse_version(version)[:3]
     return parse_version(MIN_TORCH) <= release < parse_version(NEXT_UNVERIFIED_TORCH)
+
+
+def is_newer_than_supported(version: str) -> bool:
+    """At or past ``NEXT_UNVERIFIED_TORCH``: a release the matrix has not seen yet."""
+    return parse_version(version)[:3] >= parse_version(NEXT_UNVERIFIED_TORCH)
 
 
 def is_verified_torch(version: str) -> bool:

@@ -71,20 +71,26 @@ def cmd_check(args: argparse.Namespace) -> int:
               "is off and summon_full_params is FSDP1's own: nothing to check. Unset it to run the scenarios.")
         return 1
     if fsdp_shim.unsupported_reason is not None:
-        print(f"fsdp-shim check: the shim is inactive here: {fsdp_shim.unsupported_reason}")
+        mode = "refuses DTensor summons" if fsdp_shim.is_patched() else "is inactive"
+        print(f"fsdp-shim check: the shim {mode} here: {fsdp_shim.unsupported_reason}")
         return 1
 
     print(f"fsdp-shim check: {_environment_line(args.ranks, args.device)}")
     if args.verbose:
+        from fsdp_shim import _fsdp2_internals  # noqa: PLC0415
+        from fsdp_shim._instrumentation import statuses  # noqa: PLC0415
+
         verified = "verified" if _versions.is_verified_torch(torch.__version__) else (
-            "supported, not itself verified" if _versions.is_supported_torch(torch.__version__) else "UNSUPPORTED")
+            "supported, not itself verified" if _versions.is_supported_torch(torch.__version__) else
+            "newer than the verified range, served because every internal below is present")
         print(f"  supported: {', '.join(_versions.INSTRUMENTS)}; torch {torch.__version__} is {verified}")
         print(f"  patched: {fsdp_shim.is_patched()}")
-        if fsdp_shim.unsupported_reason is None:
-            from fsdp_shim._instrumentation import statuses  # noqa: PLC0415
-
-            for module, status in statuses().items():
-                print(f"  instrumentation {module}: {status}")
+        missing = _fsdp2_internals.missing_internals()
+        print(f"  FSDP2 internals read: {len(_fsdp2_internals.READS)}, "
+              f"{'all present' if not missing else 'MISSING ' + ', '.join(missing)}: "
+              f"{', '.join(_fsdp2_internals.READS)}")
+        for module, status in statuses().items():
+            print(f"  instrumentation {module}: {status}")
     print(f"fsdp-shim check: starting {args.ranks} ranks, then 6 scenarios...", flush=True)
     try:
         per_rank = run_on_ranks(check_on_rank, args.ranks, (args.device,), backend=_backend(args.device),

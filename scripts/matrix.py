@@ -5,6 +5,7 @@
     python scripts/matrix.py 2.7.0 2.14.1    # just these
     python scripts/matrix.py --remove-venvs  # free each venv's disk once its row is done
     python scripts/matrix.py --python python3.12 2.13.0   # venvs on another interpreter
+    python scripts/matrix.py --newest        # the newest torch pip can see: the canary for a new release
 
 One virtual environment per release under ``--cache`` (default
 ``~/.cache/fsdp-shim-matrix``), reused while it holds that exact release; the
@@ -12,7 +13,10 @@ project is reinstalled (editable, with its test extras) into it every run.
 Torch wheels are downloaded once into ``CACHE/wheels`` and installed from
 there, so a second run on the same machine downloads nothing. Registry builds
 of torch are CUDA builds: they import and run on the CPU once their
-``nvidia-*`` wheels are installed, a few GB per release.
+``nvidia-*`` wheels are installed, a few GB per release. Torch is resolved
+with any pip constraint lifted (``PIP_CONSTRAINT=/dev/null``): a machine
+whose pip config caps torch must still be able to test the release above
+the cap, which is the point of ``--newest``.
 
 Standard library only: it runs from any Python 3.10+, outside the venvs it builds.
 Exit status: 0 if every row passed, 1 otherwise.
@@ -117,6 +121,20 @@ def _venv_name(version: str, python_version: str) -> str:
     return f"torch-{version}" if same else f"torch-{version}-py{python_version}"
 
 
+#: pip's global constraint file, if any, lifted for the torch steps (see the module docstring).
+_UNCAPPED = {"PIP_CONSTRAINT": os.devnull}
+
+
+def newest_torch(interpreter: str = sys.executable) -> str:
+    """The newest torch release pip can see, with any constraint lifted (``pip index versions``)."""
+    proc = subprocess.run([interpreter, "-m", "pip", "index", "versions", "torch"], capture_output=True, text=True,
+                          env={**os.environ, **_UNCAPPED}, check=True)
+    match = re.search(r"^torch \(([^)]+)\)", proc.stdout, re.MULTILINE)
+    if match is None:
+        raise RuntimeError(f"pip index versions torch said nothing usable:\n{proc.stdout}{proc.stderr}")
+    return match.group(1)
+
+
 def run_release(version: str, cache: Path, logs: Path, pytest_args: list[str], timeout: float,
                 interpreter: str = sys.executable) -> Row:
     row = Row(version, python=_python_version(interpreter))
@@ -143,11 +161,11 @@ def run_release(version: str, cache: Path, logs: Path, pytest_args: list[str], t
                  f"torch=={version}"],
             ]
             for step in steps:
-                code, _ = _run(step, log, env)
+                code, _ = _run(step, log, {**env, **_UNCAPPED})
                 if code != 0:
                     row.pytest = row.check = f"install failed (exit {code})"
                     return row
-        code, _ = _run([str(python), "-m", "pip", "install", "--quiet", "-e", ".[test]"], log, env)
+        code, _ = _run([str(python), "-m", "pip", "install", "--quiet", "-e", ".[test]"], log, {**env, **_UNCAPPED})
         if code != 0:
             row.pytest = row.check = f"project install failed (exit {code})"
             return row
@@ -180,8 +198,11 @@ def print_table(rows: list[Row]) -> None:
 def main(argv: list[str] | None = None) -> int:
     versions = _versions_module()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("torch", nargs="*", default=list(versions.VERIFIED_TORCH),
-                        help="torch releases to run (default: every verified release)")
+    parser.add_argument("torch", nargs="*",
+                        help="torch releases to run (default: every verified release; with --newest alone, none)")
+    parser.add_argument("--newest", action="store_true",
+                        help="add the newest torch pip can see (any pip cap lifted): a new release shows up here "
+                             "as a row before a user reports it")
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "fsdp-shim-matrix",
                         help="venvs and downloaded wheels (default: ~/.cache/fsdp-shim-matrix)")
     parser.add_argument("--logs", type=Path, default=ROOT / ".matrix-logs",
@@ -194,9 +215,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="interpreter the venvs are built on (default: the one running this script)")
     args = parser.parse_args(argv)
     python_version = _python_version(args.python)
+    releases = list(args.torch) or ([] if args.newest else list(versions.VERIFIED_TORCH))
+    if args.newest:
+        newest = newest_torch(args.python)
+        print(f"matrix: the newest torch pip can see is {newest}", flush=True)
+        if newest not in releases:
+            releases.append(newest)
 
     rows: list[Row] = []
-    for version in args.torch:
+    for version in releases:
         print(f"matrix: torch {version} ...", flush=True)
         row = run_release(version, args.cache, args.logs, args.pytest_args.split(), args.timeout, args.python)
         rows.append(row)

@@ -24,6 +24,7 @@ def test_check_passes_and_prints_a_table():
     assert "6 passed, 0 failed" in result.stdout
     assert "generate() under summon(root, recurse=False)" in result.stdout
     assert "route=dtensor" in result.stdout and "torch " in result.stdout
+    assert "FSDP2 internals read: " in result.stdout and "all present: FSDPState._lazy_init" in result.stdout
 
 
 def test_bench_json_reports_every_contender_and_ratio():

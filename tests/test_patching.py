@@ -134,8 +134,9 @@ def test_help_and_version_do_not_import_torch():
 def test_versions_are_data_and_the_guard_reads_them():
     assert _versions.parse_version("2.13.0+cpu") == (2, 13, 0)
     assert _versions.parse_version("2.6.0a0+git1") == (2, 6, 0)
-    assert _versions.is_supported_torch("2.7.0") and _versions.is_supported_torch("2.14.1+cu130")
-    assert not _versions.is_supported_torch("2.6.0") and not _versions.is_supported_torch("2.15.0")
+    assert _versions.is_supported_torch("2.7.0") and _versions.is_supported_torch("2.15.0+cu132")
+    assert not _versions.is_supported_torch("2.6.0") and not _versions.is_supported_torch("2.16.0")
+    assert _versions.is_newer_than_supported("2.16.0") and not _versions.is_newer_than_supported("2.6.0")
     assert _versions.is_verified_torch("2.13.0+cpu") and not _versions.is_verified_torch("2.13.1")
     assert all(_versions.is_supported_torch(v) for v in _versions.VERIFIED_TORCH)
     assert fsdp_shim.unsupported_reason is None
@@ -155,38 +156,95 @@ def test_fsdp_shim_disable_takes_the_usual_truthy_spellings(value):
     assert _python(code, FSDP_SHIM_DISABLE="0") == "True"
 
 
-def test_guard_refuses_to_patch_without_the_internals_it_uses():
-    code = (
-        "import sys, logging; logging.basicConfig(level=logging.WARNING)\n"
-        "import torch.distributed.fsdp\n"
-        "sys.modules['torch.distributed.fsdp._fully_shard._fsdp_param_group'] = None\n"
-        "import fsdp_shim\n"
-        "print(fsdp_shim.is_patched(), fsdp_shim.unsupported_reason is not None)\n"
-        "try:\n"
-        "    fsdp_shim.summon_full_params(None)\n"
-        "except RuntimeError as exc:\n"
-        "    print('refused:', 'inactive' in str(exc))\n"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert result.stdout.split() == ["False", "True", "refused:", "True"]
-    assert "fsdp_shim is inactive" in result.stderr and "FSDP2 internals" in result.stderr
+# A summon of a real FSDP2 model (a world of one on gloo) under a faked torch: it gathers, or it
+# raises; it never returns FSDP1's silent no-op. See [Note: version policy].
+_SUMMON_UNDER_FAKED_TORCH = """
+import logging, sys
+logging.basicConfig(level=logging.WARNING)
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+torch.__version__ = {version!r}
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+from torch.distributed.tensor import DTensor
+for name in {remove!r}:
+    delattr(FSDPParamGroup, name)
+{before}
+import fsdp_shim
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+model = fully_shard(nn.Linear(4, 4))
+outcome = []
+try:
+    with FSDP.summon_full_params(model, writeback=False):
+        outcome.append("gathered" if not isinstance(model.weight, DTensor) else "no-op")
+except RuntimeError as exc:
+    outcome.append("refused")
+    print(exc, file=sys.stderr)
+with FSDP.summon_full_params(nn.Linear(2, 2)):  # a plain module: FSDP1's null context, never refused
+    outcome.append("plain")
+print(fsdp_shim.is_patched(), fsdp_shim.unsupported_reason is not None, *outcome)
+"""
 
 
-@pytest.mark.parametrize("version", ["2.6.0", "2.15.0"])
-def test_guard_refuses_a_torch_outside_the_supported_range_unless_allowed(version):
-    code = (
-        f"import torch; torch.__version__ = '{version}'; import fsdp_shim; "
-        "print(fsdp_shim.is_patched())"
+def _summon_under(version: str, remove: tuple[str, ...] = (), before: str = "", **env: str) -> tuple[str, str]:
+    code = _SUMMON_UNDER_FAKED_TORCH.format(version=version, remove=remove, before=before)
+    clean = {k: v for k, v in os.environ.items() if k != _versions.ALLOW_UNSUPPORTED_TORCH_ENV}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**clean, **env},
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip(), result.stderr
+
+
+def test_a_newer_torch_with_every_internal_present_is_served_with_a_warning():
+    out, err = _summon_under("2.16.0")
+    assert out == "True False gathered plain"
+    assert "torch 2.16.0 is newer than the verified" in err and "fsdp-shim check" in err
+
+
+def test_a_newer_torch_missing_an_internal_refuses_dtensor_summons_by_name():
+    out, err = _summon_under("2.16.0", remove=("_to_sharded",))
+    assert out == "True True refused plain"
+    assert "torch 2.16.0 lacks FSDP2 internals fsdp_shim reads: FSDPParamGroup._to_sharded" in err
+    assert "FSDP_SHIM_ALLOW_UNSUPPORTED_TORCH=1" in err and "silently do nothing" in err
+    # the override gathers anyway, and says so
+    out, err = _summon_under("2.16.0", remove=("_to_sharded",), FSDP_SHIM_ALLOW_UNSUPPORTED_TORCH="1")
+    assert out == "True False gathered plain" and "gathering although" in err
+
+
+def test_an_older_torch_refuses_dtensor_summons_unless_allowed():
+    out, err = _summon_under("2.6.0")
+    assert out == "True True refused plain"
+    assert "torch 2.6.0 is outside the supported torch >= 2.7, < 2.16" in err
+    other_rank = _summon_under("2.6.0", RANK="1")  # under torchrun: rank 0 speaks for the job
+    assert other_rank[0] == "True True refused plain" and "refuses DTensor summons" not in other_rank[1]
+    out, err = _summon_under("2.6.0", FSDP_SHIM_ALLOW_UNSUPPORTED_TORCH="1")
+    assert out == "True False gathered plain" and "gathering although" in err
+
+
+def test_internals_that_cannot_be_imported_refuse_dtensor_summons():
+    hide = "import torch.distributed.fsdp\nsys.modules['torch.distributed.fsdp._fully_shard._fsdp_state'] = None"
+    out, err = _summon_under(torch_version(), before=hide)
+    assert out == "True True refused plain"
+    assert "lacks the FSDP2 internals fsdp_shim uses" in err
+    refused = subprocess.run(
+        [sys.executable, "-c", "import sys, torch.distributed.fsdp\n"
+         "sys.modules['torch.distributed.fsdp._fully_shard._fsdp_state'] = None\n"
+         "import fsdp_shim\ntry:\n    fsdp_shim.summon_full_params(None)\n"
+         "except RuntimeError as exc:\n    print('refuses' in str(exc))"],
+        capture_output=True, text=True, check=True,
     )
-    env = {k: v for k, v in os.environ.items() if k != "FSDP_SHIM_ALLOW_UNSUPPORTED_TORCH"}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
-    assert result.stdout.strip() == "False"
-    assert f"torch {version} is outside the supported torch >= 2.7, < 2.15" in result.stderr
-    assert "FSDP_SHIM_ALLOW_UNSUPPORTED_TORCH=1" in result.stderr
-    other_rank = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                                env={**env, "RANK": "1"})  # under torchrun: rank 0 speaks for the job
-    assert other_rank.stdout.strip() == "False" and "outside the supported" not in other_rank.stderr
-    allowed = {**env, "FSDP_SHIM_ALLOW_UNSUPPORTED_TORCH": "1"}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=allowed)
-    assert result.stdout.strip() == "True"
-    assert "outside the supported" in result.stderr  # still said, loudly
+    assert refused.stdout.strip() == "True"  # the public API refuses too
+
+
+def test_the_internals_probe_lists_what_it_reads_and_finds_it_all_here():
+    from fsdp_shim import _fsdp2_internals as fsdp2
+
+    assert fsdp2.missing_internals() == []
+    assert "FSDPParamGroup._to_sharded" in fsdp2.READS and "FSDPParam.param_dtype or mp_policy" in fsdp2.READS
+
+
+def torch_version() -> str:
+    import torch
+
+    return torch.__version__

@@ -379,6 +379,29 @@ def test_units_left_unsharded_by_forward(dist_run):
     dist_run(2, rank_unsharded_units_are_summoned_from_master_weights)
 
 
+def rank_a_stale_unsharded_copy_is_never_served():
+    """A no_grad forward leaves units unsharded; an optimizer step then updates only the shards."""
+    ref, model = _models(reshard_after_forward=False)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    tokens = tokens_for(LMConfig())
+    for m in (model, ref):
+        m(tokens).pow(2).mean().backward()
+    with torch.no_grad():
+        model(tokens)  # every unit unsharded again, holding the pre-step values
+    assert not isinstance(model.embed.weight, DTensor)
+    opt.step()
+    ref_opt.step()
+    with patched():
+        with FSDP.summon_full_params(model, writeback=True):  # 0.4.3 served (and wrote back) the stale copy
+            assert_params_equal(model, ref)
+        with FSDP.summon_full_params(model, writeback=False):
+            assert_params_equal(model, ref)
+
+
+def test_a_stale_unsharded_copy_is_never_served(dist_run):
+    dist_run(2, rank_a_stale_unsharded_copy_is_never_served)
+
+
 def rank_parameter_replaced_before_first_forward_is_adopted(forward_inside: bool):
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -587,16 +610,16 @@ def test_writeback_of_a_reshaped_parameter_fails_cleanly(dist_run):
 
 
 def rank_summon_between_forward_and_backward_copies_units_left_unsharded(writeback: bool):
-    """Units a forward left unsharded (fp32) are copied, not gathered; resharded after, as FSDP2's state_dict()."""
+    """Units a forward left unsharded are resharded on entry, as FSDP2's state_dict(), and gathered from the shards."""
     ref, model = _models(reshard_after_forward=False)
     tokens = tokens_for(LMConfig())
-    loss = model(tokens).pow(2).mean()  # every unit now unsharded, fp32: exact copies of the shards
+    loss = model(tokens).pow(2).mean()  # every unit now unsharded, fp32
     in_slots = {n: p for n, p in model.named_parameters()}
     assert not any(isinstance(p, DTensor) for p in in_slots.values())
     sharded = {n: fp for n, fp in _sharded_params(model)}
     with patched(), FSDP.summon_full_params(model, writeback=writeback):
         assert_params_equal(model, ref)
-        assert all(p is not in_slots[n] for n, p in model.named_parameters())  # copies: edits stay ours
+        assert all(p is not in_slots[n] for n, p in model.named_parameters())  # ours: edits stay ours
         with torch.no_grad():
             model.norm.bias.add_(1.0)
     assert all(p is sharded[n] for n, p in _sharded_params(model))
