@@ -30,6 +30,7 @@ import threading
 from types import ModuleType
 from typing import Any, ClassVar
 
+import torch.nn as nn
 import wrapt
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
@@ -40,17 +41,24 @@ logger = logging.getLogger("fsdp_shim")
 
 
 class Instrumentation:
-    """One client module's adaptation. Subclasses fill in the class attributes and ``_apply``/``_undo``."""
+    """One client module's adaptation. Subclasses fill in the class attributes and ``_apply``/``_undo``.
+
+    ``binders`` names modules that bind one of the instrumented module's
+    names by ``from ... import name`` (a copy of the reference, taken at
+    their import): ``_rebind`` is offered each of them, imported before the
+    instrumentation or after, while it is applied.
+    """
 
     name: ClassVar[str]
     module: ClassVar[str]
     upstream: ClassVar[str]
     expects: ClassVar[tuple[str, ...]] = ()
+    binders: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._wanted = False
-        self._hook_registered = False
+        self._pending: set[str] = set()  # module names with a post-import hook registered and not yet fired
         self._applied_to: ModuleType | None = None
         self.status = "not instrumented"
 
@@ -67,12 +75,29 @@ class Instrumentation:
             self._wanted = True
             if self._applied_to is None:
                 self.status = f"waiting for import of {self.module}"
-            register = not self._hook_registered
-            self._hook_registered = True
-        if register:  # wrapt keeps hooks for the process; ours checks _wanted when it fires
-            wrapt.when_imported(self.module)(self._on_import)
-        elif self.module in sys.modules:
-            self._on_import(sys.modules[self.module])
+        self._watch(self.module, self._on_import)
+        for binder in self.binders:
+            self._watch(binder, self._on_binder_import)
+
+    def _watch(self, name: str, callback: Any) -> None:
+        """Call ``callback(module)`` now if ``name`` is imported, else when it is.
+
+        wrapt fires a post-import hook once and forgets it, so a hook is
+        registered whenever none is pending: a module imported again (after
+        ``sys.modules`` lost it) is seen again. A hook that fires for nothing
+        (not wanted any more, or already applied) returns at once.
+        """
+        with self._lock:
+            if name in self._pending:
+                return  # no-op: a hook is waiting for this import already
+            self._pending.add(name)
+
+        def fired(module: ModuleType) -> None:
+            with self._lock:
+                self._pending.discard(name)
+            callback(module)
+
+        wrapt.when_imported(name)(fired)
 
     def uninstrument(self) -> None:
         with self._lock:
@@ -92,20 +117,40 @@ class Instrumentation:
                 self.status = f"skipped: {problem}"
                 _diagnostics.log_warning("fsdp_shim: not instrumenting %s: %s", self.module, problem)
                 return
+            unneeded = self._not_needed(module)
+            if unneeded is not None:
+                self.status = f"not needed: {unneeded}"
+                logger.debug("not instrumenting %s: %s", self.module, unneeded)
+                return
             self._apply(module)
             self._applied_to = module
+            for binder in self.binders:
+                if binder in sys.modules:
+                    self._rebind(sys.modules[binder])
             self.status = f"instrumented ({self.upstream})"
             logger.debug("instrumented %s", self.module)
+
+    def _on_binder_import(self, binder: ModuleType) -> None:
+        with self._lock:
+            if self._applied_to is not None:
+                self._rebind(binder)
 
     def _mismatch(self, module: ModuleType) -> str | None:
         missing = [name for name in self.expects if not hasattr(module, name)]
         return f"it has no {', '.join(missing)}" if missing else None
+
+    def _not_needed(self, module: ModuleType) -> str | None:
+        """Why the installed module needs no adaptation (it already serves FSDP2), or None."""
+        return None
 
     def _apply(self, module: ModuleType) -> None:
         raise NotImplementedError
 
     def _undo(self, module: ModuleType) -> None:
         raise NotImplementedError
+
+    def _rebind(self, binder: ModuleType) -> None:
+        """Point ``binder``'s copies of instrumented names at the adapted ones (called under the lock)."""
 
 
 class FSDPUnitGate(wrapt.ObjectProxy):  # type: ignore[misc]
@@ -176,7 +221,95 @@ class ComposeRLWeightSync(Instrumentation):
         wrapt.unwrap_object(module, "build_param_fullnames", self._names_handle, missing_ok=True)
 
 
-INSTRUMENTATIONS: tuple[Instrumentation, ...] = (ComposeRLWeightSync(),)
+def _holds_fsdp2_unit(model: Any) -> bool:
+    """Composer main's rule (mosaicml/composer #3907) for FSDP2: the model or a direct child is an ``FSDPModule``."""
+    return isinstance(model, nn.Module) and any(isinstance(m, FSDPModule) for m in (model, *model.children()))
+
+
+def _fsdp2_aware_gate(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``is_model_fsdp``: the installed answer, or True where Composer main would say FSDP2."""
+    if wrapped(*args, **kwargs):
+        return True
+    model = args[0] if args else kwargs.get("model")
+    return _holds_fsdp2_unit(model)
+
+
+def _recognises_fsdp2(gate: Any) -> bool:
+    """Ask the installed gate, once, about a tiny module shaped as ``fully_shard`` leaves one.
+
+    ``fully_shard`` swaps a module's class for a subclass of ``FSDPModule``; so
+    does this probe, with no process group and no parameters. The gate must
+    say True for the unit itself and for a parent holding it as a direct
+    child, as Composer main's does. Decided by behaviour, never by version.
+    """
+    unit = nn.Module()
+    unit.__class__ = type("FSDPProbe", (FSDPModule, nn.Module), {})
+    try:
+        return bool(gate(unit)) and bool(gate(nn.Sequential(unit)))
+    except Exception:  # noqa: BLE001  (a gate that cannot answer does not recognise FSDP2)
+        return False
+
+
+class ComposerFSDPGate(Instrumentation):
+    """Composer's ``is_model_fsdp`` gate: True for FSDP2 models too, as Composer main answers.
+
+    Read at mosaicml/composer v0.32.1, ``composer/utils/misc.py`` (the newest
+    release; llm-foundry 0.22, which compose-rl's pins resolve to, requires
+    ``mosaicml>=0.32.1,<0.33``): ``is_model_fsdp`` imports FSDP1's class inside
+    the function and answers True only for the model or a direct child that
+    is an FSDP1 ``FullyShardedDataParallel``. Composer main (#3907) also
+    accepts ``FSDPModule``. Every summon behind the gate is then skipped on
+    FSDP2: Composer's own ``HuggingFaceModel.generate`` and, at
+    databricks/compose-rl ae56991 (main), the policy's and the backbone's
+    ``generate`` and the reward model's ``mask_last_embed_except_eos``.
+
+    - Where the installed gate already recognises FSDP2 (``_recognises_fsdp2``),
+      nothing changes.
+    - Otherwise the function is wrapped (wrapt) to add #3907's answer; the
+      gate has no module global to swap, since it imports the class inside.
+    - ``from composer.utils import is_model_fsdp`` binds a copy of the
+      reference in each importer: the re-export ``composer.utils``,
+      ``composer.models.huggingface`` and compose-rl's three modules are
+      rebound if imported first, and get the wrapper if imported after.
+    """
+
+    name = "composer"
+    module = "composer.utils.misc"
+    upstream = "mosaicml/composer v0.32.1: is_model_fsdp, answered as main's #3907"
+    expects = ("is_model_fsdp",)
+    binders = (
+        "composer.utils",
+        "composer.models.huggingface",
+        "compose_rl.algorithms.online.hf_utils",
+        "compose_rl.algorithms.online.model",
+        "compose_rl.algorithms.reward_modeling.model",
+    )
+    _GATE = "is_model_fsdp"
+
+    def _not_needed(self, module: ModuleType) -> str | None:
+        if _recognises_fsdp2(getattr(module, self._GATE)):
+            return "the installed is_model_fsdp recognises FSDP2 already (Composer with #3907)"
+        return None
+
+    def _apply(self, module: ModuleType) -> None:
+        self._original = getattr(module, self._GATE)
+        self._handle = wrapt.wrap_function_wrapper(module, self._GATE, _fsdp2_aware_gate)
+        self._rebound: list[ModuleType] = []
+
+    def _rebind(self, binder: ModuleType) -> None:
+        if getattr(binder, self._GATE, None) is self._original:
+            setattr(binder, self._GATE, self._handle)
+            self._rebound.append(binder)
+
+    def _undo(self, module: ModuleType) -> None:
+        for binder in self._rebound:
+            if getattr(binder, self._GATE, None) is self._handle:
+                setattr(binder, self._GATE, self._original)
+        self._rebound.clear()
+        wrapt.unwrap_object(module, self._GATE, self._handle, missing_ok=True)
+
+
+INSTRUMENTATIONS: tuple[Instrumentation, ...] = (ComposeRLWeightSync(), ComposerFSDPGate())
 
 
 def instrument_all() -> None:

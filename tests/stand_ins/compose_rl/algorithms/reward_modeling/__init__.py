@@ -1,0 +1,1 @@
+"""Stand-in for compose-rl's reward modeling package."""

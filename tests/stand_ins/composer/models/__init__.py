@@ -1,0 +1,5 @@
+"""Stand-in for ``composer.models``."""
+
+from composer.models.huggingface import HuggingFaceModel
+
+__all__ = ["HuggingFaceModel"]
