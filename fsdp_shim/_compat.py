@@ -39,7 +39,14 @@ except ImportError:  # pragma: no cover - a future torch without it
 _TORCH = parse_version(torch.__version__)
 
 #: ``all_gather_into_tensor`` was renamed ``all_gather_single`` in 2.13.
-all_gather_single: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+
+
+def all_gather_single(*args: Any, **kwargs: Any) -> Any:
+    """``dist.all_gather_single`` (``all_gather_into_tensor`` before 2.13), looked up on ``torch.distributed``
+    at each call, as ``dist.isend``/``dist.irecv`` are: whatever wraps the boundary (a tracer, the tests'
+    fault injection) sees the shim's collectives too."""
+    return getattr(dist, _ALL_GATHER)(*args, **kwargs)
 
 
 def is_dim0_shard(placement: Placement) -> bool:

@@ -216,6 +216,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
+from fsdp_shim import _diagnostics
 from fsdp_shim._compat import (
     WRITABLE_PARTIAL_OPS,
     all_gather_single,
@@ -443,14 +444,40 @@ def _comm_device(dtensor: DTensor) -> torch.device:
 Receiver = Literal["all", "group_rank0", "global_rank0"]
 
 
+#: ``FSDP_SHIM_TRANSPORT``: ``auto`` (the default: point to point on gloo, the
+#: all-gather elsewhere) or ``all_gather`` (the collective everywhere: on gloo,
+#: the path NCCL users take, which CI's second pass of the suite runs). Read at
+#: import; ``set_transport`` changes it.
+TRANSPORT_ENV = "FSDP_SHIM_TRANSPORT"
+TRANSPORTS = ("auto", "all_gather")
+_transport = "auto"
+
+
+def set_transport(transport: str) -> str:
+    """Choose the transport (``TRANSPORTS``); returns the previous one. Not for use while a gather runs."""
+    global _transport
+    if transport not in TRANSPORTS:
+        raise ValueError(f"{TRANSPORT_ENV} must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+    previous, _transport = _transport, transport
+    return previous
+
+
+def _transport_from_env() -> None:
+    value = os.environ.get(TRANSPORT_ENV, "").strip().lower() or "auto"
+    try:
+        set_transport(value)
+    except ValueError as exc:
+        _diagnostics.log_warning("fsdp_shim: %s; using auto", exc)
+
+
 def moves_point_to_point(group: dist.ProcessGroup) -> bool:
     """Whether buckets on ``group`` move by point-to-point messages rather than by a collective.
 
     gloo: measured faster for every receiver, one or all (see [Note: point
-    to point]). Elsewhere (NCCL) the all-gather stays, as FSDP1 and FSDP2
-    do: nobody has measured there yet.
+    to point]), unless the transport is ``all_gather``. Elsewhere (NCCL) the
+    all-gather stays, as FSDP1 and FSDP2 do: nobody has measured there yet.
     """
-    return dist.get_backend(group) == "gloo"
+    return _transport == "auto" and dist.get_backend(group) == "gloo"
 
 
 class _Waitable(Protocol):
@@ -1168,3 +1195,6 @@ def _local_value(dtensor: DTensor, full: torch.Tensor) -> torch.Tensor:
         if op == "sum" and mesh.get_local_rank(dim) != 0:
             value = torch.zeros_like(value)
     return value
+
+
+_transport_from_env()

@@ -14,11 +14,31 @@ nothing changed if it fails part way:
    every slot of its parameter (ties stay one object); fully summoned groups
    are marked (see [Note: summoned groups] in ``_fsdp2_internals``); forward
    hooks are installed.
-Exit, always, also when the body raised (as FSDP1 does, writeback happens
-then too): hooks off, every slot gets back the exact object it held and every
-mark is undone, conversions made inside are replayed on the shards (see
-[Note: conversions inside]), then writeback if asked (local copies into the
-original shards, see [Note: writeback needs no collective]).
+Exit, always, also when the body raised: hooks off, every slot gets back
+the exact object it held and every mark is undone, conversions made inside
+are replayed on the shards (see [Note: conversions inside]), then writeback
+if asked (local copies into the original shards, see [Note: writeback needs
+no collective]) and if the body ran: as FSDP1 does, after a body that
+raised too, but never after a fault before the body (see [Note: faults]).
+
+[Note: faults]
+Two rules, FSDP1's for the body and a stricter one for entry:
+- A failure before the body runs (a gather error or timeout, a peer that
+  stalls or dies, an exception or ``KeyboardInterrupt`` in a send, receive
+  or all-gather, on one rank or all) writes nothing: the slots get their
+  objects back, marks and hooks are undone, and the shards stay
+  bit-identical, whatever ``writeback`` says. The full tensors may hold
+  values that never arrived (the swap runs while the last bucket is in
+  flight, see [Note: values arriving] in ``_gather``), so they are never
+  read. 0.4.3 wrote them back: a stalled peer left uninitialised memory
+  (up to 1.7e38) in the training weights.
+- A failure inside the body (the body reached means every value arrived)
+  keeps FSDP1's rule: writeback still applies to the edits made there, all
+  or nothing (see [Note: exit checks]), and the body's exception propagates.
+After a one-sided fault the process group is out of step (the other ranks'
+matching collective is still posted, or timed out): as with FSDP1 and
+FSDP2, the next collective on it may hang or time out. The README's
+Troubleshooting says what to do.
 
 [Note: units left unsharded]
 FSDP2 leaves the root unsharded after forward, and every unit with
@@ -503,6 +523,12 @@ def _refuse_before_anything(module: nn.Module, scope: Scope, writeback: bool, th
                     "summoned by a context in another thread. Use one thread per rank for collectives."
                 )
         sharded = entry.sharded()
+        if sharded.device.type == "meta":  # FSDP2's lazy init would fail half way and leave its state broken
+            raise RuntimeError(
+                f"summon_full_params({_module_label(module)}) refused: {_slot_fqn(module, entry.slots[0])!r} is "
+                "still on the meta device. Materialise the model first (model.to_empty(device=...), then "
+                "initialise its parameters); nothing was changed."
+            )
         placements = getattr(sharded, "placements", ())
         reason = ungatherable_reason(placements)
         if reason is None and writeback:
@@ -606,6 +632,7 @@ def _summoned(
         arrival.wait()
         raise
     swap = _Swap(scope, writeback)
+    body_ran = False  # See [Note: faults]
     try:
         if keep:
             swap.swap_in(dtensors, gathered, grads)
@@ -622,6 +649,7 @@ def _summoned(
                 "(rank0_only=%s, full tensors on this rank=%s)", _module_label(module), len(dtensors),
                 nbytes / 2**20, (time.perf_counter() - started) * 1e3, rank0_only, keep,
             )
+        body_ran = True
         yield
     finally:
         try:
@@ -632,7 +660,7 @@ def _summoned(
                 swap.inspect()
                 swap.restore()
                 swap.replay_conversions()
-                if writeback:
+                if writeback and body_ran:
                     swap.write_back(with_grads)
             finally:
                 swap.forget()

@@ -181,8 +181,12 @@ def rank_without_the_instrumentation_the_clients_fail(case: str, how: str):
         tokens = torch.randint(0, 53, (2, 5), generator=torch.Generator().manual_seed(1))
         # the gate said no, so the client's code met DTensors: the failures measured on mosaicml 0.32.1
         if case == "reward":
-            with pytest.raises(NotImplementedError, match="aten.fill_.Tensor does not have a sharding strategy"):
+            try:
                 _gated_call(case, client, tokens)
+            except NotImplementedError as exc:
+                assert "aten.fill_.Tensor does not have a sharding strategy" in str(exc)
+            else:
+                return "DTensor has a rule for aten.fill_.Tensor here"  # torch >= 2.15: the mask runs sharded
         else:
             with pytest.raises(RuntimeError, match="got mixed torch.Tensor and DTensor"):
                 _gated_call(case, client, tokens)
@@ -196,7 +200,9 @@ def rank_without_the_instrumentation_the_clients_fail(case: str, how: str):
 @pytest.mark.parametrize("how", ["instrumentation off", "unpatched"])
 @pytest.mark.parametrize("case", ["reward", "policy", "huggingface"])
 def test_without_the_instrumentation_the_clients_fail(dist_run, case, how):
-    dist_run(2, rank_without_the_instrumentation_the_clients_fail, case, how)
+    outcome = dist_run(2, rank_without_the_instrumentation_the_clients_fail, case, how)[0]
+    if outcome is not None:
+        pytest.skip(f"torch {torch.__version__}: {outcome}, so without the summon nothing fails to observe")
 
 
 def rank_gate_round_trip():

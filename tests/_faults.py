@@ -1,0 +1,118 @@
+"""Fault injection at the ``torch.distributed`` boundary, for the tests (imported inside spawned ranks).
+
+Faults are injected where any caller meets c10d, never in the shim's own
+functions, so they survive refactors of the gather engine: ``isend``,
+``irecv`` and the all-gather (``all_gather_single``, ``all_gather_into_tensor``
+before torch 2.13) are wrapped on ``torch.distributed`` for the duration of
+a ``with inject(...)`` block. The shim looks all three up there at each call.
+
+Also here: a process group with a short timeout (so a one-sided fault ends in
+seconds, not the pool's minutes), and the checks every fault test makes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import itertools
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+from torch.distributed.tensor import DTensor
+
+from fsdp_shim import _fsdp2_internals as fsdp2
+from fsdp_shim import _gather, _registry
+
+#: The operations ``inject`` can fail, each the names it wraps on ``torch.distributed``.
+OPERATIONS = {
+    "isend": ("isend",),
+    "irecv": ("irecv",),
+    "all_gather": ("all_gather_single", "all_gather_into_tensor"),
+}
+
+
+class InjectedFault(RuntimeError):
+    """What an injected fault raises (unless the test asks for another exception)."""
+
+
+@contextlib.contextmanager
+def inject(operation: str, *, after: int = 0, exception: type[BaseException] = InjectedFault) -> Iterator[list[int]]:
+    """Make the ``after + 1``-th call of ``operation`` on this rank raise ``exception``, before it reaches c10d.
+
+    Yields a one-element list: how many calls of ``operation`` were made.
+    """
+    calls = [0]
+    originals = {name: getattr(dist, name) for name in OPERATIONS[operation] if hasattr(dist, name)}
+
+    def wrap(original):
+        def faulty(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == after + 1:
+                raise exception(f"injected fault in {operation} (call {calls[0]})")
+            return original(*args, **kwargs)
+
+        return faulty
+
+    for name, original in originals.items():
+        setattr(dist, name, wrap(original))
+    try:
+        yield calls
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+@contextlib.contextmanager
+def transport(name: str) -> Iterator[None]:
+    """The gather engine's transport for a while: ``auto`` (gloo: point to point) or ``all_gather`` (NCCL's path)."""
+    previous = _gather.set_transport(name)
+    try:
+        yield
+    finally:
+        _gather.set_transport(previous)
+
+
+_meshes_made = itertools.count()
+
+
+def short_timeout_mesh(seconds: float = 3.0) -> DeviceMesh:
+    """A 1-D CPU mesh on a fresh process group of every rank whose collectives time out after ``seconds``.
+
+    A collective: every rank calls it. A fault leaves its group out of step,
+    so each test takes a new one and never uses it again. Each gets a dim
+    name of its own: torch maps meshes that compare equal (same ranks and
+    shape, no names) to one another, so a second nameless mesh's DTensors
+    ended up on the first mesh's (broken) group.
+    """
+    group = dist.new_group(list(range(dist.get_world_size())), timeout=datetime.timedelta(seconds=seconds))
+    return DeviceMesh.from_group(group, "cpu", mesh_dim_names=(f"faults{next(_meshes_made)}",))
+
+
+def local_shards(model: nn.Module) -> dict[str, tuple[nn.Parameter, torch.Tensor]]:
+    """Every parameter object and a copy of its local shard (of its value, for plain tensors)."""
+    return {
+        name: (p, (p._local_tensor if isinstance(p, DTensor) else p).detach().clone())
+        for name, p in model.named_parameters()
+    }
+
+
+def assert_untouched(model: nn.Module, before: dict[str, tuple[nn.Parameter, torch.Tensor]]) -> None:
+    """The rule of [Note: faults]: same objects, bit-identical shards, FSDP2 idle and sharded, no registry entry."""
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys()
+    for name, (param, shard) in before.items():
+        assert after[name] is param, f"{name}: parameter object replaced"
+        local = param._local_tensor if isinstance(param, DTensor) else param
+        assert torch.equal(local.view(torch.uint8) if local.numel() else local,
+                           shard.view(torch.uint8) if shard.numel() else shard), f"{name}: shard bits changed"
+    for module in model.modules():
+        state = fsdp2.fsdp_state_of(module)
+        for group in fsdp2.param_groups(state) if state is not None else []:
+            assert group.is_sharded, f"{type(module).__name__}: FSDP2 group not sharded"
+            assert group._training_state == TrainingState.IDLE, f"{type(module).__name__}: FSDP2 group busy"
+    assert not _registry._slots and not _registry._fulls and not _registry._groups and not _registry._depth, (
+        "registry entries left behind")
