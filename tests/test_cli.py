@@ -189,11 +189,9 @@ def test_cli_usage_errors_are_one_line():
 
 
 def test_cuda_without_cuda_says_so_in_one_line():
-    import torch
-
-    if torch.cuda.is_available():
-        return  # the GPU machine: nothing to refuse
-    result = _run(sys.executable, "-m", "fsdp_shim", "check", "--device", "cuda", timeout=120)
+    # CUDA_VISIBLE_DEVICES="" hides any GPU, so a GPU machine checks the refusal too
+    result = subprocess.run([sys.executable, "-m", "fsdp_shim", "check", "--device", "cuda"], capture_output=True,
+                            text=True, env={**ENV, "CUDA_VISIBLE_DEVICES": ""}, timeout=120)
     assert result.returncode == 2 and "no usable CUDA device" in result.stderr
     assert "Traceback" not in result.stderr
 

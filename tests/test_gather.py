@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from _faults import transport
 from _helpers import mesh1d, direct_always
 from fsdp_shim._compat import STRIDED_SHARD_FULL_TENSOR_BROKEN
 from fsdp_shim._gather import (
@@ -68,14 +69,18 @@ def rank_bucket_boundaries():
     # uneven and empty shards (dim 0 smaller than the world size)
     uneven = [((1, 3), torch.float32, s0), ((world + 1,), torch.float32, s0), ((97, 5), torch.float32, s0)]
     assert _check_roundtrip(uneven, 1 << 20) == ([[0, 1, 2]], [])
-    # on gloo a tensor with at least 1 MiB of shard a rank travels alone, sent direct, under any cap
+    # point to point (gloo's transport), a tensor with at least 1 MiB of shard a rank travels alone, sent
+    # direct, under any cap; the all-gather (NCCL's) keeps it with the others under the cap
     alone = [((4,), torch.float32, s0), ((world * 256, 1024), torch.float32, s0), ((4,), torch.float32, s0)]
-    assert _check_roundtrip(alone, 64 << 20) == ([[0, 2], [1]], [])
-    flights = start_gather(_tensors(alone)[1], bucket_bytes=64 << 20)._flights
-    assert [f.padded_fulls is not None for f in flights] == [False, True]
-    for flight in flights:
-        flight.work.wait()
-    with direct_always():  # [Note: point to point]: every shard straight into every rank's full tensors
+    with transport("all_gather"):
+        assert _check_roundtrip(alone, 64 << 20) == ([[0, 1, 2]], [])
+    with transport("auto"):
+        assert _check_roundtrip(alone, 64 << 20) == ([[0, 2], [1]], [])
+        flights = start_gather(_tensors(alone)[1], bucket_bytes=64 << 20)._flights
+        assert [f.padded_fulls is not None for f in flights] == [False, True]
+        for flight in flights:
+            flight.work.wait()
+    with transport("auto"), direct_always():  # [Note: point to point]: every shard straight into every rank's full tensors
         assert _check_roundtrip(uneven, 1 << 20) == ([[0, 1, 2]], [])
         assert _check_roundtrip(mixed, 1 << 20) == ([[0, 3], [1], [2]], [])
         assert _check_roundtrip(big, cap) == ([[0, 2], [1], [3]], [])
@@ -193,14 +198,21 @@ def rank_receivers_deliver_to_exactly_the_ranks_named():
     """[Note: point to point]: group rank 0 of each shard group, or global rank 0 alone (others skip)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp_shim._gather import moves_point_to_point, start_gather
+    from fsdp_shim._gather import moves_point_to_point
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
     fulls = [torch.randn(shape) for shape in ((5, 3), (4,), (64, 8), (1, 2))]  # uneven, tiny, solo-sized
     dtensors = [distribute_tensor(f.clone(), mesh, [Replicate(), Shard(0)]) for f in fulls]
     shard_rank = mesh.get_local_rank("shard")
-    assert moves_point_to_point(mesh.get_group("shard"))  # gloo
+    with transport("auto"):
+        assert moves_point_to_point(mesh.get_group("shard"))  # gloo
+        _deliver_to_exactly_the_ranks_named(mesh, fulls, dtensors, shard_rank)
+
+
+def _deliver_to_exactly_the_ranks_named(mesh, fulls, dtensors, shard_rank):
+    from fsdp_shim._gather import start_gather
+
     for receiver, keeps in (("all", True), ("group_rank0", shard_rank == 0), ("global_rank0", dist.get_rank() == 0)):
         with direct_always():  # every bucket sent direct, straight into the receivers' full tensors
             got, _ = gather_full_tensors(dtensors, keep=keeps, receiver=receiver, bucket_bytes=300)
@@ -247,23 +259,23 @@ def test_receivers_deliver_to_exactly_the_ranks_named(dist_run):
 
 
 # --------------------------------------------------------------------------- staged, then launched
-def rank_staged_buckets_launch_later_and_in_order():
+def rank_staged_buckets_launch_later_and_in_order(how: str):
     """[Note: staged, then launched]: a staged gather moves nothing until launched; order and values hold."""
     specs = [((37, 5), torch.float32, [Shard(0)]), ((64, 3), torch.float32, [Shard(0)]), ((9,), torch.float32, [Shard(0)])]
     fulls, dtensors = _tensors(specs)
     for receiver in ("all", "global_rank0"):
         for forced in (False, True):
-            with direct_always() if forced else contextlib.nullcontext():
+            with transport(how), direct_always() if forced else contextlib.nullcontext():
                 first = start_gather(dtensors[:2], cast_to=torch.bfloat16, bucket_bytes=64, receiver=receiver)
                 staged = start_gather(dtensors[1:], bucket_bytes=1 << 20, receiver=receiver, launch=False)
-                # staged: no collective posted yet; point-to-point messages go at once
-                assert all(f.work is None if f.launch is not None else f.work is None or isinstance(f.work, _AllOf)
-                           for f in staged._flights)
-                if forced and receiver == "global_rank0":  # every bucket point to point, already moving
-                    assert all(isinstance(f.work, _AllOf) for f in staged._flights)
+                if how == "all_gather":  # staged: every bucket's collective waits for launch(), none posted
+                    assert all(f.launch is not None and f.work is None for f in staged._flights)
+                else:  # point to point: outside the collective order, every bucket's messages go at once
+                    assert all(f.launch is None and isinstance(f.work, _AllOf) for f in staged._flights)
                 keeps = receiver == "all" or dist.get_rank() == 0
                 got_first = first.finish(keep=keeps)
                 staged.launch()
+                assert all(f.launch is None and f.work is not None for f in staged._flights)
                 got_staged = staged.finish(keep=keeps)
             if keeps:
                 for full, got in zip(fulls[:2], got_first):
@@ -272,6 +284,11 @@ def rank_staged_buckets_launch_later_and_in_order():
                     assert torch.equal(got, full)
             else:
                 assert got_first == [None, None] and got_staged == [None, None]
+    with transport(how):
+        _launched_then_dropped(dtensors, fulls)
+
+
+def _launched_then_dropped(dtensors, fulls):
     again = start_gather(dtensors, receiver="all")
     for flight in again._flights:  # a gloo message's work waited for twice would block forever
         assert flight.work is not None and flight.work.wait() and flight.work.wait()
@@ -281,23 +298,24 @@ def rank_staged_buckets_launch_later_and_in_order():
     assert [torch.equal(g, f) for g, f in zip(gather_full_tensors(dtensors).tensors, fulls)] == [True] * 3
 
 
+@pytest.mark.parametrize("how", ["auto", "all_gather"])
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_staged_buckets_launch_later_and_in_order(dist_run, world_size):
-    dist_run(world_size, rank_staged_buckets_launch_later_and_in_order)
+def test_staged_buckets_launch_later_and_in_order(dist_run, world_size, how):
+    dist_run(world_size, rank_staged_buckets_launch_later_and_in_order, how)
 
 
 # --------------------------------------------------------------------------- values arriving
-def rank_last_bucket_handed_out_before_its_values():
+def rank_last_bucket_handed_out_before_its_values(how: str):
     """[Note: values arriving]: the last bucket's full tensors exist at once; ``Arrival.wait()`` fills them."""
     specs = [((37, 5), torch.float32, [Shard(0)]), ((9,), torch.float32, [Shard(0)]), ((6, 2), torch.float32, [Shard(0)])]
     fulls, dtensors = _tensors(specs)
     for direct, receiver in ((False, "all"), (True, "all"), (False, "group_rank0"), (True, "group_rank0")):
         keep = receiver == "all" or dist.get_rank() == 0
-        with direct_always() if direct else contextlib.nullcontext():
+        with transport(how), direct_always() if direct else contextlib.nullcontext():
             (got, _), arrival = start_full_tensors(dtensors, keep=keep, receiver=receiver)
         pending = arrival._work
-        if keep:  # packed: empty until the copy-out, which waits; direct: the messages' own destinations
-            assert isinstance(pending, _AllOf if direct else _CopiedOut), (direct, receiver)
+        if keep:  # packed or all-gathered: empty until the copy-out, which waits; direct: the messages' destinations
+            assert isinstance(pending, _AllOf if direct and how == "auto" else _CopiedOut), (direct, receiver)
             assert [g.shape for g in got] == [f.shape for f in fulls]
         else:
             assert got == [None] * 3 and pending is None
@@ -306,5 +324,34 @@ def rank_last_bucket_handed_out_before_its_values():
         assert all(g is None or torch.equal(g, f) for g, f in zip(got, fulls))
 
 
-def test_last_bucket_handed_out_before_its_values(dist_run):
-    dist_run(3, rank_last_bucket_handed_out_before_its_values)
+@pytest.mark.parametrize("how", ["auto", "all_gather"])
+def test_last_bucket_handed_out_before_its_values(dist_run, how):
+    dist_run(3, rank_last_bucket_handed_out_before_its_values, how)
+
+
+# --------------------------------------------------------------------------- transports
+def rank_each_transport_moves_what_it_says(how: str):
+    """gloo's point to point sends messages and no collective; the all-gather (NCCL's path) the reverse."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    import fsdp_shim
+    from _faults import inject
+    from _helpers import assert_params_equal, build_lm, patched, shard_lm
+
+    ref, model = build_lm(), shard_lm(build_lm())
+    never = 10**9
+    with patched(), transport(how), inject("isend", after=never) as sends, inject("irecv", after=never) as receives, \
+            inject("all_gather", after=never) as gathers:
+        with FSDP.summon_full_params(model, writeback=False):
+            assert_params_equal(model, ref)
+        streamed = dict(fsdp_shim.iter_full_params(model, rank0_only=False))
+    assert all(torch.equal(streamed[n], p) for n, p in ref.named_parameters())
+    if how == "auto":
+        assert sends[0] > 0 and receives[0] > 0 and gathers[0] == 0, (sends, receives, gathers)
+    else:
+        assert gathers[0] > 0 and sends[0] == receives[0] == 0, (sends, receives, gathers)
+
+
+@pytest.mark.parametrize("how", ["auto", "all_gather"])
+def test_each_transport_moves_what_it_says(dist_run, how):
+    dist_run(2, rank_each_transport_moves_what_it_says, how)

@@ -34,10 +34,13 @@ def rank_threads_never_share_a_context():
     errors: list[BaseException] = []
 
     def outer():
-        with FSDP.summon_full_params(model, writeback=False):
-            entered.set()
-            release.wait(30)
-            assert torch.equal(model.blocks[0].fc1.weight, ref.blocks[0].fc1.weight)
+        try:
+            with FSDP.summon_full_params(model, writeback=False):
+                entered.set()
+                release.wait(30)
+                assert torch.equal(model.blocks[0].fc1.weight, ref.blocks[0].fc1.weight)
+        except BaseException as exc:  # noqa: BLE001  (an assert in a thread only reaches threading.excepthook)
+            errors.append(exc)
 
     with patched():
         holder = threading.Thread(target=outer)
@@ -52,6 +55,7 @@ def rank_threads_never_share_a_context():
             errors.append(exc)
         release.set()
         holder.join(30)
+        assert not holder.is_alive(), "the holder thread never left its context"
         assert not errors, errors
         # afterwards, this thread summons as usual, and nothing was lost or changed
         with FSDP.summon_full_params(model.blocks[0], writeback=True):
@@ -69,10 +73,15 @@ def rank_another_thread_on_the_same_group_is_refused():
     _, model = _models()
     entered, release = threading.Event(), threading.Event()
 
+    errors: list[BaseException] = []
+
     def unit_zero():
-        with FSDP.summon_full_params(model.blocks[0], writeback=False):
-            entered.set()
-            release.wait(30)
+        try:
+            with FSDP.summon_full_params(model.blocks[0], writeback=False):
+                entered.set()
+                release.wait(30)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
 
     with patched():
         holder = threading.Thread(target=unit_zero)
@@ -85,6 +94,7 @@ def rank_another_thread_on_the_same_group_is_refused():
         finally:
             release.set()
             holder.join(30)
+    assert not holder.is_alive() and not errors, errors
 
 
 def test_another_thread_on_the_same_process_group_is_refused(dist_run):
@@ -248,7 +258,8 @@ def test_partial_placements_write_back_exactly(dist_run):
 # -- 5. destroyed process group ----------------------------------------------------------------
 def rank_destroyed_group_fails_clearly():
     group = dist.new_group(list(range(dist.get_world_size())))
-    mesh = DeviceMesh.from_group(group, "cpu")
+    # a dim name of its own: torch maps nameless meshes over the same ranks to the first one made
+    mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("destroyed",))
     model = nn.Linear(4, 4)
     model.weight = nn.Parameter(distribute_tensor(model.weight.detach().clone(), mesh, [Shard(0)]))
     with patched():

@@ -15,6 +15,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from _faults import transport
 from _helpers import (
     LMConfig, assert_unchanged, build_lm, direct_always, rank, shard_lm, snapshot, tokens_for,
 )
@@ -141,32 +142,41 @@ def test_stream_reads_fp32_masters_of_units_left_unsharded(dist_run):
 
 
 # --------------------------------------------------------------------------- cast before gather
-def rank_cast_before_gather_moves_half_the_bytes():
+def rank_cast_before_gather_moves_half_the_bytes(how: str):
+    """What each rank hands c10d: its shard, sent point to point (gloo) or all-gathered (NCCL's path)."""
     model = shard_lm(build_lm())
     moved: list[tuple[torch.dtype, int]] = []
-    original = dist.isend  # gloo: every bucket moves point to point ([Note: point to point])
+    names = ("isend",) if how == "auto" else ("all_gather_single", "all_gather_into_tensor")
+    originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
 
-    def recording(tensor, *args, **kwargs):
-        moved.append((tensor.dtype, tensor.numel() * tensor.element_size()))
-        return original(tensor, *args, **kwargs)
+    def recording(original, sent_at):
+        def record(*args, **kwargs):
+            tensor = args[sent_at]
+            moved.append((tensor.dtype, tensor.numel() * tensor.element_size()))
+            return original(*args, **kwargs)
+        return record
 
-    dist.isend = recording
+    for name, original in originals.items():
+        setattr(dist, name, recording(original, 0 if name == "isend" else 1))  # all-gather: (output, input)
     try:
         by_dtype = {}
-        for dtype in (None, torch.bfloat16):
-            moved.clear()
-            for _ in fsdp_shim.iter_full_params(model, dtype=dtype, rank0_only=False):  # every rank receives
-                pass
-            by_dtype[dtype] = list(moved)
+        with transport(how):
+            for dtype in (None, torch.bfloat16):
+                moved.clear()
+                for _ in fsdp_shim.iter_full_params(model, dtype=dtype, rank0_only=False):  # every rank receives
+                    pass
+                by_dtype[dtype] = list(moved)
     finally:
-        dist.isend = original
+        for name, original in originals.items():
+            setattr(dist, name, original)
     assert {d for d, _ in by_dtype[None]} == {torch.float32}
     assert {d for d, _ in by_dtype[torch.bfloat16]} == {torch.bfloat16}
     assert sum(n for _, n in by_dtype[torch.bfloat16]) * 2 == sum(n for _, n in by_dtype[None]) > 0
 
 
-def test_cast_before_gather_moves_half_the_bytes(dist_run):
-    dist_run(2, rank_cast_before_gather_moves_half_the_bytes)
+@pytest.mark.parametrize("how", ["auto", "all_gather"])
+def test_cast_before_gather_moves_half_the_bytes(dist_run, how):
+    dist_run(2, rank_cast_before_gather_moves_half_the_bytes, how)
 
 
 # --------------------------------------------------------------------------- memory bound
@@ -252,7 +262,7 @@ def rank_stream_recycles_only_buffers_nobody_holds():
 
     _gather.FullBuffers.take = counting
     try:
-        with direct_always():  # every full tensor allocated at staging: all of them recyclable
+        with transport("auto"), direct_always():  # every full tensor allocated at staging: all recyclable
             for name, full in fsdp_shim.iter_full_params(model, rank0_only=False, bucket_mb=0.001):
                 assert torch.equal(full, reference[name]), name
                 del full  # the contract: nothing kept past the step
