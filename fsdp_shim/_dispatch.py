@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, ContextManager, Literal
 
 import torch.nn as nn
@@ -64,32 +64,9 @@ def validate_args(
             "offload_to_cpu=True and rank0_only=False may result in the unsharded parameters "
             "being redundantly copied to CPU memory for GPUs sharing the same CPU memory, which "
             "risks CPU OOM. We recommend using offload_to_cpu=True with rank0_only=True.",
-            stacklevel=4,  # validate_args <- _summon <- contextlib __enter__ <- caller
+            stacklevel=4,  # validate_args <- summon <- the patch's wrapper <- caller
             mesh=mesh,
         )
-
-
-@contextlib.contextmanager
-def _summon(
-    module: nn.Module,
-    recurse: bool,
-    writeback: bool,
-    rank0_only: bool,
-    offload_to_cpu: bool,
-    with_grads: bool,
-    bucket_mb: float | None,
-) -> Iterator[None]:
-    validate_args(writeback, rank0_only, offload_to_cpu, with_grads, module)
-    with summon_dtensor_params(
-        module,
-        recurse=recurse,
-        writeback=writeback,
-        rank0_only=rank0_only,
-        offload_to_cpu=offload_to_cpu,
-        with_grads=with_grads,
-        bucket_bytes=bucket_bytes_from_env(bucket_mb),
-    ):
-        yield
 
 
 def summon(
@@ -111,7 +88,12 @@ def summon(
         return original(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads)
     if route == "none":
         return contextlib.nullcontext()
-    return _summon(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads, bucket_mb)
+    # Checked at the call, which a with statement makes at once: FSDP1 checks at __enter__, one step later.
+    validate_args(writeback, rank0_only, offload_to_cpu, with_grads, module)
+    return summon_dtensor_params(
+        module, recurse=recurse, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu,
+        with_grads=with_grads, bucket_bytes=bucket_bytes_from_env(bucket_mb),
+    )
 
 
 def _original_fsdp1() -> Callable[..., ContextManager[Any]]:

@@ -592,75 +592,61 @@ def summon_dtensor_params(
     groups = {id(g): g for mesh in meshes.values() for g in mesh_dim_groups(mesh)}.values()
     fsdp2.refuse_fully_shard_inside(registry.has_live_context)
     registry.enter(thread, groups, _module_label(module))
-    try:
-        with _summoned(module, scope, writeback, rank0_only, offload_to_cpu, with_grads, bucket_bytes):
+    try:  # one generator for the whole call: each nested context manager cost a generator frame per summon
+        started = time.perf_counter()
+        fsdp2.lazy_init_root(_states_of(scope))
+        for group in scope.groups:
+            fsdp2.adopt_module_params(group)
+            fsdp2.reshard_group(group)  # See [Note: units left unsharded]
+        dtensors: list[DTensor] = []
+        for entry in scope.params:
+            dtensor = entry.sharded()  # after adoption: FSDP2 may have adopted a replaced parameter
+            if not isinstance(dtensor, DTensor):
+                raise AssertionError(f"expected a DTensor parameter at {entry.slots[0][1]!r}, got {type(dtensor)}")
+            dtensors.append(dtensor)
+        keep = _keeps_full_params(scope, rank0_only)
+        out_device = torch.device("cpu") if offload_to_cpu else None
+        receiver = _receiver(scope, rank0_only)
+        # See [Note: values arriving] in _gather: the swap below may run while the last bucket arrives.
+        gathered, arrival = start_full_tensors(dtensors, keep=keep, out_device=out_device,
+                                               bucket_bytes=bucket_bytes, receiver=receiver)
+        try:
+            grads = _gather_grads(dtensors, keep, out_device, bucket_bytes, receiver) if with_grads else {}
+        except BaseException:
+            arrival.wait()
+            raise
+        swap = _Swap(scope, writeback)
+        body_ran = False  # See [Note: faults]
+        try:
+            if keep:
+                swap.swap_in(dtensors, gathered, grads)
+                swap.mark_groups()
+                swap.convert_inside()
+            del gathered, grads
+            _install_forward_hooks(swap, rank0_only, keep)
+            arrival.wait()
+            swap.values_arrived()
+            if logger.isEnabledFor(logging.DEBUG):
+                nbytes = sum(d.numel() * d.element_size() for d in dtensors)
+                logger.debug(
+                    "summon_full_params(%s): route=dtensor, %d tensors, %.1f MiB gathered in %.1f ms "
+                    "(rank0_only=%s, full tensors on this rank=%s)", _module_label(module), len(dtensors),
+                    nbytes / 2**20, (time.perf_counter() - started) * 1e3, rank0_only, keep,
+                )
+            body_ran = True
             yield
+        finally:
+            try:
+                arrival.wait()  # a no-op unless something above raised first: never leave a collective behind
+            finally:
+                swap.remove_hooks()
+                try:
+                    swap.inspect()
+                    swap.restore()
+                    swap.replay_conversions()
+                    if writeback and body_ran:
+                        swap.write_back(with_grads)
+                finally:
+                    swap.forget()
     finally:
         registry.leave(thread, groups)
-
-
-@contextlib.contextmanager
-def _summoned(
-    module: nn.Module,
-    scope: Scope,
-    writeback: bool,
-    rank0_only: bool,
-    offload_to_cpu: bool,
-    with_grads: bool,
-    bucket_bytes: int | None,
-) -> Iterator[None]:
-    started = time.perf_counter()
-    fsdp2.lazy_init_root(_states_of(scope))
-    for group in scope.groups:
-        fsdp2.adopt_module_params(group)
-        fsdp2.reshard_group(group)  # See [Note: units left unsharded]
-    dtensors: list[DTensor] = []
-    for entry in scope.params:
-        dtensor = entry.sharded()  # after adoption: FSDP2 may have adopted a replaced parameter
-        if not isinstance(dtensor, DTensor):
-            raise AssertionError(f"expected a DTensor parameter at {entry.slots[0][1]!r}, got {type(dtensor)}")
-        dtensors.append(dtensor)
-    keep = _keeps_full_params(scope, rank0_only)
-    out_device = torch.device("cpu") if offload_to_cpu else None
-    receiver = _receiver(scope, rank0_only)
-    # See [Note: values arriving] in _gather: the swap below may run while the last bucket arrives.
-    gathered, arrival = start_full_tensors(dtensors, keep=keep, out_device=out_device,
-                                           bucket_bytes=bucket_bytes, receiver=receiver)
-    try:
-        grads = _gather_grads(dtensors, keep, out_device, bucket_bytes, receiver) if with_grads else {}
-    except BaseException:
-        arrival.wait()
-        raise
-    swap = _Swap(scope, writeback)
-    body_ran = False  # See [Note: faults]
-    try:
-        if keep:
-            swap.swap_in(dtensors, gathered, grads)
-            swap.mark_groups()
-            swap.convert_inside()
-        del gathered, grads
-        _install_forward_hooks(swap, rank0_only, keep)
-        arrival.wait()
-        swap.values_arrived()
-        if logger.isEnabledFor(logging.DEBUG):
-            nbytes = sum(d.numel() * d.element_size() for d in dtensors)
-            logger.debug(
-                "summon_full_params(%s): route=dtensor, %d tensors, %.1f MiB gathered in %.1f ms "
-                "(rank0_only=%s, full tensors on this rank=%s)", _module_label(module), len(dtensors),
-                nbytes / 2**20, (time.perf_counter() - started) * 1e3, rank0_only, keep,
-            )
-        body_ran = True
-        yield
-    finally:
-        try:
-            arrival.wait()  # a no-op unless something above raised first: never leave a collective behind
-        finally:
-            swap.remove_hooks()
-            try:
-                swap.inspect()
-                swap.restore()
-                swap.replay_conversions()
-                if writeback and body_ran:
-                    swap.write_back(with_grads)
-            finally:
-                swap.forget()

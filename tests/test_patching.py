@@ -248,3 +248,15 @@ def torch_version() -> str:
     import torch
 
     return torch.__version__
+
+
+def test_the_wrapper_binds_arguments_with_fsdp1s_exact_signature():
+    """The wrapper binds FSDP1's arguments with a plain function; its signature must be FSDP1's, defaults too."""
+    from fsdp_shim import _patching
+
+    def shape(function):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
+
+    assert shape(_patching._bind) == shape(ORIGINAL.__func__)
+    with pytest.raises(TypeError):
+        _patching._bind(nn.Linear(1, 1), True, True, False, False, False, "one too many")

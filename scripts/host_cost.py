@@ -1,0 +1,188 @@
+#!/usr/bin/env python3
+"""Host cost per call, where NCCL users pay it: torch's ``fake`` process group, one process, any world size.
+
+    python scripts/host_cost.py                          # W = 8, 64, 1024 and HSDP 8 x 128; both models
+    python scripts/host_cost.py --world 8 --models units96 --reps 15
+    python scripts/host_cost.py --device cuda --world 1  # on a GPU: the same contenders, one real rank
+
+On NCCL a small unit's all-gather costs tens of microseconds, so a per-unit
+weight-sync loop is decided by host cost: Python, allocations, copies. The
+``fake`` backend's collectives return at once without moving data, so what
+this times is that host cost, at any world size, on the CPU (the shim takes
+its all-gather path there, as on NCCL). Each configuration runs in a fresh
+process. Contenders are interleaved within each repetition (the order
+rotates); the table gives the median ms per unit, each contender's ratio to
+FSDP2's own ``unshard()``/``reshard()`` loop (median of per-repetition
+ratios, with their IQR), and Python calls per unit (cProfile, one pass).
+
+Contenders: the shim's per-unit ``summon_full_params(unit, recurse=False,
+writeback=False)`` loop with ``rank0_only`` off and on; FSDP2's
+``unshard()``+``reshard()`` loop; one whole-model summon; ``iter_full_params``
+in fp32 and bf16; one ``full_tensor()`` per parameter.
+Models: ``bench`` (``fsdp-shim bench``'s: 12 blocks of width 256, tied
+1000-token embedding, 13 units) and ``units96`` (96 units of
+``Linear(64, 64)`` + ``LayerNorm(64)``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+CONTENDERS = ("summon_unit", "summon_unit_rank0", "unshard", "summon_model", "stream_fp32", "stream_bf16",
+              "full_tensor_loop")
+
+
+def _quantiles(values: list[float]) -> tuple[float, float, float]:
+    if len(values) < 4:
+        m = statistics.median(values)
+        return min(values), m, max(values)
+    q1, m, q3 = statistics.quantiles(values, n=4)
+    return q1, m, q3
+
+
+def _one(world: str, model_name: str, reps: int, device: str) -> dict:
+    """Run in a fresh process: one world size (``W`` or ``RxS`` for HSDP) and one model."""
+    import cProfile
+    import pstats
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    import fsdp_shim
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import fully_shard
+
+    from fsdp_shim._models import LMConfig, build_lm
+
+    dims = tuple(int(d) for d in world.split("x"))
+    size = 1
+    for d in dims:
+        size *= d
+    if device == "cpu":
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
+    else:  # one real rank on an accelerator: the shim's own overhead, no collective to speak of
+        dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29531", rank=0, world_size=1)
+        torch.cuda.set_device(0)
+    names = ("replicate", "shard") if len(dims) == 2 else None
+    mesh = init_device_mesh(device, dims, mesh_dim_names=names)
+    if model_name == "bench":
+        model = build_lm(LMConfig(vocab=1000, width=256, layers=12, heads=4)).to(device)
+        units = [*model.blocks, model]
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64)) for _ in range(96)]).to(device)
+        units = [*model, model]
+        for unit in model:
+            fully_shard(unit, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def summon_unit(rank0_only: bool) -> None:
+        for unit in units:
+            with FSDP.summon_full_params(unit, recurse=False, writeback=False, rank0_only=rank0_only):
+                pass
+
+    def unshard() -> None:
+        for unit in units:
+            unit.unshard()
+            unit.reshard()
+
+    def summon_model() -> None:
+        with FSDP.summon_full_params(model, writeback=False):
+            pass
+
+    def stream(dtype) -> None:
+        for _ in fsdp_shim.iter_full_params(model, dtype=dtype):
+            pass
+
+    def full_tensor_loop() -> None:
+        for p in model.parameters():
+            p.full_tensor()
+
+    runs = {
+        "summon_unit": lambda: summon_unit(False),
+        "summon_unit_rank0": lambda: summon_unit(True),
+        "unshard": unshard,
+        "summon_model": summon_model,
+        "stream_fp32": lambda: stream(None),
+        "stream_bf16": lambda: stream(torch.bfloat16),
+        "full_tensor_loop": full_tensor_loop,
+    }
+    for run in runs.values():  # warm-up: lazy init, caches, allocator
+        run()
+        run()
+    calls = {}
+    for name, run in runs.items():
+        profile = cProfile.Profile()
+        profile.enable()
+        run()
+        profile.disable()
+        calls[name] = pstats.Stats(profile).total_calls / len(units)  # type: ignore[attr-defined]
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    order = list(runs)
+    for rep in range(reps):
+        order = order[1:] + order[:1]  # rotate: no contender always runs after the same one
+        for name in order:
+            sync()
+            start = time.perf_counter()
+            runs[name]()
+            sync()
+            samples[name].append((time.perf_counter() - start) * 1e3 / len(units))
+    ratios = {name: [s / u for s, u in zip(samples[name], samples["unshard"])] for name in runs}
+    dist.destroy_process_group()
+    return {
+        "world": world, "model": model_name, "units": len(units), "device": device, "torch": torch.__version__,
+        "median_ms_per_unit": {n: statistics.median(v) for n, v in samples.items()},
+        "ratio_to_unshard": {n: _quantiles(v) for n, v in ratios.items()},
+        "python_calls_per_unit": calls,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", nargs="+", default=["8", "64", "1024", "8x128"],
+                        help="world sizes; RxS is HSDP with R replicas of S shards (default: 8 64 1024 8x128)")
+    parser.add_argument("--models", nargs="+", default=["bench", "units96"], choices=["bench", "units96"])
+    parser.add_argument("--reps", type=int, default=11)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--one", nargs=2, metavar=("WORLD", "MODEL"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one:
+        print(json.dumps(_one(args.one[0], args.one[1], args.reps, args.device)))
+        return 0
+    rows = []
+    for model in args.models:
+        for world in args.world:
+            proc = subprocess.run([sys.executable, __file__, "--one", world, model, "--reps", str(args.reps),
+                                   "--device", args.device], capture_output=True, text=True)
+            if proc.returncode != 0:
+                print(f"{model} W={world}: FAILED\n{proc.stderr[-3000:]}", flush=True)
+                return 1
+            row = json.loads(proc.stdout.strip().splitlines()[-1])
+            rows.append(row)
+            print(f"\n{model} ({row['units']} units), W={world}, {row['device']}, torch {row['torch']}", flush=True)
+            print(f"  {'contender':<18} {'ms/unit':>8} {'/ unshard':>10} {'IQR':>14} {'calls/unit':>11}")
+            for name in CONTENDERS:
+                q1, m, q3 = row["ratio_to_unshard"][name]
+                print(f"  {name:<18} {row['median_ms_per_unit'][name]:>8.3f} {m:>10.2f} {f'{q1:.2f}-{q3:.2f}':>14} "
+                      f"{row['python_calls_per_unit'][name]:>11.0f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(rows, out, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
