@@ -98,6 +98,15 @@ class Scenarios:
         _require(torch.equal(got, reference.generate(self.tokens, 6)), "fp32 tokens differ from reference")
         return "greedy tokens identical (bf16 vs FSDP2, fp32 vs unsharded)"
 
+    def generate_inference_mode(self) -> str:
+        reference, model = self.models(mixed=False)
+        with torch.inference_mode(), FSDP.summon_full_params(model, writeback=False):
+            got = model.generate(self.tokens, 6)
+        _require(torch.equal(got, reference.generate(self.tokens, 6)), "tokens differ from reference")
+        loss = model(self.tokens).float().pow(2).mean()  # FSDP2 trains on after it
+        loss.backward()
+        return "greedy tokens identical to the unsharded model's; training after works"
+
     def weight_sync(self) -> str:
         reference, model = self.models()
         collected: dict[str, torch.Tensor] = {}
@@ -170,6 +179,7 @@ class Scenarios:
         return [
             ("full gather, recurse=True", self.full_gather),
             ("generate() under summon(root, recurse=False)", self.generate),
+            ("generate() under torch.inference_mode()", self.generate_inference_mode),
             ("weight sync per unit, rank0_only", self.weight_sync),
             ("tied lm_head edit, writeback=True", self.tied_head_edit),
             ("training continues after summons", self.training),

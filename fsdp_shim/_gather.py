@@ -758,6 +758,8 @@ class _Scratch(threading.local):
     def give(self, buffer: torch.Tensor) -> None:
         if buffer.device.type != "cpu":
             return  # accelerators' caching allocators already reuse memory
+        if buffer.is_inference():
+            return  # made under inference_mode: outside it, the next copy into it would be refused
         self.free[(buffer.numel(), buffer.dtype)] = buffer
         while len(self.free) > self.KEEP:
             del self.free[next(iter(self.free))]
@@ -797,8 +799,11 @@ class RecycledBuffers(FullBuffers):
         sized = [i for i, (b, _) in enumerate(self._earlier) if (b.numel(), b.dtype, b.device) == wanted]
         if not sized:  # another structure: the earlier buffers are freed before fresh memory is taken
             self._earlier = []
+        inference = torch.is_inference_mode_enabled()
         for index in sized:
             buffer, alone = self._earlier[index]
+            if buffer.is_inference() and not inference:
+                continue  # made under inference_mode, which has ended: no in-place copy into it now
             if storage_use_count(buffer) == alone:  # nothing outside holds it
                 del self._earlier[index]
                 self.taken.append((buffer, alone))

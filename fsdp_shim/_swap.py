@@ -67,6 +67,20 @@ or for a parameter changed both as a full tensor and in its shard (say an
 optimizer step on the sharded parameter): one of the two changes would be
 lost. A shard changed while its full tensor was not is left as it is.
 
+[Note: inference mode]
+A summon entered under ``torch.inference_mode()`` (generation code often is)
+gathers into inference tensors, which have no version counter, so an edit
+of a full tensor cannot be detected by version there. Such a full tensor
+counts as changed: ``writeback=True`` writes it back (FSDP1 writes every
+full parameter back anyway), and if its shard also changed inside the
+context, the writeback is refused as for any parameter changed on both
+sides (see [Note: exit checks]). Nothing else in the context reads a
+version of a full tensor except the cast cache of a forward in
+``param_dtype``, which then casts afresh each forward. Shards are FSDP2's
+parameters, made outside inference mode, and keep their counters.
+``no_grad`` and ``enable_grad`` inside change nothing here: versions are
+counted either way.
+
 [Note: conversions inside]
 ``model.to(...)``, ``.cpu()``, ``.float()`` and friends end in ``_apply``.
 FSDP2's ``_apply`` reshards first, which would put the shards back into the
@@ -136,7 +150,8 @@ class _Summoned:
     sharded: DTensor  # the DTensor parameter, unchanged, restored on exit
     full: torch.Tensor  # what every slot holds inside: an nn.Parameter (a plain tensor for buffers)
     layout: Dim0Layout | None  # how it was gathered; writeback reuses it
-    full_version: int = 0  # full._version at swap-in
+    #: full._version once its values arrived; None for an inference tensor (no version counter).
+    full_version: int | None = 0
     shard_versions: tuple[int, int, int] = (0, 0, 0)  # see shard_state()
     #: What the slots held at exit: ``full``, a replacement, or _MISSING. See [Note: exit checks].
     current: Any = None
@@ -144,12 +159,19 @@ class _Summoned:
 
     def shard_state(self) -> tuple[int, int, int]:
         """In-place changes to the shard: the DTensor's own version counter (DTensor ops bump it,
-        not the local tensor's) and the local tensor's (direct edits of ``_local_tensor``)."""
+        not the local tensor's) and the local tensor's (direct edits of ``_local_tensor``).
+
+        The shards are FSDP2's parameters, made outside any ``inference_mode``: they always
+        have version counters (an in-place edit inside ``inference_mode`` bumps them too).
+        """
         local = self.sharded._local_tensor
         return (self.sharded._version, id(local), local._version)
 
     def changed_full(self) -> bool:
-        return self.current is not self.full or self.full._version != self.full_version
+        """Whether the full tensor may hold edits. See [Note: inference mode]."""
+        if self.current is not self.full or self.full_version is None:
+            return True
+        return self.full._version != self.full_version
 
 
 @dataclass
@@ -193,7 +215,8 @@ class _Swap:
     def values_arrived(self) -> None:
         """Record each full tensor's version once its values are in (gloo's copy into it bumps it)."""
         for item in self.summoned:
-            item.full_version = item.full._version
+            full = item.full
+            item.full_version = None if full.is_inference() else full._version
 
     def mark_groups(self) -> None:
         for group, fully_summoned in self.scope.groups.items():
@@ -391,9 +414,9 @@ class _ForwardInParamDtype:
         self._cache: dict[int, tuple[int, nn.Parameter]] = {}
 
     def _cast(self, full: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
-        version = full._version
+        version = None if full.is_inference() else full._version  # no counter: cast afresh every forward
         cached = self._cache.get(id(full))
-        if cached is None or cached[0] != version:
+        if cached is None or version is None or cached[0] != version:
             with torch.no_grad():
                 cast = nn.Parameter(full.detach().to(dtype), requires_grad=full.requires_grad)
             cached = (version, cast)

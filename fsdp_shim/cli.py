@@ -91,7 +91,7 @@ def cmd_check(args: argparse.Namespace) -> int:
               f"{', '.join(_fsdp2_internals.READS)}")
         for module, status in statuses().items():
             print(f"  instrumentation {module}: {status}")
-    print(f"fsdp-shim check: starting {args.ranks} ranks, then 6 scenarios...", flush=True)
+    print(f"fsdp-shim check: starting {args.ranks} ranks, then 7 scenarios...", flush=True)
     try:
         per_rank = run_on_ranks(check_on_rank, args.ranks, (args.device,), backend=_backend(args.device),
                                 timeout_s=args.timeout)

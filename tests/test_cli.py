@@ -21,7 +21,7 @@ def _run(*args: str, cwd: Path | None = None, timeout: float = 300) -> subproces
 def test_check_passes_and_prints_a_table():
     result = _run(sys.executable, "-m", "fsdp_shim", "check", "--verbose")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "6 passed, 0 failed" in result.stdout
+    assert "7 passed, 0 failed" in result.stdout
     assert "generate() under summon(root, recurse=False)" in result.stdout
     assert "route=dtensor" in result.stdout and "torch " in result.stdout
     assert "FSDP2 internals read: " in result.stdout and "all present: FSDPState._lazy_init" in result.stdout
@@ -117,7 +117,7 @@ def test_check_passes_on_three_ranks():
     """Uneven shards everywhere, and gradient averaging that is not exact."""
     result = _run(sys.executable, "-m", "fsdp_shim", "check", "--ranks", "3")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "6 passed, 0 failed" in result.stdout
+    assert "7 passed, 0 failed" in result.stdout
 
 
 def test_rank_output_on_stdout_never_reaches_the_report(tmp_path):
