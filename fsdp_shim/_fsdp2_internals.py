@@ -52,7 +52,10 @@ the whole model would pick, never the summoned unit itself: a cold
 ``summon(model.policy)`` followed by ``model.policy.generate()`` must not make
 an inner unit a root of its own (FSDP2 then refuses every later forward
 through the real root). ``adopt_module_params`` remains for groups whose root
-cannot be initialised (``fully_shard([a, b])`` at the top).
+cannot be initialised (``fully_shard([a, b])`` at the top). Both run outside
+``torch.inference_mode``, also when the summon is entered inside it: on torch
+2.7 the reset rebuilds each sharded parameter's local data, which would
+otherwise become inference tensors, the training weights among them.
 """
 
 from __future__ import annotations
@@ -210,7 +213,8 @@ def lazy_init_root(states: list[FSDPState]) -> None:
         root = roots.get(id(state._modules[0]), state)
         tree = [s for s in live if roots.get(id(s._modules[0])) is root]
         if all(s._is_root is None for s in tree):
-            root._lazy_init()
+            with torch.inference_mode(False):  # see [Note: lazy init on entry]
+                root._lazy_init()
 
 
 @torch.no_grad()
@@ -223,8 +227,9 @@ def adopt_module_params(group: FSDPParamGroup) -> None:
     inside the context cannot adopt a full tensor instead.
     """
     if group.is_sharded and not group._reset_sharded_params:
-        for fsdp_param in group.fsdp_params:
-            fsdp_param.reset_sharded_param()
+        with torch.inference_mode(False):  # see [Note: lazy init on entry]
+            for fsdp_param in group.fsdp_params:
+                fsdp_param.reset_sharded_param()
         group._reset_sharded_params = True
 
 

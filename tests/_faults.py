@@ -93,11 +93,27 @@ def short_timeout_mesh(seconds: float = 3.0) -> DeviceMesh:
 
 
 def local_shards(model: nn.Module) -> dict[str, tuple[nn.Parameter, torch.Tensor]]:
-    """Every parameter object and a copy of its local shard (of its value, for plain tensors)."""
-    return {
-        name: (p, (p._local_tensor if isinstance(p, DTensor) else p).detach().clone())
-        for name, p in model.named_parameters()
-    }
+    """Every parameter object and a copy of its local shard (of its value, for plain tensors).
+
+    A slot a forward left unsharded (the root on torch 2.7) holds FSDP2's unsharded copy; what counts
+    is FSDP2's sharded parameter behind it, which a summon puts back on entry, as ``reshard()`` does.
+    """
+    sharded = {}
+    for module in model.modules():
+        state = fsdp2.fsdp_state_of(module)
+        for group in fsdp2.param_groups(state) if state is not None else []:
+            for fsdp_param in group.fsdp_params:
+                for slot_module, name in fsdp2.param_slots(fsdp_param):
+                    sharded[(id(slot_module), name)] = fsdp_param.sharded_param
+    out = {}
+    for module_name, module in model.named_modules():
+        for name, p in module._parameters.items():
+            fqn = f"{module_name}.{name}" if module_name else name
+            if p is None or fqn in out or any(p is q for q, _ in out.values()):
+                continue
+            p = sharded.get((id(module), name), p)
+            out[fqn] = (p, (p._local_tensor if isinstance(p, DTensor) else p).detach().clone())
+    return {name: value for name, value in out.items() if name in dict(model.named_parameters())}
 
 
 def assert_untouched(model: nn.Module, before: dict[str, tuple[nn.Parameter, torch.Tensor]]) -> None:

@@ -183,8 +183,8 @@ def rank_without_the_instrumentation_the_clients_fail(case: str, how: str):
         if case == "reward":
             try:
                 _gated_call(case, client, tokens)
-            except NotImplementedError as exc:
-                assert "aten.fill_.Tensor does not have a sharding strategy" in str(exc)
+            except NotImplementedError as exc:  # aten.fill_.Tensor (2.13), aten.select.int (2.7), ...
+                assert "does not have a sharding strategy" in str(exc)
             else:
                 return "DTensor has a rule for aten.fill_.Tensor here"  # torch >= 2.15: the mask runs sharded
         else:

@@ -59,8 +59,8 @@ def rank_inference_mode_with_mixed_precision_forward():
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     model = shard_lm(build_lm(), mp_policy=policy)
     tokens = tokens_for(model.config)
-    with torch.inference_mode():
-        outside = model(tokens)  # FSDP2's own forward
+    with torch.no_grad():  # FSDP2's own forward (a cold one under inference_mode would, on torch 2.7,
+        outside = model(tokens)  # lazily init FSDP2 there and make its shards inference tensors)
     model.reshard()
     with patched(), torch.inference_mode(), FSDP.summon_full_params(model, writeback=True):
         first = model(tokens)
