@@ -36,6 +36,10 @@ run() {  # run NAME SECONDS ARGS...: one fsdp-shim command, its log in $OUT/NAME
 run check 120 check --verbose --timeout 110
 run bench37 120 bench --reps 20 --warmup 3 --timeout 110
 run bench327 150 bench --width 768 --reps 10 --warmup 2 --timeout 140
+# host cost per call on the GPU (one real NCCL rank), next to the fake backend's figures in the README
+echo "=== host_cost.py --device cuda ($(date -u +%T))"
+timeout 150 python3 scripts/host_cost.py --device cuda --world 1 --reps 11 2>&1 | tee "$OUT/host_cost.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 if [ "${BIG:-0}" = 1 ]; then
     run bench2g 150 bench --width 2048 --reps 5 --warmup 1 --no-between --timeout 140
 fi

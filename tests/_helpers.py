@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 import torch
@@ -17,7 +18,7 @@ from fsdp_shim._models import LMConfig, TinyLM, build_lm, shard_lm, tokens_for
 __all__ = [
     "LMConfig", "TinyLM", "build_lm", "shard_lm", "tokens_for",
     "assert_params_equal", "full_state", "mesh1d", "patched", "direct_always", "snapshot",
-    "assert_unchanged", "rank",
+    "assert_unchanged", "rank", "patch_state_restored",
 ]
 
 
@@ -52,6 +53,20 @@ def patched() -> Iterator[None]:
     finally:
         if not was:
             fsdp_shim.unpatch()
+
+
+@contextlib.contextmanager
+def patch_state_restored(env: str | None = None) -> Iterator[None]:
+    """For tests that unpatch, re-patch or switch an instrumentation off: the patch (and ``env``) as found after."""
+    was = fsdp_shim.is_patched()
+    try:
+        yield
+    finally:
+        if env is not None:
+            os.environ.pop(env, None)
+        fsdp_shim.unpatch()
+        if was:
+            fsdp_shim.patch()
 
 
 def full_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import DTensor
 
 import fsdp_shim
-from _helpers import patched, rank
+from _helpers import patch_state_restored, patched, rank
 from fsdp_shim._models import Block, exact_gradients
 
 STAND_INS = str(Path(__file__).parent / "stand_ins")
@@ -145,9 +145,8 @@ def test_compose_rl_weight_sync_runs_unchanged_on_fsdp2(dist_run, layout, tie):
 
 def rank_compose_rl_fails_without_the_shim_or_its_instrumentation(how: str):
     model = _fsdp2("ppo", True)
-    was = fsdp_shim.is_patched()
-    fsdp_shim.unpatch()
-    try:
+    with patch_state_restored('FSDP_SHIM_DISABLE_COMPOSE_RL'):
+        fsdp_shim.unpatch()
         if how == "instrumentation off":
             os.environ["FSDP_SHIM_DISABLE_COMPOSE_RL"] = "1"
             fsdp_shim.patch()
@@ -159,11 +158,6 @@ def rank_compose_rl_fails_without_the_shim_or_its_instrumentation(how: str):
                 _sync(model, "ppo")
         else:
             _sync(model, "ppo")
-    finally:
-        os.environ.pop("FSDP_SHIM_DISABLE_COMPOSE_RL", None)
-        fsdp_shim.unpatch()
-        if was:
-            fsdp_shim.patch()
 
 
 @pytest.mark.parametrize("how", ["unpatched", "instrumentation off"])

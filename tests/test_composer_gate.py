@@ -26,7 +26,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import DTensor
 
 import fsdp_shim
-from _helpers import rank
+from _helpers import patch_state_restored, rank
 from fsdp_shim._models import Block, exact_gradients
 from test_clients import STAND_INS, CausalLM
 
@@ -129,8 +129,7 @@ def _gated_call(case: str, client: nn.Module, tokens: torch.Tensor) -> torch.Ten
 
 
 def rank_gated_summon_runs_as_on_fsdp1(order: str, case: str, tie: bool, warm: bool):
-    was = fsdp_shim.is_patched()
-    try:
+    with patch_state_restored():
         clients = _import_clients(order)
         tokens = torch.randint(0, 53, (2, 5), generator=torch.Generator().manual_seed(1))
         outputs, states = {}, {}
@@ -148,10 +147,6 @@ def rank_gated_summon_runs_as_on_fsdp1(order: str, case: str, tie: bool, warm: b
         assert states["fsdp2"].keys() == states["reference"].keys()
         for name, value in states["reference"].items():
             assert torch.equal(states["fsdp2"][name], value), name
-    finally:
-        fsdp_shim.unpatch()
-        if was:
-            fsdp_shim.patch()
 
 
 CASES = [
@@ -170,8 +165,7 @@ def test_gated_summon_runs_on_fsdp2_as_on_fsdp1(dist_run, order, case, tie, warm
 
 
 def rank_without_the_instrumentation_the_clients_fail(case: str, how: str):
-    was = fsdp_shim.is_patched()
-    try:
+    with patch_state_restored('FSDP_SHIM_DISABLE_COMPOSER'):
         if how == "instrumentation off":
             os.environ["FSDP_SHIM_DISABLE_COMPOSER"] = "1"
         clients = _import_clients("shim first")
@@ -190,11 +184,6 @@ def rank_without_the_instrumentation_the_clients_fail(case: str, how: str):
         else:
             with pytest.raises(RuntimeError, match="got mixed torch.Tensor and DTensor"):
                 _gated_call(case, client, tokens)
-    finally:
-        os.environ.pop("FSDP_SHIM_DISABLE_COMPOSER", None)
-        fsdp_shim.unpatch()
-        if was:
-            fsdp_shim.patch()
 
 
 @pytest.mark.parametrize("how", ["instrumentation off", "unpatched"])
@@ -208,8 +197,7 @@ def test_without_the_instrumentation_the_clients_fail(dist_run, case, how):
 def rank_gate_round_trip():
     from fsdp_shim._instrumentation import statuses
 
-    was = fsdp_shim.is_patched()
-    try:
+    with patch_state_restored():
         clients = _import_clients("composer first")
         gate = clients[GATE].is_model_fsdp
         bound = [sys.modules["composer.utils"], *(clients[name] for name in CLIENTS)]
@@ -225,10 +213,6 @@ def rank_gate_round_trip():
         assert statuses()[GATE] == "not instrumented"
         fsdp_shim.patch()
         assert all(m.is_model_fsdp is clients[GATE].is_model_fsdp for m in bound) and clients[GATE].is_model_fsdp(unit)
-    finally:
-        fsdp_shim.unpatch()
-        if was:
-            fsdp_shim.patch()
 
 
 def test_gate_is_undone_by_unpatch_and_redone_by_patch(dist_run):
@@ -239,8 +223,7 @@ def rank_a_gate_that_knows_fsdp2_is_left_alone():
     """Composer main's gate (#3907) already answers for FSDP2: decided by asking it, nothing is wrapped."""
     from fsdp_shim._instrumentation import statuses
 
-    was = fsdp_shim.is_patched()
-    try:
+    with patch_state_restored():
         clients = _import_clients("composer first")
         fsdp_shim.unpatch()
         misc = clients[GATE]
@@ -255,10 +238,6 @@ def rank_a_gate_that_knows_fsdp2_is_left_alone():
         assert misc.is_model_fsdp is main_gate
         assert statuses()[GATE].startswith("not needed: ")
         misc.is_model_fsdp = released
-    finally:
-        fsdp_shim.unpatch()
-        if was:
-            fsdp_shim.patch()
     return rank()
 
 
