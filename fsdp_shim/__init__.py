@@ -66,7 +66,7 @@ import wrapt
 from fsdp_shim import _diagnostics, _versions
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator, Sequence
 
     import torch
     import torch.nn as nn
@@ -299,6 +299,7 @@ def iter_full_params(
     model: nn.Module,
     *,
     dtype: torch.dtype | None = None,
+    keep_dtype: str | Sequence[str] | Callable[[str], bool] | None = None,
     rank0_only: bool = True,
     device: torch.device | str | None = None,
     bucket_mb: float | None = None,
@@ -322,6 +323,14 @@ def iter_full_params(
             shard *before* the gather (bf16 moves half of fp32's bytes).
             Values equal ``full.to(dtype)``. ``None``: the stored dtype (the
             fp32 master weights under a bf16 ``MixedPrecisionPolicy``), exact.
+        keep_dtype: parameters exempt from ``dtype``: they travel in their
+            stored dtype, exact (an MoE router's gate kept fp32 while the rest
+            go bf16). A glob pattern or a sequence of them (``fnmatch``,
+            case-sensitive, matched against the dotted name, e.g.
+            ``"*.router.weight"``), or a predicate ``name -> bool``. A tied
+            parameter is kept if any of its names matches; it is still
+            yielded once, under its first name. Patterns that match nothing
+            log a warning (a typo, or a model without such parameters).
         rank0_only: only global rank 0 receives tensors; the others get
             ``None`` for each name (and still send their shards).
         device: where the full tensors land (``"cpu"`` for host memory); default
@@ -337,7 +346,8 @@ def iter_full_params(
     memory, never its values). Treat tensors as read-only.
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module``, holds FSDP1 units, or ``dtype`` is not floating.
+        TypeError: ``model`` is not an ``nn.Module``, holds FSDP1 units, ``dtype`` is not floating,
+            or ``keep_dtype`` is neither patterns nor a predicate.
         ValueError: ``bucket_mb`` is not positive.
         NotImplementedError: a parameter's placements cannot be gathered on this torch.
     """
@@ -346,8 +356,8 @@ def iter_full_params(
 
     from fsdp_shim._stream import check_stream_args, stream_full_params  # noqa: PLC0415
 
-    check_stream_args(model, dtype, bucket_mb)
+    check_stream_args(model, dtype, bucket_mb, keep_dtype)
     return stream_full_params(
         model, dtype=dtype, rank0_only=rank0_only, device=None if device is None else torch.device(device),
-        bucket_mb=bucket_mb,
+        bucket_mb=bucket_mb, keep_dtype=keep_dtype,
     )

@@ -33,6 +33,11 @@ an inference engine) without a context and without swapping anything:
   [Note: recycled buffers] in ``_gather``).
 * *Cast before gather.* With ``dtype``, floating shards are cast as they are
   copied into the bucket (see [Note: cast before gather] in ``_gather``).
+  ``keep_dtype`` exempts chosen parameters (an MoE router's gate, kept fp32
+  for the engine): they travel in their stored dtype, so their values are
+  exact. A tie is kept if any of its names is chosen. A batch's kept
+  DTensors are gathered apart from its cast ones; their buckets would be
+  separate anyway (a bucket holds one dtype), so this costs no collective.
 * *What is read.* The sharded parameters FSDP2 and the optimizer hold (fp32
   masters under a ``param_dtype`` policy), also when a forward left a unit
   unsharded. Nothing in the model changes, so no FSDP2 state is touched.
@@ -40,10 +45,12 @@ an inference engine) without a context and without swapping anything:
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -72,6 +79,27 @@ logger = logging.getLogger("fsdp_shim")
 STREAM_BUCKET_MB = 6.0
 
 FullParams = Iterator[tuple[str, torch.Tensor | None]]
+#: ``iter_full_params(keep_dtype=...)``: which parameters travel uncast. One glob
+#: pattern or several (``fnmatch``, case-sensitive, against the dotted name),
+#: or a predicate on the name.
+KeepDtype = str | Sequence[str] | Callable[[str], bool] | None
+
+
+def name_matcher(keep_dtype: KeepDtype) -> Callable[[str], bool] | None:
+    """``keep_dtype`` as a predicate on a parameter's name; ``TypeError`` for anything else."""
+    if keep_dtype is None:
+        return None
+    if isinstance(keep_dtype, str):
+        keep_dtype = (keep_dtype,)
+    if callable(keep_dtype):
+        return keep_dtype
+    patterns = list(keep_dtype) if isinstance(keep_dtype, Sequence) else None
+    if not patterns or not all(isinstance(p, str) for p in patterns):
+        raise TypeError(
+            "iter_full_params: keep_dtype must be a glob pattern, a non-empty sequence of them, or a "
+            f"predicate on the parameter's name, got {keep_dtype!r}"
+        )
+    return lambda name: any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
 
 
 @dataclass
@@ -80,44 +108,74 @@ class _Batch:
 
     names: list[str] = field(default_factory=list)
     tensors: list[torch.Tensor] = field(default_factory=list)  # sharded DTensors or plain tensors
+    casts: list[torch.dtype | None] = field(default_factory=list)  # what each travels in; None: stored
     nbytes: int = 0  # gathered size
 
 
-def plan_batches(model: nn.Module, bucket_bytes: int, cast_to: torch.dtype | None) -> list[_Batch]:
-    """Every distinct parameter of ``model``, named and batched. See [Note: streaming]."""
+class _Distinct(NamedTuple):
+    """One distinct parameter: every name it has (a tie has several), what to gather, its unit."""
+
+    names: list[str]
+    tensor: torch.Tensor
+    unit: object | None  # the FSDP2 param group that manages it
+
+
+def _distinct_params(model: nn.Module) -> list[_Distinct]:
+    """Every distinct parameter of ``model`` in ``named_parameters()`` order, with all its names."""
     named = list(model.named_modules())
     states = {id(s): s for s in (fsdp2.fsdp_state_of(m) for _, m in named) if s is not None}
     owners = fsdp_slot_owners(states.values()).by_slot
-    batches: dict[object, _Batch] = {}
-    ordered: list[_Batch] = []
-    seen: set[int] = set()
-    rest: _Batch | None = None
+    found: dict[int, _Distinct] = {}
     for prefix, module in named:
         for name, value in module._parameters.items():
             if value is None:
                 continue
+            fqn = f"{prefix}.{name}" if prefix else name
             owner = owners.get(slot_key(module, name))
             identity: object = owner[0] if owner is not None else value
-            if id(identity) in seen:
-                continue  # a tie: named once, by its first name
-            seen.add(id(identity))
+            if id(identity) in found:
+                found[id(identity)].names.append(fqn)  # a tie: named by its first name
+                continue
             tensor: torch.Tensor = value
             if owner is not None and not isinstance(value, DTensor):
                 tensor = fsdp2.sharded_param(owner[0])  # a forward left the unit unsharded
-            nbytes = tensor.numel() * gathered_dtype(tensor, cast_to).itemsize
-            if owner is not None:
-                batch = batches.get(id(owner[1]))
-                if batch is None:
-                    batch = batches[id(owner[1])] = _Batch()
-                    ordered.append(batch)
-            else:
-                if rest is None or (rest.tensors and rest.nbytes + nbytes > bucket_bytes):
-                    rest = _Batch()
-                    ordered.append(rest)
-                batch = rest
-            batch.names.append(f"{prefix}.{name}" if prefix else name)
-            batch.tensors.append(tensor)
-            batch.nbytes += nbytes
+            found[id(identity)] = _Distinct([fqn], tensor, owner[1] if owner is not None else None)
+    return list(found.values())
+
+
+def plan_batches(
+    model: nn.Module, bucket_bytes: int, cast_to: torch.dtype | None, keep: Callable[[str], bool] | None = None,
+) -> list[_Batch]:
+    """Every distinct parameter of ``model``, named and batched. See [Note: streaming].
+
+    ``keep`` picks, by name, parameters that travel in their stored dtype
+    instead of ``cast_to``.
+    """
+    batches: dict[int, _Batch] = {}
+    ordered: list[_Batch] = []
+    rest: _Batch | None = None
+    kept = 0
+    for param in _distinct_params(model):
+        cast = cast_to
+        if cast_to is not None and keep is not None and any(keep(name) for name in param.names):
+            cast, kept = None, kept + 1
+        nbytes = param.tensor.numel() * gathered_dtype(param.tensor, cast).itemsize
+        if param.unit is not None:
+            batch = batches.get(id(param.unit))
+            if batch is None:
+                batch = batches[id(param.unit)] = _Batch()
+                ordered.append(batch)
+        else:
+            if rest is None or (rest.tensors and rest.nbytes + nbytes > bucket_bytes):
+                rest = _Batch()
+                ordered.append(rest)
+            batch = rest
+        batch.names.append(param.names[0])
+        batch.tensors.append(param.tensor)
+        batch.casts.append(cast)
+        batch.nbytes += nbytes
+    if cast_to is not None and keep is not None and not kept:
+        logger.warning("iter_full_params: keep_dtype matched no parameter; every floating one is cast to %s", cast_to)
     return _merge_small(ordered, bucket_bytes)
 
 
@@ -129,60 +187,68 @@ def _merge_small(batches: list[_Batch], bucket_bytes: int) -> list[_Batch]:
         if last is not None and last.nbytes + batch.nbytes <= bucket_bytes:
             last.names += batch.names
             last.tensors += batch.tensors
+            last.casts += batch.casts
             last.nbytes += batch.nbytes
         else:
-            merged.append(_Batch(list(batch.names), list(batch.tensors), batch.nbytes))
+            merged.append(_Batch(list(batch.names), list(batch.tensors), list(batch.casts), batch.nbytes))
     return merged
 
 
 class _InFlightBatch:
-    """One batch, its DTensors' buckets staged and (unless ``launch=False``) their collectives launched."""
+    """One batch, its DTensors' buckets staged and (unless ``launch=False``) their collectives launched.
+
+    One gather per dtype the batch's DTensors travel in (cast, and kept by
+    ``keep_dtype``), in the batch's order of first appearance, so every rank
+    starts and finishes them alike.
+    """
 
     def __init__(
-        self, batch: _Batch, cast_to: torch.dtype | None, bucket_bytes: int, receiver: Receiver, launch: bool = True,
+        self, batch: _Batch, bucket_bytes: int, receiver: Receiver, launch: bool = True,
         recycled: Sequence[tuple[torch.Tensor, int]] = (),
     ):
         self.batch = batch
-        self._cast_to = cast_to
         #: Its full tensors' buffers, reusing ``recycled`` (see [Note: recycled buffers] in ``_gather``).
         self.buffers = RecycledBuffers(recycled)
-        self._distributed = [i for i, t in enumerate(batch.tensors) if isinstance(t, DTensor)]
-        dtensors = [batch.tensors[i] for i in self._distributed]
-        self._pending: PendingGather | None = (
-            start_gather(dtensors, cast_to=cast_to, bucket_bytes=bucket_bytes, receiver=receiver,  # type: ignore[arg-type]
-                         launch=launch, buffers=self.buffers)
-            if dtensors else None
-        )
+        by_cast: dict[torch.dtype | None, list[int]] = {}
+        for index, (tensor, cast) in enumerate(zip(batch.tensors, batch.casts)):
+            if isinstance(tensor, DTensor):
+                by_cast.setdefault(cast, []).append(index)
+        self._pending: list[tuple[list[int], PendingGather]] = [
+            (indices, start_gather([batch.tensors[i] for i in indices], cast_to=cast,  # type: ignore[misc]
+                                   bucket_bytes=bucket_bytes, receiver=receiver, launch=launch, buffers=self.buffers))
+            for cast, indices in by_cast.items()
+        ]
         self.buffers.forget_earlier()
 
     def launch(self) -> None:
         """Launch the staged collectives (a collective: every rank, in batch order)."""
-        if self._pending is not None:
-            self._pending.launch()
+        for _, pending in self._pending:
+            pending.launch()
 
     def finish(self, keep: bool, out_device: torch.device | None) -> list[torch.Tensor | None]:
         fulls: list[torch.Tensor | None] = [None] * len(self.batch.tensors)
-        if self._pending is not None:
-            gathered, self._pending = self._pending.finish(keep=keep, out_device=out_device), None
-            for index, full in zip(self._distributed, gathered):
+        pending_gathers, self._pending = self._pending, []
+        for indices, pending in pending_gathers:
+            for index, full in zip(indices, pending.finish(keep=keep, out_device=out_device)):
                 fulls[index] = full
         if keep:
-            for index, tensor in enumerate(self.batch.tensors):
+            for index, (tensor, cast) in enumerate(zip(self.batch.tensors, self.batch.casts)):
                 if fulls[index] is None and not isinstance(tensor, DTensor):
-                    dtype = gathered_dtype(tensor, self._cast_to)
+                    dtype = gathered_dtype(tensor, cast)
                     fulls[index] = tensor.detach().to(device=out_device or tensor.device, dtype=dtype)
         return fulls
 
     def abandon(self) -> None:
         """Wait for the launched gathers and drop them (the caller stopped early)."""
-        if self._pending is not None:
-            self._pending.abandon()
-            self._pending = None
+        pending_gathers, self._pending = self._pending, []
+        for _, pending in pending_gathers:
+            pending.abandon()
 
 
-def check_stream_args(model: object, dtype: object, bucket_mb: float | None) -> None:
+def check_stream_args(model: object, dtype: object, bucket_mb: float | None, keep_dtype: object = None) -> None:
     """Refuse bad arguments at the call, before the generator (and any collective) starts."""
     bucket_bytes_from_env(bucket_mb, STREAM_BUCKET_MB)
+    name_matcher(keep_dtype)  # type: ignore[arg-type]
     if not isinstance(model, nn.Module):
         raise TypeError(f"iter_full_params expects an nn.Module, got {type(model).__name__}")
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -201,21 +267,22 @@ def stream_full_params(
     rank0_only: bool,
     device: torch.device | None,
     bucket_mb: float | None,
+    keep_dtype: KeepDtype = None,
 ) -> FullParams:
     """The generator behind ``fsdp_shim.iter_full_params`` (arguments already checked)."""
     bucket_bytes = bucket_bytes_from_env(bucket_mb, STREAM_BUCKET_MB)
-    batches = plan_batches(model, bucket_bytes, dtype)
+    batches = plan_batches(model, bucket_bytes, dtype, name_matcher(keep_dtype))
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     receiver: Receiver = "global_rank0" if rank0_only else "all"  # see [Note: point to point] in _gather
     started = time.perf_counter()
-    in_flight = [_InFlightBatch(batches[0], dtype, bucket_bytes, receiver)] if batches else []
+    in_flight = [_InFlightBatch(batches[0], bucket_bytes, receiver)] if batches else []
     recyclable: list[tuple[torch.Tensor, int]] = []  # batch k - 1's buffers, handed out at the last step
     sent_bytes = 0
     try:
         for index, batch in enumerate(batches):
             following = None
             if index + 1 < len(batches):  # staged while batch k arrives, launched once it is in
-                following = _InFlightBatch(batches[index + 1], dtype, bucket_bytes, receiver, launch=False,
+                following = _InFlightBatch(batches[index + 1], bucket_bytes, receiver, launch=False,
                                            recycled=recyclable)
                 in_flight.append(following)
             recyclable = []  # what batch k + 1 did not take is freed

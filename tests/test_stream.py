@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import gc
+import logging
 
 import pytest
 import torch
@@ -179,6 +181,76 @@ def test_cast_before_gather_moves_half_the_bytes(dist_run, how):
     dist_run(2, rank_cast_before_gather_moves_half_the_bytes, how)
 
 
+# --------------------------------------------------------------------------- fp32 exceptions
+def rank_stream_keeps_chosen_params_uncast(how: str):
+    """``keep_dtype``: chosen parameters travel in their stored fp32, exact; the rest as ``full.to(bf16)``."""
+    ref, model = build_lm(), shard_lm(build_lm())
+    reference = dict(ref.named_parameters())
+    fc1 = {n for n in reference if fnmatch.fnmatchcase(n, "blocks.*.fc1.weight")}
+    assert fc1 and "lm_head.weight" not in reference  # lm_head is tied to embed: named embed.weight
+    kept = fc1 | {"embed.weight"}  # kept through the tie's other name
+    order = [name for name, _ in fsdp_shim.iter_full_params(model)]
+    choices = (
+        ["blocks.*.fc1.weight", "lm_head.weight"],
+        lambda name: name.endswith(".fc1.weight") or name == "lm_head.weight",
+    )
+    with transport(how):
+        for keep_dtype in choices:
+            for rank0_only in (True, False):
+                names = []
+                for name, full in fsdp_shim.iter_full_params(
+                    model, dtype=torch.bfloat16, keep_dtype=keep_dtype, rank0_only=rank0_only
+                ):
+                    names.append(name)
+                    if rank0_only and rank() != 0:
+                        assert full is None, name
+                        continue
+                    want = reference[name].detach()
+                    want = want if name in kept else want.to(torch.bfloat16)
+                    assert full is not None and full.dtype == want.dtype, (name, full)
+                    assert torch.equal(full, want), f"{name} differs"
+                assert names == order  # the same names in the same order as without exceptions
+        for name, full in fsdp_shim.iter_full_params(model, dtype=torch.bfloat16, keep_dtype="*.fc1.weight"):
+            if rank() == 0:  # one pattern, no tie named: embed goes bf16
+                assert full is not None and full.dtype == (torch.float32 if name in fc1 else torch.bfloat16), name
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("how", ["auto", "all_gather"])
+def test_stream_keeps_chosen_params_uncast(dist_run, world_size, how):
+    dist_run(world_size, rank_stream_keeps_chosen_params_uncast, how)
+
+
+def test_keep_dtype_takes_patterns_or_a_predicate():
+    from fsdp_shim._stream import name_matcher  # noqa: PLC0415
+
+    assert name_matcher(None) is None
+    assert name_matcher("a.*")("a.b") and not name_matcher("a.*")("b.a")
+    assert name_matcher(("x", "y.?"))("y.z") and not name_matcher(["x"])("X")  # case-sensitive
+    assert name_matcher(str.isupper)("AB")
+    for bad in ([], [1], 3, b"a.*"):
+        with pytest.raises(TypeError, match="keep_dtype"):
+            name_matcher(bad)
+
+
+def rank_keep_dtype_matching_nothing_warns():
+    model = shard_lm(build_lm())
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("fsdp_shim").addHandler(handler)
+    try:
+        for _ in fsdp_shim.iter_full_params(model, dtype=torch.bfloat16, keep_dtype="*.router.weight"):
+            pass
+    finally:
+        logging.getLogger("fsdp_shim").removeHandler(handler)
+    assert any("keep_dtype matched no parameter" in r.getMessage() for r in records)
+
+
+def test_keep_dtype_matching_nothing_warns(dist_run):
+    dist_run(2, rank_keep_dtype_matching_nothing_warns)
+
+
 # --------------------------------------------------------------------------- memory bound
 def _live_tensor_bytes() -> int:
     """Bytes of every distinct storage reachable from a live Python tensor on this rank."""
@@ -307,6 +379,8 @@ def rank_stream_refuses_bad_input():
         fsdp_shim.iter_full_params(model, dtype=torch.int32)
     with pytest.raises(ValueError, match="bucket size must be positive"):
         fsdp_shim.iter_full_params(model, bucket_mb=0)
+    with pytest.raises(TypeError, match="keep_dtype"):
+        fsdp_shim.iter_full_params(model, dtype=torch.bfloat16, keep_dtype=[torch.float32])
     fsdp1 = FSDP(build_lm(), device_id=torch.device("cpu"))
     with pytest.raises(TypeError, match="FSDP1"):
         fsdp_shim.iter_full_params(fsdp1)
