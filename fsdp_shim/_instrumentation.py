@@ -185,8 +185,11 @@ class NamesOfSummonedParams(dict):  # type: ignore[type-arg]
 class ComposeRLWeightSync(Instrumentation):
     """compose-rl's vLLM weight sync: ``broadcast_to_vllm`` and its helpers.
 
-    Read at databricks/compose-rl 00920bf6a24fa54ac762474af3a2cab2a03f8b3e,
-    ``compose_rl/algorithms/online/generation_utils/vllm_utils.py``:
+    Checked against databricks/compose-rl main, ae56991,
+    ``compose_rl/algorithms/online/generation_utils/vllm_utils.py`` (first read
+    at 00920bf6, a branch; the names and the structure below are the same on
+    main, where rank 0 broadcasts each full parameter on ``model_update_group``
+    inside the context):
     - ``broadcast_to_vllm`` selects units with ``isinstance(module, FSDP)``
       and ``is_fsdp_leaf`` does the same: the module global ``FSDP`` becomes
       an ``FSDPUnitGate``;
@@ -197,7 +200,7 @@ class ComposeRLWeightSync(Instrumentation):
 
     name = "compose_rl"
     module = "compose_rl.algorithms.online.generation_utils.vllm_utils"
-    upstream = "databricks/compose-rl@00920bf6: broadcast_to_vllm, is_fsdp_leaf, build_param_fullnames"
+    upstream = "databricks/compose-rl@ae56991 (main): broadcast_to_vllm, is_fsdp_leaf, build_param_fullnames"
     expects = ("FSDP", "broadcast_to_vllm", "is_fsdp_leaf", "build_param_fullnames")
 
     def _mismatch(self, module: ModuleType) -> str | None:

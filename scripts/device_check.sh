@@ -40,6 +40,10 @@ run bench327 150 bench --width 768 --reps 10 --warmup 2 --timeout 140
 echo "=== host_cost.py --device cuda ($(date -u +%T))"
 timeout 150 python3 scripts/host_cost.py --device cuda --world 1 --reps 11 2>&1 | tee "$OUT/host_cost.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+# the weight sync's two-group shape (tests/test_weight_sync.py) on NCCL: needs 3 GPUs, says "skipped" below that
+echo "=== two_groups.py --device cuda ($(date -u +%T))"
+timeout 200 python3 scripts/two_groups.py --device cuda --timeout 180 2>&1 | tee "$OUT/two_groups.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 if [ "${BIG:-0}" = 1 ]; then
     run bench2g 150 bench --width 2048 --reps 5 --warmup 1 --no-between --timeout 140
 fi

@@ -1,26 +1,28 @@
 """Unmodified client code on FSDP2 + ``import fsdp_shim``: what it does must equal what it does on FSDP1.
 
-compose-rl's weight sync runs from the stand-in at its real import path
-(``tests/stand_ins``, see its README): PPO (policy with ``lm_backbone`` and a
-critic head) and GRPO layouts, tied and untied embeddings.
+compose-rl's layouts (PPO: a policy with ``lm_backbone`` and a critic head;
+GRPO) and FSDP1 behaviours its code leans on. Its weight sync itself, on
+three ranks with an engine on a second process group, is in
+``test_weight_sync.py``.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import DTensor
 
 import fsdp_shim
-from _helpers import patch_state_restored, patched, rank
+from _helpers import patched, rank
 from fsdp_shim._models import Block, exact_gradients
 
 STAND_INS = str(Path(__file__).parent / "stand_ins")
@@ -83,27 +85,34 @@ class ComposerModel(nn.Module):
         return self.model(batch["obs"])
 
 
-def _fsdp1(layout: str, tie: bool) -> ComposerModel:
+def fsdp1_model(
+    layout: str, tie: bool, process_group: dist.ProcessGroup | None = None, device: str | torch.device = "cpu"
+) -> ComposerModel:
+    """compose-rl's FSDP1 policy: one unit per block (and the PPO backbone), the policy the root."""
     wrapper = ComposerModel(layout, tie)
     units = {Block, CausalLM} if layout == "ppo" else {Block}
     wrapper.model = FSDP(wrapper.model, auto_wrap_policy=ModuleWrapPolicy(units), use_orig_params=True,
-                         device_id=torch.device("cpu"))
+                         device_id=torch.device(device), process_group=process_group)
     return wrapper
 
 
-def _fsdp2(layout: str, tie: bool) -> ComposerModel:
+def fsdp2_model(layout: str, tie: bool, mesh: DeviceMesh | None = None) -> ComposerModel:
+    """The same units with ``fully_shard`` (on ``mesh``, default every rank; on its device)."""
     wrapper = ComposerModel(layout, tie)
+    if mesh is not None and mesh.device_type != "cpu":
+        wrapper.to(torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device()))
     policy = exact_gradients()
     lm = wrapper.model.lm_backbone if layout == "ppo" else wrapper.model
     for layer in lm.model.layers:
-        fully_shard(layer, mp_policy=policy)
+        fully_shard(layer, mp_policy=policy, mesh=mesh)
     if layout == "ppo":
-        fully_shard(lm, mp_policy=policy)
-    fully_shard(wrapper.model, mp_policy=policy)
+        fully_shard(lm, mp_policy=policy, mesh=mesh)
+    fully_shard(wrapper.model, mp_policy=policy, mesh=mesh)
     return wrapper
 
 
-def _weight_sync():
+def weight_sync_module():
+    """The stand-in ``vllm_utils``, imported from its upstream path."""
     if STAND_INS not in sys.path:
         sys.path.insert(0, STAND_INS)
     import importlib  # noqa: PLC0415
@@ -111,67 +120,13 @@ def _weight_sync():
     return importlib.import_module(WEIGHT_SYNC)
 
 
-def _sync(model: nn.Module, layout: str) -> list[tuple[str, torch.dtype, tuple[int, ...], torch.Tensor]]:
-    vllm_utils = _weight_sync()
-    from compose_rl.algorithms.online.model_methods import OnPolicyEnum  # noqa: PLC0415
-
-    engine = vllm_utils.RecordingEngine()
-    vllm_utils.broadcast_to_vllm(model, [engine], OnPolicyEnum(layout))
-    return engine.received
-
-
-def rank_compose_rl_sends_what_it_sends_on_fsdp1(layout: str, tie: bool):
-    with patched():
-        on_fsdp1 = _sync(_fsdp1(layout, tie), layout)
-        on_fsdp2 = _sync(_fsdp2(layout, tie), layout)
-    if rank() != 0:
-        assert on_fsdp1 == on_fsdp2 == []
-        return None
-    assert [r[:3] for r in on_fsdp2] == [r[:3] for r in on_fsdp1]  # names, dtypes, shapes, in order
-    for (name, *_, got), (_, *_, want) in zip(on_fsdp2, on_fsdp1):
-        assert torch.equal(got, want), name
-    reference = ComposerModel(layout, tie)
-    lm = reference.model.lm_backbone if layout == "ppo" else reference.model
-    assert len(on_fsdp2) == len(list(lm.named_parameters()))
-    return [r[0] for r in on_fsdp2]
-
-
-@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
-@pytest.mark.parametrize("layout", ["ppo", "grpo"])
-def test_compose_rl_weight_sync_runs_unchanged_on_fsdp2(dist_run, layout, tie):
-    names = dist_run(2, rank_compose_rl_sends_what_it_sends_on_fsdp1, layout, tie)[0]
-    assert ("lm_head.weight" in names) and ("model.embed_tokens.weight" in names) != tie
-
-
-def rank_compose_rl_fails_without_the_shim_or_its_instrumentation(how: str):
-    model = _fsdp2("ppo", True)
-    with patch_state_restored('FSDP_SHIM_DISABLE_COMPOSE_RL'):
-        fsdp_shim.unpatch()
-        if how == "instrumentation off":
-            os.environ["FSDP_SHIM_DISABLE_COMPOSE_RL"] = "1"
-            fsdp_shim.patch()
-            from fsdp_shim._instrumentation import statuses  # noqa: PLC0415
-
-            assert statuses()[WEIGHT_SYNC].startswith("off")
-        if rank() == 0:
-            with pytest.raises(AssertionError, match="Number of parameters updated 0"):
-                _sync(model, "ppo")
-        else:
-            _sync(model, "ppo")
-
-
-@pytest.mark.parametrize("how", ["unpatched", "instrumentation off"])
-def test_compose_rl_fails_without_the_shim_or_its_instrumentation(dist_run, how):
-    dist_run(2, rank_compose_rl_fails_without_the_shim_or_its_instrumentation, how)
-
-
 def rank_instrumentation_round_trip():
     from torch.distributed.fsdp import FullyShardedDataParallel  # noqa: PLC0415
 
     from fsdp_shim._instrumentation import FSDPUnitGate, NamesOfSummonedParams, statuses  # noqa: PLC0415
 
-    vllm_utils = _weight_sync()
-    model = _fsdp2("grpo", False)
+    vllm_utils = weight_sync_module()
+    model = fsdp2_model("grpo", False)
     with patched():
         assert isinstance(vllm_utils.FSDP, FSDPUnitGate) and isinstance(model.model, vllm_utils.FSDP)
         assert not isinstance(model.model, FullyShardedDataParallel)  # only inside that module
@@ -217,7 +172,7 @@ def test_instrumentation_leaves_an_unexpected_module_alone(tmp_path, monkeypatch
 def rank_cold_generate_then_training_matches_reference():
     """compose-rl's first call: generate() under summon(root) before any forward ever ran."""
     reference = ComposerModel("ppo", False)
-    model = _fsdp2("ppo", False)
+    model = fsdp2_model("ppo", False)
     prompt = torch.randint(0, 53, (2, 5), generator=torch.Generator().manual_seed(3))
     with patched(), FSDP.summon_full_params(model.model, writeback=False, recurse=False):
         got = model.model.lm_backbone.generate(prompt, 4)  # an inner unit's forward comes first
@@ -239,7 +194,7 @@ def test_cold_generate_lazily_initialises_the_real_root(dist_run):
 
 def rank_instance_form_matches_class_form():
     reference = ComposerModel("grpo", True)
-    model = _fsdp2("grpo", True)
+    model = fsdp2_model("grpo", True)
     unit = model.model
     with patched():
         with unit.summon_full_params(unit, writeback=False, recurse=False):
@@ -262,7 +217,7 @@ def test_instance_form_works_on_fsdp2_units(dist_run):
 
 
 def rank_sharded_param_names_a_full_parameter():
-    model = _fsdp2("grpo", True)
+    model = fsdp2_model("grpo", True)
     names = {p: n for n, p in model.named_parameters()}
     with patched(), FSDP.summon_full_params(model, writeback=False):
         for name, p in model.named_parameters():
@@ -278,7 +233,7 @@ def test_sharded_param_maps_full_parameters_back(dist_run):
 def rank_conversions_inside_keep_full_tensors_and_land_on_exit():
     """verl's LoRA collection calls ``model = model.to("cpu")`` inside; code that trusts the result must work."""
     reference = ComposerModel("grpo", True)
-    model = _fsdp2("grpo", True)
+    model = fsdp2_model("grpo", True)
     sharded = {n: p for n, p in model.named_parameters()}
     with patched(), FSDP.summon_full_params(model, writeback=False):
         model = model.to("cpu")
@@ -307,22 +262,3 @@ def rank_conversions_inside_keep_full_tensors_and_land_on_exit():
 
 def test_to_and_casts_inside_the_context(dist_run):
     dist_run(2, rank_conversions_inside_keep_full_tensors_and_land_on_exit)
-
-
-def rank_fsdp1_runs_are_identical_with_and_without_the_shim(layout: str, tie: bool):
-    was = fsdp_shim.is_patched()
-    fsdp_shim.unpatch()
-    try:
-        without = _sync(_fsdp1(layout, tie), layout)
-    finally:
-        if was:
-            fsdp_shim.patch()
-    with patched():
-        with_shim = _sync(_fsdp1(layout, tie), layout)
-    assert [r[:3] for r in with_shim] == [r[:3] for r in without]
-    assert all(torch.equal(a[3], b[3]) for a, b in zip(with_shim, without))
-
-
-@pytest.mark.parametrize("layout", ["ppo", "grpo"])
-def test_fsdp1_runs_are_identical_with_and_without_the_shim(dist_run, layout):
-    dist_run(2, rank_fsdp1_runs_are_identical_with_and_without_the_shim, layout, True)

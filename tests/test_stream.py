@@ -400,9 +400,9 @@ def rank_stream_bucket_cap_defaults_to_its_own():
     caps: list[int] = []
     original = _stream.plan_batches
 
-    def recording(model, bucket_bytes, cast_to):
+    def recording(model, bucket_bytes, *args):
         caps.append(bucket_bytes)
-        return original(model, bucket_bytes, cast_to)
+        return original(model, bucket_bytes, *args)
 
     _stream.plan_batches = recording
     try:

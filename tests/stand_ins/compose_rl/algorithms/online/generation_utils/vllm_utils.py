@@ -1,10 +1,19 @@
-"""Stand-in for compose-rl's vLLM weight sync, same structure, our own code.
+"""Stand-in for compose-rl's vLLM weight sync (main, ae56991), same structure, our own code.
 
-See ``tests/stand_ins/README.md``. The engine is a recorder: ``RecordingEngine``
-keeps ``(name, dtype, shape, tensor)`` for each weight rank 0 sends.
+See ``tests/stand_ins/README.md``. Upstream, rank 0 announces each weight to
+every engine through Ray (``engine.update_weight.remote(name, dtype, shape)``)
+and then broadcasts its tensor on ``model_update_group``, a process group of
+rank 0 and the engines' workers, while the other training ranks go straight
+on to the next unit. Here the engine is a process of the same job:
+``EngineHandle`` announces on the update group itself (in place of Ray's
+call) and ``serve_engine`` plays the engine's worker, receiving exactly as
+upstream's worker does: allocate, then ``broadcast`` from rank 0.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -13,15 +22,44 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from compose_rl.algorithms.online.model_methods import ALGORITHM_TYPE, OnPolicyEnum
 
+Received = list[tuple[str, torch.dtype, tuple[int, ...], torch.Tensor]]
 
-class RecordingEngine:
-    """What an inference engine received, in order."""
 
-    def __init__(self) -> None:
-        self.received: list[tuple[str, torch.dtype, tuple[int, ...], torch.Tensor]] = []
+class _Remote:
+    """Ray's ``handle.method.remote(...)`` call shape."""
 
-    def update_weight(self, name: str, dtype: torch.dtype, shape: torch.Size, tensor: torch.Tensor) -> None:
-        self.received.append((name, dtype, tuple(shape), tensor.detach().to("cpu", copy=True)))
+    def __init__(self, method: Callable[..., Any]) -> None:
+        self.remote = method
+
+
+class EngineHandle:
+    """Rank 0's handle on one engine: announces each weight on the update group, before the broadcast."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.update_weight = _Remote(self._announce)
+
+    def _announce(self, name: str, dtype: torch.dtype, shape: torch.Size, empty_cache: bool = False) -> str:
+        dist.broadcast_object_list([(name, dtype, tuple(shape))], src=0, group=self.group)
+        return name
+
+    def close(self) -> None:
+        """Tell the engine the sync is over (upstream: ``ray.get`` on the refs)."""
+        dist.broadcast_object_list([None], src=0, group=self.group)
+
+
+def serve_engine(group: dist.ProcessGroup | None, device: torch.device) -> Received:
+    """The engine's worker: receive announced weights until rank 0 closes; what arrived, in order."""
+    received: Received = []
+    while True:
+        announcement: list[Any] = [None]
+        dist.broadcast_object_list(announcement, src=0, group=group, device=device)
+        if announcement[0] is None:
+            return received
+        name, dtype, shape = announcement[0]
+        weight = torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(weight, 0, group=group)
+        received.append((name, dtype, shape, weight.cpu()))
 
 
 def build_param_fullnames(top_module: nn.Module) -> dict:
@@ -62,14 +100,23 @@ def should_update_torch_module(parsed_name, full_name, module, loss_type, valid_
     return loss_type == OnPolicyEnum.PPO and "lm_backbone" in full_name
 
 
-def broadcast_to_vllm(model: nn.Module, engines: list, loss_type: OnPolicyEnum = OnPolicyEnum.PPO) -> int:
-    """Send every policy weight to every engine, unit by unit; returns how many were sent."""
+def broadcast_to_vllm(
+    model: nn.Module,
+    vllm_engines: list,
+    model_update_group: dist.ProcessGroup | None,
+    batch: dict[str, torch.Tensor],
+    loss_type: OnPolicyEnum = OnPolicyEnum.PPO,
+    enable_prefix_caching: bool = False,
+) -> int:
+    """Send every policy weight to every engine, unit by unit; returns how many were sent (on rank 0)."""
     if loss_type == OnPolicyEnum.PPO:
         num_params = len(list(model.model.lm_backbone.named_parameters()))
     elif loss_type in ALGORITHM_TYPE.CRITIC_FREE:
         num_params = len(list(model.model.named_parameters()))
     else:
         raise ValueError(f"unsupported loss type {loss_type}")
+    refs = []
+    device = batch["prompt"].device
     valid_non_leaf_names = ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"]
     seen_units = set()
     seen_names = set()
@@ -77,7 +124,7 @@ def broadcast_to_vllm(model: nn.Module, engines: list, loss_type: OnPolicyEnum =
     param_2_full_name = build_param_fullnames(model)
 
     with torch.no_grad():
-        model({"obs": torch.zeros(1, 1, dtype=torch.long)})  # the dummy forward upstream runs
+        model({"obs": torch.tensor([[0]], dtype=torch.long, device=device)})  # the dummy forward upstream runs
 
     for module_name, module in model.named_modules():
         if isinstance(module, FSDP):
@@ -102,8 +149,13 @@ def broadcast_to_vllm(model: nn.Module, engines: list, loss_type: OnPolicyEnum =
                     if update:
                         seen_names.add(parsed_name)
                         count += 1
-                        for engine in engines:
-                            engine.update_weight(parsed_name, param.dtype, param.shape, param.data)
+                        refs += [
+                            engine.update_weight.remote(
+                                parsed_name, dtype=param.dtype, shape=param.shape, empty_cache=count == num_params
+                            )
+                            for engine in vllm_engines
+                        ]
+                        dist.broadcast(param.data, 0, group=model_update_group)
 
     if dist.get_rank() == 0:
         assert num_params == count, (
