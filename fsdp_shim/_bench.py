@@ -32,7 +32,7 @@ import wrapt
 
 import fsdp_shim
 from fsdp_shim._compat import all_gather_single
-from fsdp_shim._gather import bucket_bytes_from_env
+from fsdp_shim._layout import bucket_bytes_from_env
 from fsdp_shim._launch import rank_device, report_progress
 from fsdp_shim._models import LMConfig, build_lm, shard_lm, tokens_for, wrap_lm_fsdp1
 

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_shim import _diagnostics
 from fsdp_shim._fsdp2_internals import is_fsdp2_module
-from fsdp_shim._gather import bucket_bytes_from_env
+from fsdp_shim._layout import bucket_bytes_from_env
 from fsdp_shim._scope import has_distributed_params
 from fsdp_shim._swap import summon_dtensor_params
 

@@ -14,7 +14,7 @@ an inference engine) without a context and without swapping anything:
   ``named_parameters()``'s first name. The plan reads only structure, so
   every rank makes the same.
 * *One batch in flight, the next one staged.* Batch ``k + 1`` is staged
-  (copied in and cast, see [Note: staged, then launched] in ``_gather``)
+  (copied in and cast, see [Note: staged, then launched] in ``_engine``)
   before batch ``k`` is waited for, so the CPU's copies overlap batch ``k``'s
   transfer. On gloo its point-to-point messages are posted while it is
   staged; a collective (NCCL) is launched, all of batch ``k + 1``'s, as
@@ -30,9 +30,9 @@ an inference engine) without a context and without swapping anything:
   keeps no reference keeps memory at that bound whatever the model's size.
 * *Recycled buffers.* On the CPU batch ``k + 1`` takes batch ``k - 1``'s
   buffers, those nobody holds any more, instead of fresh memory (see
-  [Note: recycled buffers] in ``_gather``).
+  [Note: recycled buffers] in ``_host_buffers``).
 * *Cast before gather.* With ``dtype``, floating shards are cast as they are
-  copied into the bucket (see [Note: cast before gather] in ``_gather``).
+  copied into the bucket (see [Note: cast before gather] in ``_engine``).
   ``keep_dtype`` exempts chosen parameters (an MoE router's gate, kept fp32
   for the engine): they travel in their stored dtype, so their values are
   exact. A tie is kept if any of its names is chosen. A batch's kept
@@ -59,14 +59,9 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
 from fsdp_shim import _fsdp2_internals as fsdp2
-from fsdp_shim._gather import (
-    PendingGather,
-    Receiver,
-    RecycledBuffers,
-    bucket_bytes_from_env,
-    gathered_dtype,
-    start_gather,
-)
+from fsdp_shim._engine import PendingGather, start_gather
+from fsdp_shim._host_buffers import RecycledBuffers
+from fsdp_shim._layout import Receiver, bucket_bytes_from_env, gathered_dtype
 from fsdp_shim._scope import fsdp_slot_owners, slot_key
 
 logger = logging.getLogger("fsdp_shim")
@@ -207,7 +202,7 @@ class _InFlightBatch:
         recycled: Sequence[tuple[torch.Tensor, int]] = (),
     ):
         self.batch = batch
-        #: Its full tensors' buffers, reusing ``recycled`` (see [Note: recycled buffers] in ``_gather``).
+        #: Its full tensors' buffers, reusing ``recycled`` (see [Note: recycled buffers] in ``_host_buffers``).
         self.buffers = RecycledBuffers(recycled)
         by_cast: dict[torch.dtype | None, list[int]] = {}
         for index, (tensor, cast) in enumerate(zip(batch.tensors, batch.casts)):
@@ -273,7 +268,7 @@ def stream_full_params(
     bucket_bytes = bucket_bytes_from_env(bucket_mb, STREAM_BUCKET_MB)
     batches = plan_batches(model, bucket_bytes, dtype, name_matcher(keep_dtype))
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
-    receiver: Receiver = "global_rank0" if rank0_only else "all"  # see [Note: point to point] in _gather
+    receiver: Receiver = "global_rank0" if rank0_only else "all"  # see [Note: point to point] in _gloo
     started = time.perf_counter()
     in_flight = [_InFlightBatch(batches[0], bucket_bytes, receiver)] if batches else []
     recyclable: list[tuple[torch.Tensor, int]] = []  # batch k - 1's buffers, handed out at the last step

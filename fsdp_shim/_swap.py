@@ -29,7 +29,7 @@ Two rules, FSDP1's for the body and a stricter one for entry:
   objects back, marks and hooks are undone, and the shards stay
   bit-identical, whatever ``writeback`` says. The full tensors may hold
   values that never arrived (the swap runs while the last bucket is in
-  flight, see [Note: values arriving] in ``_gather``), so they are never
+  flight, see [Note: values arriving] in ``_engine``), so they are never
   read. 0.4.3 wrote them back: a stalled peer left uninitialised memory
   (up to 1.7e38) in the training weights.
 - A failure inside the body (the body reached means every value arrived)
@@ -113,15 +113,9 @@ from fsdp_shim import _diagnostics
 from fsdp_shim import _fsdp2_internals as fsdp2
 from fsdp_shim import _registry as registry
 from fsdp_shim._compat import ungatherable_reason, writeback_refusal
-from fsdp_shim._gather import (
-    Dim0Layout,
-    Gathered,
-    Receiver,
-    gather_full_tensors,
-    mesh_dim_groups,
-    start_full_tensors,
-    write_back_locals,
-)
+from fsdp_shim._engine import Gathered, gather_full_tensors, start_full_tensors
+from fsdp_shim._layout import Dim0Layout, Receiver, mesh_dim_groups
+from fsdp_shim._writeback import write_back_locals
 from fsdp_shim._scope import Scope, ScopedParam, collect_scope, slot_key
 
 logger = logging.getLogger("fsdp_shim")
@@ -630,7 +624,7 @@ def summon_dtensor_params(
         keep = _keeps_full_params(scope, rank0_only)
         out_device = torch.device("cpu") if offload_to_cpu else None
         receiver = _receiver(scope, rank0_only)
-        # See [Note: values arriving] in _gather: the swap below may run while the last bucket arrives.
+        # See [Note: values arriving] in _engine: the swap below may run while the last bucket arrives.
         gathered, arrival = start_full_tensors(dtensors, keep=keep, out_device=out_device,
                                                bucket_bytes=bucket_bytes, receiver=receiver)
         try:

@@ -8,7 +8,7 @@
 
 Each mode runs in fresh ranks for ``--seconds`` and prints how many rounds
 every rank finished, or how it failed. This is how the heap corruption behind
-[Note: no coalesced all-gather] in ``fsdp_shim/_gather.py`` was found and
+the note "no coalesced all-gather" in ``docs/gather-engine.md`` was found and
 bisected: a whole-model ``rank0_only=False`` summon loop died ("malloc():
 unaligned tcache chunk detected") in 5 of 8 runs of 80 s with gloo's
 coalesced all-gather, in 0 of 6 without. A crash that comes once a minute

@@ -25,7 +25,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.tensor import DTensor
 
 from fsdp_shim import _fsdp2_internals as fsdp2
-from fsdp_shim import _gather, _registry
+from fsdp_shim import _layout, _registry
 
 #: The operations ``inject`` can fail, each the names it wraps on ``torch.distributed``.
 OPERATIONS = {
@@ -69,11 +69,11 @@ def inject(operation: str, *, after: int = 0, exception: type[BaseException] = I
 @contextlib.contextmanager
 def transport(name: str) -> Iterator[None]:
     """The gather engine's transport for a while: ``auto`` (gloo: point to point) or ``all_gather`` (NCCL's path)."""
-    previous = _gather.set_transport(name)
+    previous = _layout.set_transport(name)
     try:
         yield
     finally:
-        _gather.set_transport(previous)
+        _layout.set_transport(previous)
 
 
 _meshes_made = itertools.count()

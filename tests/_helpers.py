@@ -33,14 +33,14 @@ def mesh1d():
 @contextlib.contextmanager
 def direct_always() -> Iterator[None]:
     """Every gloo bucket sent direct, shard to full tensor (test models are too small to choose it by size)."""
-    from fsdp_shim import _gather
+    from fsdp_shim import _gloo
 
-    saved = _gather._POINT_TO_POINT_BYTES
-    _gather._POINT_TO_POINT_BYTES = 0
+    saved = _gloo.DIRECT_BYTES
+    _gloo.DIRECT_BYTES = 0
     try:
         yield
     finally:
-        _gather._POINT_TO_POINT_BYTES = saved
+        _gloo.DIRECT_BYTES = saved
 
 
 @contextlib.contextmanager

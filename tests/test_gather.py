@@ -13,10 +13,10 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from _faults import transport
 from _helpers import mesh1d, direct_always
 from fsdp_shim._compat import STRIDED_SHARD_FULL_TENSOR_BROKEN
-from fsdp_shim._gather import (
-    BUCKET_ENV, DEFAULT_BUCKET_MB, bucket_bytes_from_env, dim0_layout, gather_full_tensors, plan_buckets,
-    _AllOf, _CopiedOut, start_full_tensors, start_gather, write_back_local,
-)
+from fsdp_shim._engine import _CopiedOut, gather_full_tensors, start_full_tensors, start_gather
+from fsdp_shim._layout import BUCKET_ENV, DEFAULT_BUCKET_MB, bucket_bytes_from_env, dim0_layout, plan_buckets
+from fsdp_shim._staging import AllOf
+from fsdp_shim._writeback import write_back_local
 
 
 def _tensors(specs, seed=0):
@@ -198,7 +198,7 @@ def rank_receivers_deliver_to_exactly_the_ranks_named():
     """[Note: point to point]: group rank 0 of each shard group, or global rank 0 alone (others skip)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp_shim._gather import moves_point_to_point
+    from fsdp_shim._layout import moves_point_to_point
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
@@ -211,7 +211,7 @@ def rank_receivers_deliver_to_exactly_the_ranks_named():
 
 
 def _deliver_to_exactly_the_ranks_named(mesh, fulls, dtensors, shard_rank):
-    from fsdp_shim._gather import start_gather
+    from fsdp_shim._engine import start_gather
 
     for receiver, keeps in (("all", True), ("group_rank0", shard_rank == 0), ("global_rank0", dist.get_rank() == 0)):
         with direct_always():  # every bucket sent direct, straight into the receivers' full tensors
@@ -236,7 +236,7 @@ def _deliver_to_exactly_the_ranks_named(mesh, fulls, dtensors, shard_rank):
         moved = [flight.work is not None for flight in flights]
         # [Note: point to point]: small tensors travel packed, each sender's block into one output, copied out
         assert any(len(flight.bucket) > 1 for flight in flights)
-        assert all(flight.padded_fulls is None and isinstance(flight.work, (_AllOf, type(None))) for flight in flights)
+        assert all(flight.padded_fulls is None and isinstance(flight.work, (AllOf, type(None))) for flight in flights)
         if receiver == "all":
             assert all(received) and all(moved)
             assert all(flight.output is not None for flight in flights)
@@ -271,7 +271,7 @@ def rank_staged_buckets_launch_later_and_in_order(how: str):
                 if how == "all_gather":  # staged: every bucket's collective waits for launch(), none posted
                     assert all(f.launch is not None and f.work is None for f in staged._flights)
                 else:  # point to point: outside the collective order, every bucket's messages go at once
-                    assert all(f.launch is None and isinstance(f.work, _AllOf) for f in staged._flights)
+                    assert all(f.launch is None and isinstance(f.work, AllOf) for f in staged._flights)
                 keeps = receiver == "all" or dist.get_rank() == 0
                 got_first = first.finish(keep=keeps)
                 staged.launch()
@@ -315,7 +315,7 @@ def rank_last_bucket_handed_out_before_its_values(how: str):
             (got, _), arrival = start_full_tensors(dtensors, keep=keep, receiver=receiver)
         pending = arrival._work
         if keep:  # packed or all-gathered: empty until the copy-out, which waits; direct: the messages' destinations
-            assert isinstance(pending, _AllOf if direct and how == "auto" else _CopiedOut), (direct, receiver)
+            assert isinstance(pending, AllOf if direct and how == "auto" else _CopiedOut), (direct, receiver)
             assert [g.shape for g in got] == [f.shape for f in fulls]
         else:
             assert got == [None] * 3 and pending is None

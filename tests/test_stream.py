@@ -22,7 +22,7 @@ from _helpers import (
     LMConfig, assert_unchanged, build_lm, direct_always, rank, shard_lm, snapshot, tokens_for,
 )
 import fsdp_shim
-from fsdp_shim import _gather
+from fsdp_shim import _host_buffers, _layout
 from fsdp_shim._stream import plan_batches
 
 
@@ -303,20 +303,20 @@ def test_stream_memory_is_bounded_by_two_units(dist_run, world_size, hsdp, direc
 # --------------------------------------------------------------------------- recycled buffers
 def test_recycled_buffer_is_reused_only_once_nothing_holds_it():
     cpu = torch.device("cpu")
-    first = _gather.RecycledBuffers()
+    first = _host_buffers.RecycledBuffers()
     buffer = first.take(64, torch.float32, cpu)
     view = buffer[:8].view(2, 4)  # what a caller keeps: a view of the buffer
-    assert _gather.RecycledBuffers(first.taken).take(64, torch.float32, cpu) is not buffer  # never written under it
+    assert _host_buffers.RecycledBuffers(first.taken).take(64, torch.float32, cpu) is not buffer  # never written under it
     work_like = [buffer.narrow(0, 8, 8)]  # a pending send holds a view just the same
     del view
-    assert _gather.RecycledBuffers(first.taken).take(64, torch.float32, cpu) is not buffer
+    assert _host_buffers.RecycledBuffers(first.taken).take(64, torch.float32, cpu) is not buffer
     del work_like
-    again = _gather.RecycledBuffers(first.taken)
+    again = _host_buffers.RecycledBuffers(first.taken)
     assert again.take(64, torch.float32, cpu) is buffer  # alone again: reused
     assert again.take(64, torch.float32, cpu) is not buffer  # once
     assert [b for b, _ in again.taken][0] is buffer  # and handed on to the batch after next
     for size, dtype in ((32, torch.float32), (64, torch.bfloat16)):  # another size or dtype: the earlier ones go
-        other = _gather.RecycledBuffers(first.taken)
+        other = _host_buffers.RecycledBuffers(first.taken)
         assert other.take(size, dtype, cpu) is not buffer
         assert other.take(64, torch.float32, cpu) is not buffer  # freed before the fresh one was taken
 
@@ -326,13 +326,13 @@ def rank_stream_recycles_only_buffers_nobody_holds():
     ref, model = build_lm(config), shard_lm(build_lm(config))
     reference = {name: p.detach() for name, p in ref.named_parameters()}
     fresh: list[int] = []
-    original = _gather.FullBuffers.take
+    original = _host_buffers.FullBuffers.take
 
     def counting(self, numel, dtype, device):
         fresh.append(numel)
         return original(self, numel, dtype, device)
 
-    _gather.FullBuffers.take = counting
+    _host_buffers.FullBuffers.take = counting
     try:
         with transport("auto"), direct_always():  # every full tensor allocated at staging: all recyclable
             for name, full in fsdp_shim.iter_full_params(model, rank0_only=False, bucket_mb=0.001):
@@ -343,7 +343,7 @@ def rank_stream_recycles_only_buffers_nobody_holds():
             kept = list(fsdp_shim.iter_full_params(model, rank0_only=False, bucket_mb=0.001))
             kept_fresh = len(fresh)
     finally:
-        _gather.FullBuffers.take = original
+        _host_buffers.FullBuffers.take = original
     for name, full in kept:  # a caller that keeps everything: no buffer was written twice
         assert torch.equal(full, reference[name]), f"{name} was overwritten by a recycled buffer"
     per_block = len(list(model.blocks[0].parameters()))
@@ -407,13 +407,13 @@ def rank_stream_bucket_cap_defaults_to_its_own():
     _stream.plan_batches = recording
     try:
         list(fsdp_shim.iter_full_params(model))
-        os.environ[_gather.BUCKET_ENV] = "1.5"
+        os.environ[_layout.BUCKET_ENV] = "1.5"
         list(fsdp_shim.iter_full_params(model))
         list(fsdp_shim.iter_full_params(model, bucket_mb=2))
     finally:
         _stream.plan_batches = original
-        os.environ.pop(_gather.BUCKET_ENV, None)
-    assert _stream.STREAM_BUCKET_MB != _gather.DEFAULT_BUCKET_MB
+        os.environ.pop(_layout.BUCKET_ENV, None)
+    assert _stream.STREAM_BUCKET_MB != _layout.DEFAULT_BUCKET_MB
     assert caps == [int(_stream.STREAM_BUCKET_MB * 2**20), int(1.5 * 2**20), 2 * 2**20]
 
 

@@ -1,0 +1,466 @@
+"""The gather engine: DTensors in, full tensors out, one bucket or one batch in flight.
+
+Owns staging a bucket on its transport (the collective here, gloo's
+messages in ``_gloo``), the copy-out, the ``full_tensor()`` fallback and
+the drivers the summon (``start_full_tensors``) and the stream
+(``start_gather``) use. Nothing here knows about modules, FSDP state or
+swapping; ``_swap`` decides *what* to gather and where the results go.
+
+[Note: one bucket in flight]
+Bucket ``k + 1``'s collective (or messages) is launched before bucket ``k``
+is copied out, so the copy-out overlaps the next transfer. At most two
+buckets' outputs are alive at once (inputs live inside them), so the extra
+memory beyond the full tensors is at most two buckets.
+
+[Note: a bucket of one]
+With one tensor in a bucket the ``(W, S)`` output *is* its padded full tensor
+(rank blocks of ``c`` rows, back to back), so the result is a view of the
+first ``n`` rows and nothing is copied out; if its shard already has ``c``
+rows, in the gathered dtype, on the collective's device, the shard itself is
+the all-gather input and nothing is copied in either. Tensors larger than the
+bucket cap always take this path: the gather moves each byte once, as
+FSDP1's flat parameter does.
+
+[Note: a group of one]
+When the shard mesh dim has one rank (one GPU, or HSDP with one shard per
+replica), nothing is exchanged: each full tensor is a fresh copy of its
+shard (cast on the way where asked), made in one ``_foreach_copy_`` per
+bucket. The copy is still needed: results never alias live shards, so
+``writeback=False`` edits are discarded as FSDP1's ``FULL_SHARD`` discards
+them.
+
+[Note: values arriving]
+A summon's own bookkeeping (new ``nn.Parameter`` objects in every slot,
+group marks, hooks) needs the full tensor *objects*, not their values. So
+``start_full_tensors`` hands out the last bucket's full tensors while it is
+still in flight, and the swap runs meanwhile; ``Arrival.wait()`` comes
+before the context's body, and on every error path. Where the messages (or
+the collective) write straight into the full tensors (direct point to
+point, a bucket of one) they are those destinations; a packed bucket's are
+allocated empty and filled by its copy-out, which ``Arrival.wait()`` runs
+once the bucket is in (``_CopiedOut``). Anything that reads a value, or its
+version counter (the copy into the full tensors bumps it), waits first.
+
+[Note: staged, then launched]
+A bucket starts in two steps. Staging does the CPU's part: the padded input
+copied in and cast, the output or full tensors allocated. Launching posts
+the collective. The summon does both at once (``_start_bucket``). On gloo
+every bucket moves point to point and its messages are posted while it is
+staged, a receiver posting its receives before it copies its own rows, so
+that copy overlaps the transfer. The stream stages batch ``k + 1`` *before*
+it waits for batch ``k``: the copies and casts run while batch ``k`` is on
+the wire. A collective (NCCL) is launched only once batch ``k`` is in, so
+the process group never holds more than one batch's collectives.
+
+[Note: cast before gather]
+With ``cast_to`` (``iter_full_params(dtype=...)``), each floating local shard
+is cast while it is copied into the bucket, so the all-gather moves the cast
+bytes (half of fp32 for bf16) and the full tensor is born in that dtype.
+Casting is elementwise, so this equals casting the gathered full tensor.
+
+Measurements behind each of these, and the history of removed mechanisms:
+``docs/gather-engine.md``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Sequence
+from typing import NamedTuple, cast
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from fsdp_shim._compat import all_gather_single
+from fsdp_shim._gloo import MessagePlan, post_point_to_point
+from fsdp_shim._host_buffers import FRESH_BUFFERS, FullBuffers, scratch_pool
+from fsdp_shim._layout import (
+    Dim0Layout,
+    Receiver,
+    bucket_bytes_from_env,
+    gathered_dtype,
+    moves_point_to_point,
+    plan_buckets,
+    require_gatherable,
+)
+from fsdp_shim._staging import BucketEntry, InFlight, Waitable, bucket_output, copy_in
+
+logger = logging.getLogger("fsdp_shim")
+
+
+def _comm_device(dtensor: DTensor) -> torch.device:
+    """The device collectives on this mesh run on (CPU-offloaded shards are staged there)."""
+    device_type = dtensor.device_mesh.device_type
+    if device_type == "cpu":
+        return torch.device("cpu")
+    handle = getattr(torch, device_type)
+    return torch.device(device_type, handle.current_device())
+
+def _start_bucket(
+    bucket: list[BucketEntry], cast_to: torch.dtype | None = None, receiver: Receiver = "all"
+) -> InFlight:
+    """Stage the bucket and launch its collective at once."""
+    return _stage_bucket(bucket, cast_to, receiver).launched()
+
+
+@torch.no_grad()
+def _stage_bucket(
+    bucket: list[BucketEntry], cast_to: torch.dtype | None = None, receiver: Receiver = "all",
+    buffers: FullBuffers | None = None,
+) -> InFlight:
+    """Copy in this rank's padded shards; the bucket's collective is left for ``launched()``.
+
+    Full tensors written in place (and a bucket of one's output) come from
+    ``buffers``: fresh memory unless a stream recycles (see [Note: recycled
+    buffers]).
+
+    On gloo there is no collective: the bucket moves point to point, and its
+    messages are posted here (see [Note: point to point] and [Note: staged,
+    then launched]).
+
+    As FSDP2 does, the input is this rank's block of the output buffer, so the
+    copy-in needs no buffer of its own and the all-gather runs in place. A
+    bucket of one tensor whose shard needs no padding, cast or move is sent
+    as it is: no copy-in at all (see [Note: a bucket of one]).
+    """
+    first = bucket[0]
+    world_size, group, rank = first.layout.world_size, first.layout.group, first.layout.rank
+    split_sizes = [b.layout.padded_numel for b in bucket]
+    dtype = gathered_dtype(first.dtensor, cast_to)
+    comm_device = _comm_device(first.dtensor)
+    buffers = buffers or FRESH_BUFFERS
+    global_ranks = dist.get_process_group_ranks(group)  # by group rank
+    receivers = range(world_size)  # group ranks that receive full tensors
+    if receiver != "all":
+        root = 0 if receiver == "global_rank0" else global_ranks[0]
+        if root not in global_ranks:
+            return InFlight(bucket, None, split_sizes, None)  # nobody here receives: nothing to move
+        receivers = range(global_ranks.index(root), global_ranks.index(root) + 1)
+    if world_size == 1:
+        return _start_alone(bucket, split_sizes, dtype, comm_device, buffers)
+    if moves_point_to_point(group):
+        return post_point_to_point(bucket, MessagePlan(split_sizes, dtype, comm_device, receivers, global_ranks, buffers))
+    per_rank = sum(split_sizes)
+    output = bucket_output(bucket, world_size * per_rank, dtype, comm_device, buffers)
+    gather_input, _ = copy_in(bucket, split_sizes, dtype, comm_device, output.narrow(0, rank * per_rank, per_rank))
+    launch = functools.partial(all_gather_single, output, gather_input, group=group, async_op=True)
+    return InFlight(bucket, output, split_sizes, None, launch=launch)
+
+def _start_alone(
+    bucket: list[BucketEntry], split_sizes: list[int], dtype: torch.dtype, device: torch.device, buffers: FullBuffers
+) -> InFlight:
+    """A shard group of one rank: each full tensor is its shard, copied once. See [Note: a group of one]."""
+    padded_fulls = [buffers.take(padded, dtype, device) for padded in split_sizes]
+    torch._foreach_copy_(padded_fulls, [b.dtensor._local_tensor.reshape(-1) for b in bucket])
+    return InFlight(bucket, None, split_sizes, None, padded_fulls=padded_fulls)
+
+def _arrived(flight: InFlight) -> None:
+    """Wait for ``flight``'s collective or messages; a sender's scratch input is then free again."""
+    if flight.work is not None:
+        flight.work.wait()
+    if flight.scratch_input is not None:
+        scratch_pool.give(flight.scratch_input)
+
+
+@torch.no_grad()
+def _finish_bucket(flight: InFlight, keep: bool, out_device: torch.device | None) -> list[torch.Tensor]:
+    """Wait for the bucket's collective or messages and copy each tensor out. See [Note: bucket layout]."""
+    _arrived(flight)
+    if flight.padded_fulls is not None:  # point to point, or a group of one: already in place
+        return [_on(full, out_device) for full in _in_place_results(flight)] if keep else []
+    if not keep:
+        if flight.output is not None and len(flight.bucket) > 1:
+            scratch_pool.give(flight.output)
+        return []  # rank0_only: this rank holds nothing once the gather is done
+    output = flight.output
+    assert output is not None, "a rank that keeps full tensors received them"
+    if out_device is not None and out_device != output.device:
+        # offload_to_cpu: move the whole bucket at once, pinned and
+        # asynchronous on accelerators, then split on the host.
+        host = torch.empty(output.shape, dtype=output.dtype, pin_memory=output.device.type != "cpu")
+        host.copy_(output, non_blocking=True)
+        if output.device.type != "cpu":
+            getattr(torch, output.device.type).current_stream().synchronize()
+        output = host
+    if len(flight.bucket) == 1:  # see [Note: a bucket of one]
+        only = flight.bucket[0].dtensor
+        return [output[: only.numel()].view(only.shape)]
+    padded_fulls = _padded_fulls(flight, output)
+    _copy_out(output, flight, padded_fulls)
+    return _views(padded_fulls, flight)
+
+
+def _padded_fulls(flight: InFlight, output: torch.Tensor) -> list[torch.Tensor]:
+    """Fresh padded full tensors for a multi-tensor bucket's copy-out of ``output``, on its device."""
+    world_size = flight.bucket[0].layout.world_size
+    return [torch.empty(world_size * n, dtype=output.dtype, device=output.device) for n in flight.split_sizes]
+
+
+def _copy_out(output: torch.Tensor, flight: InFlight, padded_fulls: list[torch.Tensor]) -> None:
+    """Scatter a multi-tensor bucket's output into its padded full tensors (see [Note: bucket layout])."""
+    world_size = flight.bucket[0].layout.world_size
+    torch.split_with_sizes_copy(
+        output.view(world_size, -1),
+        flight.split_sizes,
+        dim=1,
+        out=[buf.view(world_size, n) for buf, n in zip(padded_fulls, flight.split_sizes)],
+    )
+    if output is flight.output:
+        scratch_pool.give(output)
+
+
+def _views(padded_fulls: list[torch.Tensor], flight: InFlight) -> list[torch.Tensor]:
+    """Each full tensor: the first rows of its padded buffer, in its shape."""
+    return [buf[: b.dtensor.numel()].view(b.dtensor.shape) for buf, b in zip(padded_fulls, flight.bucket)]
+
+
+class _CopiedOut:
+    """A multi-tensor bucket whose full tensors were handed out empty: waits, then copies out. Idempotent.
+
+    See [Note: values arriving].
+    """
+
+    def __init__(self, flight: InFlight, padded_fulls: list[torch.Tensor]) -> None:
+        self._flight: InFlight | None = flight
+        self._padded_fulls = padded_fulls
+
+    def wait(self) -> bool:
+        flight, self._flight = self._flight, None
+        if flight is not None:
+            _arrived(flight)
+            assert flight.output is not None
+            _copy_out(flight.output, flight, self._padded_fulls)
+        return True
+
+
+def _handed_out_early(
+    flight: InFlight, keep: bool, out_device: torch.device | None
+) -> tuple[list[torch.Tensor], Waitable | None] | None:
+    """``flight``'s full tensors before its values are in, and what brings them in; ``None`` if it cannot.
+
+    Where the collective writes straight into them (``_arrives_in_place``),
+    they are its destinations; a multi-tensor bucket's are allocated now and
+    filled by the copy-out once it is in (``_CopiedOut``). See [Note: values arriving].
+    """
+    if _arrives_in_place(flight, keep, out_device):
+        return _in_place_results(flight), flight.work
+    output = flight.output
+    if not keep or output is None or len(flight.bucket) == 1 or out_device not in (None, output.device):
+        return None
+    padded_fulls = _padded_fulls(flight, output)
+    return _views(padded_fulls, flight), _CopiedOut(flight, padded_fulls)
+
+
+def _arrives_in_place(flight: InFlight, keep: bool, out_device: torch.device | None) -> bool:
+    """Whether ``flight``'s full tensors exist before its collective is done: it writes into them.
+
+    True for a point-to-point bucket and for a bucket of one that this rank
+    receives, when the results stay where the collective puts them.
+    """
+    if not keep:
+        return False
+    if flight.padded_fulls is not None:
+        buffers = flight.padded_fulls
+    elif len(flight.bucket) == 1 and flight.output is not None:
+        buffers = [flight.output]
+    else:
+        return False
+    return out_device is None or all(buffer.device == out_device for buffer in buffers)
+
+
+def _in_place_results(flight: InFlight) -> list[torch.Tensor]:
+    """The full tensors of a flight that ``_arrives_in_place``: views of what the messages write."""
+    buffers = flight.padded_fulls if flight.padded_fulls is not None else [flight.output]
+    return _views(buffers, flight)  # type: ignore[arg-type]
+
+
+def _on(tensor: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    return tensor if device is None or tensor.device == device else tensor.to(device)
+
+
+@torch.no_grad()
+def _gather_fallback(
+    dtensor: DTensor, keep: bool, out_device: torch.device | None, cast_to: torch.dtype | None = None
+) -> torch.Tensor | None:
+    dtype = gathered_dtype(dtensor, cast_to)
+    source = dtensor if dtype == dtensor.dtype else cast(DTensor, dtensor.to(dtype))  # a local, elementwise cast
+    full = source.full_tensor()
+    if not keep:
+        return None
+    local = dtensor._local_tensor
+    if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+        full = full.clone()  # replicated: never alias the live shard
+    if out_device is not None and full.device != out_device:
+        full = full.to(out_device)
+    return full
+
+
+class Gathered(NamedTuple):
+    tensors: list[torch.Tensor | None]  # full tensors, None where not kept
+    layouts: list[Dim0Layout | None]  # fast-path layouts, for ``write_back_local``
+
+
+def gather_full_tensors(
+    dtensors: Sequence[DTensor],
+    *,
+    keep: bool = True,
+    out_device: torch.device | None = None,
+    bucket_bytes: int | None = None,
+    receiver: Receiver = "all",
+) -> Gathered:
+    """All-gather every DTensor in ``dtensors`` to a plain full tensor.
+
+    A collective: every rank of the meshes involved must call it with the same
+    tensors in the same order. ``keep=False`` takes part in the collectives
+    but returns ``None`` for every tensor (``rank0_only`` on other ranks).
+    ``out_device`` moves results there bucket by bucket (``offload_to_cpu``).
+    Results never alias the DTensors' local storage. With a ``receiver`` other
+    than ``"all"``, ``keep`` must be False on every rank it does not name.
+
+    Raises ``NotImplementedError`` before any collective if this torch cannot
+    gather one of the placements correctly (``_compat.ungatherable_reason``).
+    """
+    gathered, _ = _gather_buckets(dtensors, keep, out_device, bucket_bytes, receiver, defer_last=False)
+    return gathered
+
+
+class Arrival:
+    """The values of full tensors handed out by ``start_full_tensors`` that are still arriving."""
+
+    def __init__(self, work: Waitable | None = None) -> None:
+        self._work = work
+
+    def wait(self) -> None:
+        """Block until every value has arrived. Idempotent; read none of the tensors before it."""
+        work, self._work = self._work, None
+        if work is not None:
+            work.wait()
+
+
+def start_full_tensors(
+    dtensors: Sequence[DTensor],
+    *,
+    keep: bool = True,
+    out_device: torch.device | None = None,
+    bucket_bytes: int | None = None,
+    receiver: Receiver = "all",
+) -> tuple[Gathered, Arrival]:
+    """``gather_full_tensors`` that may return while the last bucket is still in flight.
+
+    Where that bucket's collective writes straight into its full tensors (see
+    ``_arrives_in_place``), they are handed out at once and their values
+    arrive by ``Arrival.wait()``: the caller does its own bookkeeping (the
+    swap) meanwhile, and must wait before anything reads them, also on error
+    paths, so no collective is left behind. See [Note: values arriving].
+    """
+    return _gather_buckets(dtensors, keep, out_device, bucket_bytes, receiver, defer_last=True)
+
+
+def _gather_buckets(
+    dtensors: Sequence[DTensor],
+    keep: bool,
+    out_device: torch.device | None,
+    bucket_bytes: int | None,
+    receiver: Receiver,
+    defer_last: bool,
+) -> tuple[Gathered, Arrival]:
+    require_gatherable(dtensors)
+    cap = bucket_bytes_from_env() if bucket_bytes is None else bucket_bytes
+    buckets, fallback = plan_buckets(dtensors, cap)
+    results: list[torch.Tensor | None] = [None] * len(dtensors)
+    layouts: list[Dim0Layout | None] = [None] * len(dtensors)
+    arrival = Arrival()
+    # See [Note: one bucket in flight]
+    in_flight: InFlight | None = None
+    for bucket in [*buckets, None]:
+        started = _start_bucket(bucket, None, receiver) if bucket is not None else None
+        if in_flight is not None:
+            for b in in_flight.bucket:
+                layouts[b.position] = b.layout
+            last = started is None and not fallback
+            early = _handed_out_early(in_flight, keep, out_device) if last and defer_last else None
+            if early is not None:
+                fulls, arrival = early[0], Arrival(early[1])
+            else:
+                fulls = _finish_bucket(in_flight, keep, out_device)
+            for b, full in zip(in_flight.bucket, fulls):
+                results[b.position] = full
+        in_flight = started
+    for index in fallback:
+        results[index] = _gather_fallback(dtensors[index], keep, out_device)
+    logger.debug(
+        "gathered %d tensors: %d buckets, %d full_tensor() fallbacks",
+        len(dtensors), len(buckets), len(fallback),
+    )
+    return Gathered(results, layouts), arrival
+
+class PendingGather:
+    """A batch of DTensors, every bucket staged and, once ``launch`` ran, its collective in flight.
+
+    See ``start_gather`` and [Note: staged, then launched].
+    """
+
+    def __init__(
+        self, dtensors: Sequence[DTensor], cast_to: torch.dtype | None, bucket_bytes: int | None, receiver: Receiver,
+        launch: bool = True, buffers: FullBuffers | None = None,
+    ):
+        require_gatherable(dtensors)
+        cap = bucket_bytes_from_env() if bucket_bytes is None else bucket_bytes
+        buckets, self._fallback = plan_buckets(dtensors, cap, cast_to)
+        self._dtensors = list(dtensors)
+        self._cast_to = cast_to
+        self._flights = [_stage_bucket(bucket, cast_to, receiver, buffers) for bucket in buckets]
+        if launch:
+            self.launch()
+
+    def launch(self) -> None:
+        """Launch every staged bucket's collective, in bucket order. A collective; a no-op once done."""
+        self._flights = [flight.launched() for flight in self._flights]
+
+    def finish(self, *, keep: bool, out_device: torch.device | None = None) -> list[torch.Tensor | None]:
+        """Wait and copy out, bucket by bucket (each output freed as soon as it is copied), then the fallbacks.
+
+        A collective, like the start: every rank finishes its batches in the same order.
+        """
+        self.launch()
+        results: list[torch.Tensor | None] = [None] * len(self._dtensors)
+        while self._flights:
+            flight = self._flights.pop(0)
+            for b, full in zip(flight.bucket, _finish_bucket(flight, keep, out_device)):
+                results[b.position] = full
+            del flight
+        for index in self._fallback:
+            results[index] = _gather_fallback(self._dtensors[index], keep, out_device, self._cast_to)
+        self._fallback = []
+        return results
+
+    def abandon(self) -> None:
+        """Wait for the launched collectives and drop every result; staged ones and the fallbacks never run."""
+        for flight in self._flights:
+            if flight.work is not None:
+                flight.work.wait()
+        self._flights, self._fallback = [], []
+
+
+def start_gather(
+    dtensors: Sequence[DTensor],
+    *,
+    cast_to: torch.dtype | None = None,
+    bucket_bytes: int | None = None,
+    receiver: Receiver = "all",
+    launch: bool = True,
+    buffers: FullBuffers | None = None,
+) -> PendingGather:
+    """Stage every bucket of ``dtensors`` and launch its all-gather now; ``finish`` collects them.
+
+    Unlike ``gather_full_tensors`` (one bucket in flight), the whole batch is in
+    flight at once, so it transfers while the caller does other work: the
+    streaming sync keeps one unit in flight this way. With ``launch=False``
+    the buckets are only staged (copied in, cast) and ``PendingGather.launch``
+    starts their collectives later. Fallback tensors (``full_tensor()``,
+    blocking) are gathered in ``finish``. ``buffers`` allocates the full
+    tensors written in place at staging (fresh unless a stream recycles).
+    """
+    return PendingGather(dtensors, cast_to, bucket_bytes, receiver, launch, buffers)

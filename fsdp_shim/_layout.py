@@ -1,0 +1,300 @@
+"""Planning a gather: the dim-0 layout of each DTensor, its buckets, who receives, which transport.
+
+Owns the caches of layouts and mesh dims (keyed weakly by the DTensor spec
+and mesh), the bucket cap, and the transport switch. Reads global metadata
+only, so every rank plans the same buckets in the same order. Nothing here
+moves data.
+
+[Note: dim-0 layout]
+FSDP2 and DTensor's ``Shard(0)`` both split dim 0 the way ``torch.chunk`` does:
+with ``W`` ranks on the shard mesh dim and ``n`` rows, every rank's chunk has
+``c = ceil(n / W)`` rows except the trailing ones, which are shorter or empty.
+Rank ``r`` holds rows ``[r * c, min(n, (r + 1) * c))``. Padding each local
+shard to ``c`` rows makes all contributions the same size, so one all-gather
+per bucket gathers many parameters at once.
+
+[Note: bucket layout]
+A bucket is a list of parameters sharing one process group, dtype and device.
+Each rank's all-gather input is the concatenation of its padded shards
+(``c_i * row_i`` elements each, ``S`` in all), written straight into its own
+block of the output buffer. The output is ``W`` such blocks back to back, so
+viewed as ``(W, S)`` column ranges ``[off_i, off_i + c_i * row_i)`` hold
+parameter ``i``'s rank blocks, and one ``split_with_sizes_copy`` scatters
+every parameter into its own padded ``(W * c_i, *rest)`` buffer. The full
+tensor handed out is a view of that buffer's first ``n_i`` rows: the only
+memory beyond the full size is the padding (at most ``W - 1`` rows a tensor).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from collections.abc import Sequence
+from typing import Any, Literal, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from fsdp_shim import _diagnostics
+from fsdp_shim._compat import is_dim0_shard, is_live_group, is_replicate, ungatherable_reason
+
+logger = logging.getLogger("fsdp_shim")
+
+#: Environment variable that overrides the default bucket cap, in MiB.
+BUCKET_ENV = "FSDP_SHIM_BUCKET_MB"
+#: Default cap on one bucket's gathered (full, padded) size. Chosen with
+#: ``fsdp-shim bench --bucket-mb``: see README "Performance".
+DEFAULT_BUCKET_MB = 4.0
+
+
+def bucket_bytes_from_env(explicit: float | None = None, default_mb: float = DEFAULT_BUCKET_MB) -> int:
+    """The bucket cap in bytes: ``explicit`` MiB, else ``$FSDP_SHIM_BUCKET_MB``, else ``default_mb``."""
+    if explicit is None:
+        raw = os.environ.get(BUCKET_ENV)
+        if raw:
+            try:
+                explicit = float(raw)
+            except ValueError:
+                raise ValueError(f"{BUCKET_ENV}={raw!r} is not a number of MiB") from None
+    mib = default_mb if explicit is None else explicit
+    if mib <= 0:
+        raise ValueError(f"bucket size must be positive, got {mib} MiB")
+    return int(mib * 1024 * 1024)
+
+
+class Dim0Layout(NamedTuple):
+    """Where one rank's local shard sits in the full tensor. See [Note: dim-0 layout]."""
+
+    group: dist.ProcessGroup
+    world_size: int  # W: ranks on the shard mesh dim
+    rank: int  # r: this rank's coordinate on it
+    chunk_rows: int  # c = ceil(n / W)
+    row_numel: int  # elements per dim-0 row
+    local_rows: int  # rows this rank holds, c or fewer
+
+    @property
+    def padded_numel(self) -> int:  # one rank's padded contribution
+        return self.chunk_rows * self.row_numel
+
+    @property
+    def row_offset(self) -> int:  # first full-tensor row of this rank's shard
+        return self.rank * self.chunk_rows
+
+
+_mesh_dims: dict[tuple[int, int], tuple[weakref.ref[DeviceMesh], tuple[dist.ProcessGroup, int, int]]] = {}
+
+
+def _mesh_dim(mesh: DeviceMesh, mesh_dim: int) -> tuple[dist.ProcessGroup, int, int]:
+    """(group, size, local rank) of one mesh dim, cached: DeviceMesh's lookups cost ~10 us each."""
+    key = (id(mesh), mesh_dim)
+    cached = _mesh_dims.get(key)
+    if cached is None or cached[0]() is not mesh:
+        info = (mesh.get_group(mesh_dim), mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim))
+        cached = _mesh_dims[key] = (weakref.ref(mesh), info)
+    return cached[1]
+
+
+def mesh_dim_groups(mesh: DeviceMesh) -> list[dist.ProcessGroup]:
+    """The process group of every dim of ``mesh`` (what gathering a DTensor on it may use)."""
+    return [_mesh_dim(mesh, dim)[0] for dim in range(mesh.ndim)]
+
+
+def _require_live_groups(dtensors: Sequence[DTensor]) -> None:
+    """A destroyed (or foreign) process group fails here, clearly, not inside a collective."""
+    meshes: set[int] = set()
+    for index, dtensor in enumerate(dtensors):
+        if id(dtensor.device_mesh) in meshes:
+            continue  # checked already, in this call
+        meshes.add(id(dtensor.device_mesh))
+        for group in mesh_dim_groups(dtensor.device_mesh):
+            if not is_live_group(group):
+                raise RuntimeError(
+                    f"cannot gather tensor {index} of shape {tuple(dtensor.shape)}: its device mesh uses a "
+                    "process group that was destroyed or belongs to another process group world "
+                    "(was the DTensor created before destroy_process_group()?)"
+                )
+
+
+#: ``id(spec)`` -> (the DTensorSpec, weakly; the local shape seen; its layout). See ``dim0_layout``.
+_layouts: dict[int, tuple[weakref.ref[Any], torch.Size, Dim0Layout | None]] = {}
+
+
+def rows_held(rows: int, chunk_rows: int, coordinate: int) -> int:
+    """Rows of a ``rows``-row tensor that shard ``coordinate`` holds under ``Shard(0)``. See [Note: dim-0 layout]."""
+    return max(0, min(chunk_rows, rows - coordinate * chunk_rows))
+
+
+def dim0_layout(dtensor: DTensor) -> Dim0Layout | None:
+    """The batched-gather layout of ``dtensor``, or ``None`` if only ``full_tensor()`` applies.
+
+    Cached per ``DTensorSpec`` (mesh, placements and global shape, which a
+    DTensor never changes) and local shape: an FSDP2 parameter keeps its
+    spec for life, and working the layout out costs ~13 us a tensor, a fifth
+    of a per-unit summon's Python. The spec is held weakly, its entry dropped
+    with it.
+    """
+    spec = dtensor._spec
+    local_shape = dtensor._local_tensor.shape
+    cached = _layouts.get(id(spec))
+    if cached is not None and cached[0]() is spec and cached[1] == local_shape:
+        return cached[2]
+    layout = _work_out_dim0_layout(dtensor)
+    key = id(spec)
+    _layouts[key] = (weakref.ref(spec, lambda _, key=key: _layouts.pop(key, None)), local_shape, layout)  # type: ignore[misc]
+    return layout
+
+
+def _work_out_dim0_layout(dtensor: DTensor) -> Dim0Layout | None:
+    """``dim0_layout``, uncached.
+
+    The fast path covers placements with exactly one plain ``Shard(0)`` and
+    ``Replicate`` everywhere else (FSDP, HSDP, dim-0 tensor parallel), tested
+    by exact type (see [Note: torch versions] in ``_compat``). Anything else
+    (another shard dim, ``_StridedShard``, ``Partial``, several shardings, a
+    placement type this code has never seen) falls back. The choice depends
+    on placements only, never on this rank's local tensor, so all ranks choose
+    alike and their collectives match.
+    """
+    placements = dtensor.placements
+    shard_dims = [i for i, p in enumerate(placements) if is_dim0_shard(p)]
+    if len(shard_dims) != 1 or dtensor.ndim == 0:
+        return None
+    if not all(is_replicate(p) for i, p in enumerate(placements) if i != shard_dims[0]):
+        return None
+    group, world_size, rank = _mesh_dim(dtensor.device_mesh, shard_dims[0])
+    rows = dtensor.shape[0]
+    chunk_rows = -(-rows // world_size)
+    expected_rows = rows_held(rows, chunk_rows, rank)
+    local_shape = tuple(dtensor._local_tensor.shape)
+    if local_shape != (expected_rows, *dtensor.shape[1:]):
+        raise ValueError(
+            f"DTensor of shape {tuple(dtensor.shape)} with {placements} holds a local shard of "
+            f"shape {local_shape} on mesh rank {rank}, not the torch.chunk slice "
+            f"{(expected_rows, *dtensor.shape[1:])} that Shard(0) implies"
+        )
+    row_numel = 1
+    for size in dtensor.shape[1:]:
+        row_numel *= size
+    return Dim0Layout(group, world_size, rank, chunk_rows, row_numel, expected_rows)
+
+
+class BucketEntry(NamedTuple):
+    """One DTensor of a bucket: where it sits in the caller's list, and its layout."""
+
+    position: int  # in the caller's list
+    dtensor: DTensor
+    layout: Dim0Layout
+
+
+def gathered_dtype(tensor: torch.Tensor, cast_to: torch.dtype | None) -> torch.dtype:
+    """The dtype ``tensor`` travels in: ``cast_to`` for floating tensors, else its own."""
+    if cast_to is not None and tensor.is_floating_point():
+        return cast_to
+    return tensor.dtype
+
+
+def plan_buckets(
+    dtensors: Sequence[DTensor], bucket_bytes: int, cast_to: torch.dtype | None = None
+) -> tuple[list[list[BucketEntry]], list[int]]:
+    """Split ``dtensors`` into fast-path buckets and fallback indices.
+
+    Buckets hold tensors of one (process group, dtype, device) in the caller's
+    order and close when the next tensor would push the gathered size past
+    ``bucket_bytes``. A tensor larger than the cap gets a bucket of its own
+    and leaves the open bucket open: the small tensors around it (a layer's
+    norms and biases around its big matrices) share one collective instead
+    of one each between the big ones, which a collective's fixed cost (about
+    0.5 ms on gloo) made 1.14x FSDP1 in a per-unit loop over 27 MiB units.
+    Where buckets move point to point, a tensor whose shard (in the dtype
+    it travels in) carries at least ``ALONE_BYTES`` travels alone too: it
+    is then sent direct, never copied into a bucket and out again (see
+    [Note: point to point]).
+    ``cast_to`` is the dtype floating tensors travel in (see [Note: cast
+    before gather]). The plan depends only on global metadata, so every rank
+    builds the same one and issues the same collectives in the same order.
+    """
+    buckets: list[list[BucketEntry]] = []
+    fallback: list[int] = []
+    open_buckets: dict[tuple[object, torch.dtype, torch.device], tuple[list[BucketEntry], list[int]]] = {}
+    direct: dict[dist.ProcessGroup, bool] = {}  # whether a group's buckets move point to point
+    for index, dtensor in enumerate(dtensors):
+        layout = dim0_layout(dtensor)
+        if layout is None:
+            fallback.append(index)
+            continue
+        dtype = gathered_dtype(dtensor, cast_to)
+        key = (layout.group, dtype, dtensor._local_tensor.device)
+        nbytes = layout.world_size * layout.padded_numel * dtype.itemsize
+        if layout.group not in direct:
+            direct[layout.group] = moves_point_to_point(layout.group)
+        if nbytes > bucket_bytes or (direct[layout.group] and nbytes >= ALONE_BYTES * layout.world_size):
+            buckets.append([BucketEntry(index, dtensor, layout)])
+            continue
+        bucket, size = open_buckets.get(key, (None, [0]))
+        if bucket is None or size[0] + nbytes > bucket_bytes:
+            bucket, size = [], [0]
+            buckets.append(bucket)
+            open_buckets[key] = (bucket, size)
+        bucket.append(BucketEntry(index, dtensor, layout))
+        size[0] += nbytes
+    return buckets, fallback
+
+#: Who receives full tensors. ``"all"``: every rank (all-gather). ``"group_rank0"``:
+#: rank 0 of each process group gathered over (FSDP1's ``rank0_only``: each
+#: shard group's). ``"global_rank0"``: global rank 0 alone; buckets over groups
+#: without it are skipped. See [Note: point to point].
+Receiver = Literal["all", "group_rank0", "global_rank0"]
+
+
+#: ``FSDP_SHIM_TRANSPORT``: ``auto`` (the default: point to point on gloo, the
+#: all-gather elsewhere) or ``all_gather`` (the collective everywhere: on gloo,
+#: the path NCCL users take, which CI's second pass of the suite runs). Read at
+#: import; ``set_transport`` changes it.
+TRANSPORT_ENV = "FSDP_SHIM_TRANSPORT"
+TRANSPORTS = ("auto", "all_gather")
+_transport = "auto"
+
+
+def set_transport(transport: str) -> str:
+    """Choose the transport (``TRANSPORTS``); returns the previous one. Not for use while a gather runs."""
+    global _transport
+    if transport not in TRANSPORTS:
+        raise ValueError(f"{TRANSPORT_ENV} must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+    previous, _transport = _transport, transport
+    return previous
+
+
+def _transport_from_env() -> None:
+    value = os.environ.get(TRANSPORT_ENV, "").strip().lower() or "auto"
+    try:
+        set_transport(value)
+    except ValueError as exc:
+        _diagnostics.log_warning("fsdp_shim: %s; using auto", exc)
+
+
+def moves_point_to_point(group: dist.ProcessGroup) -> bool:
+    """Whether buckets on ``group`` move by point-to-point messages rather than by a collective.
+
+    gloo: measured faster for every receiver, one or all (see [Note: point
+    to point]), unless the transport is ``all_gather``. Elsewhere (NCCL) the
+    all-gather stays, as FSDP1 and FSDP2 do: nobody has measured there yet.
+    """
+    return _transport == "auto" and dist.get_backend(group) == "gloo"
+
+#: Where buckets move point to point, a tensor whose shard carries at least
+#: this many bytes gets a bucket of its own, and so is sent direct (``plan_buckets``).
+ALONE_BYTES = 1 << 20
+
+def require_gatherable(dtensors: Sequence[DTensor]) -> None:
+    """Refuse, before any collective, what this torch cannot gather correctly or a dead group cannot."""
+    for index, dtensor in enumerate(dtensors):
+        reason = ungatherable_reason(dtensor.placements)
+        if reason is not None:
+            raise NotImplementedError(f"cannot gather tensor {index} of shape {tuple(dtensor.shape)}: {reason}")
+    _require_live_groups(dtensors)
+
+
+_transport_from_env()

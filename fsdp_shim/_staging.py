@@ -1,0 +1,103 @@
+"""Staging a bucket: its padded input copied in (and cast), and the record of it in flight.
+
+Owns ``InFlight`` (a staged bucket: its output or full tensors, its
+collective or messages),
+the copy-in shared by every transport, and ``AllOf``, several
+point-to-point works waited for as one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
+
+import torch
+import torch.distributed as dist
+
+from fsdp_shim._host_buffers import FullBuffers, scratch_pool
+from fsdp_shim._layout import BucketEntry
+
+
+class Waitable(Protocol):
+    """A collective's ``dist.Work``, or several point-to-point ones (``AllOf``)."""
+
+    def wait(self) -> Any: ...
+
+
+class InFlight(NamedTuple):
+    bucket: list[BucketEntry]
+    output: torch.Tensor | None  # 1D, world_size * sum(split_sizes); None where this rank receives nothing
+    split_sizes: list[int]
+    work: Waitable | None
+    scratch_input: torch.Tensor | None = None  # a sender's input, reusable once ``work`` is done
+    #: The padded full tensors themselves, when the messages land in them directly (point to point, alone).
+    padded_fulls: list[torch.Tensor] | None = None
+    #: The bucket's collective, while it is staged and not yet launched. See [Note: staged, then launched].
+    launch: Callable[[], Waitable] | None = None
+
+    @property
+    def receives(self) -> bool:
+        """Whether full tensors arrive on this rank."""
+        return self.output is not None or self.padded_fulls is not None
+
+    def launched(self) -> InFlight:
+        """This flight with its collective launched; itself if it has none or it already is."""
+        if self.launch is None:
+            return self
+        return self._replace(work=self.launch(), launch=None)
+
+def bucket_output(
+    bucket: list[BucketEntry], numel: int, dtype: torch.dtype, device: torch.device, buffers: FullBuffers
+) -> torch.Tensor:
+    """A bucket's flat output: scratch, except that a bucket of one hands it out as its full tensor."""
+    if len(bucket) > 1:
+        return scratch_pool.take(numel, dtype, device)
+    return buffers.take(numel, dtype, device)
+
+
+def copy_in(
+    bucket: list[BucketEntry], split_sizes: list[int], dtype: torch.dtype, device: torch.device,
+    block: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This rank's padded shards, back to back: (the input, the scratch it lives in if any).
+
+    Packed into ``block`` (this rank's block of the output), or into scratch
+    where this rank receives nothing. A bucket of one whose shard needs no
+    padding, cast or move is its own input (see [Note: a bucket of one]).
+    """
+    per_rank = sum(split_sizes)
+    local = bucket[0].dtensor._local_tensor
+    if (len(bucket) == 1 and local.numel() == per_rank and local.dtype == dtype and local.device == device
+            and local.is_contiguous()):
+        return local.view(-1), None
+    scratch_input = None
+    if block is None:  # a sender only: scratch, given back once its messages are out
+        block = scratch_input = scratch_pool.take(per_rank, dtype, device)
+    destinations: list[torch.Tensor] = []
+    sources: list[torch.Tensor] = []
+    offset = 0
+    for b, padded in zip(bucket, split_sizes):
+        local = b.dtensor._local_tensor.reshape(-1)
+        destinations.append(block.narrow(0, offset, local.numel()))
+        sources.append(local)
+        if padded > local.numel():  # zeros: padding is never exposed, but stays deterministic
+            block.narrow(0, offset + local.numel(), padded - local.numel()).zero_()
+        offset += padded
+    torch._foreach_copy_(destinations, sources, non_blocking=True)  # casts and moves in the same pass
+    return block, scratch_input
+
+class AllOf:
+    """Several point-to-point works, waited for as one; idempotent.
+
+    A gloo ``isend``/``irecv`` work waited for a second time blocks forever
+    (it waits for one more completion), so each work is dropped once done.
+    """
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        self._works = works
+
+    def wait(self) -> bool:
+        while self._works:
+            self._works[0].wait()
+            del self._works[0]
+        return True
