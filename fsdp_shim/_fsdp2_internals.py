@@ -97,7 +97,7 @@ __all__ = [
     "param_dtype_for_forward",
     "param_groups",
     "param_slots",
-    "refuse_fully_shard_inside",
+    "install_fully_shard_guard",
     "remove_fully_shard_guard",
     "reshard_group",
     "shard_rank",
@@ -378,8 +378,8 @@ def shard_rank(group: FSDPParamGroup) -> int:
 _fully_shard_guard: Any = None
 
 
-def refuse_fully_shard_inside(in_context: Callable[[int], bool]) -> None:
-    """Make ``fully_shard`` raise while the calling thread has a context open (installed once).
+def install_fully_shard_guard(in_context: Callable[[int], bool]) -> None:
+    """Make ``fully_shard`` raise while the calling thread has a context open. Part of ``patch()``.
 
     Inside, the slots hold plain full tensors, so ``fully_shard`` would shard
     *them* where outside it refuses, and training then diverges silently.
@@ -404,6 +404,7 @@ def refuse_fully_shard_inside(in_context: Callable[[int], bool]) -> None:
 
 
 def remove_fully_shard_guard() -> None:
+    """Undo ``install_fully_shard_guard``. Part of ``unpatch()``."""
     global _fully_shard_guard
     if _fully_shard_guard is not None:
         wrapt.unwrap_object(FSDPState, "__init__", _fully_shard_guard, missing_ok=True)

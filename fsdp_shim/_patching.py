@@ -133,7 +133,10 @@ def patch(refusal: str | None = None) -> bool:
         _install_instance_form()
         if refusal is None:
             from fsdp_shim import _instrumentation  # noqa: PLC0415
+            from fsdp_shim import _registry  # noqa: PLC0415
+            from fsdp_shim._fsdp2_internals import install_fully_shard_guard  # noqa: PLC0415
 
+            install_fully_shard_guard(_registry.has_live_context)
             _instrumentation.instrument_all()
         logger.debug("patched FullyShardedDataParallel.summon_full_params%s", " (refusing)" if refusal else "")
         return True

@@ -607,7 +607,6 @@ def summon_dtensor_params(
     _refuse_before_anything(module, scope, writeback, thread)
     meshes = {id(mesh): mesh for mesh in (entry.sharded().device_mesh for entry in scope.params)}  # type: ignore[attr-defined]
     groups = {id(g): g for mesh in meshes.values() for g in mesh_dim_groups(mesh)}.values()
-    fsdp2.refuse_fully_shard_inside(registry.has_live_context)
     registry.enter(thread, groups, _module_label(module))
     try:  # one generator for the whole call: each nested context manager cost a generator frame per summon
         started = time.perf_counter()

@@ -17,8 +17,10 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
+import fsdp_shim
 from _helpers import (
-    LMConfig, assert_unchanged, build_lm, full_state, mesh1d, patched, shard_lm, snapshot, tokens_for,
+    LMConfig, assert_unchanged, build_lm, full_state, mesh1d, patch_state_restored, patched, shard_lm, snapshot,
+    tokens_for,
 )
 
 
@@ -120,6 +122,13 @@ def rank_fully_shard_inside_is_refused():
     got = full_state(model)
     assert all(torch.equal(got[n], p) for n, p in ref.named_parameters())
     fully_shard(nn.Linear(2, 2))  # outside, fully_shard works
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState  # noqa: PLC0415
+
+    with patch_state_restored():  # the guard is part of the patch: in with patch(), out with unpatch()
+        fsdp_shim.unpatch()
+        assert not hasattr(FSDPState.__init__, "__wrapped__")
+        fsdp_shim.patch()
+        assert hasattr(FSDPState.__init__, "__wrapped__")
 
 
 def test_fully_shard_inside_the_context_is_refused(dist_run):
