@@ -346,6 +346,7 @@ def start_full_tensors(
     out_device: torch.device | None = None,
     bucket_bytes: int | None = None,
     receiver: Receiver = "all",
+    checked: bool = False,
 ) -> tuple[Gathered, Arrival]:
     """``gather_full_tensors`` that may return while the last bucket is still in flight.
 
@@ -354,8 +355,9 @@ def start_full_tensors(
     arrive by ``Arrival.wait()``: the caller does its own bookkeeping (the
     swap) meanwhile, and must wait before anything reads them, also on error
     paths, so no collective is left behind. See [Note: values arriving].
+    ``checked``: the caller already refused what ``require_gatherable`` would.
     """
-    return _gather_buckets(dtensors, keep, out_device, bucket_bytes, receiver, defer_last=True)
+    return _gather_buckets(dtensors, keep, out_device, bucket_bytes, receiver, defer_last=True, checked=checked)
 
 
 def _gather_buckets(
@@ -365,8 +367,10 @@ def _gather_buckets(
     bucket_bytes: int | None,
     receiver: Receiver,
     defer_last: bool,
+    checked: bool = False,
 ) -> tuple[Gathered, Arrival]:
-    require_gatherable(dtensors)
+    if not checked:
+        require_gatherable(dtensors)
     cap = bucket_bytes_from_env() if bucket_bytes is None else bucket_bytes
     buckets, fallback = plan_buckets(dtensors, cap)
     results: list[torch.Tensor | None] = [None] * len(dtensors)

@@ -102,7 +102,7 @@ def mesh_dim_groups(mesh: DeviceMesh) -> list[dist.ProcessGroup]:
     return [_mesh_dim(mesh, dim)[0] for dim in range(mesh.ndim)]
 
 
-def _require_live_groups(dtensors: Sequence[DTensor]) -> None:
+def require_live_groups(dtensors: Sequence[DTensor]) -> None:
     """A destroyed (or foreign) process group fails here, clearly, not inside a collective."""
     meshes: set[int] = set()
     for index, dtensor in enumerate(dtensors):
@@ -294,7 +294,7 @@ def require_gatherable(dtensors: Sequence[DTensor]) -> None:
         reason = ungatherable_reason(dtensor.placements)
         if reason is not None:
             raise NotImplementedError(f"cannot gather tensor {index} of shape {tuple(dtensor.shape)}: {reason}")
-    _require_live_groups(dtensors)
+    require_live_groups(dtensors)
 
 
 _transport_from_env()

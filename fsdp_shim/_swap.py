@@ -2,19 +2,21 @@
 
 [Note: swap lifecycle]
 Entry, in an order that keeps every rank's collectives aligned and leaves
-nothing changed if it fails part way:
-1. ``collect_scope`` (no side effects) and the training-state check: misuse
-   raises before any collective or swap.
-2. FSDP2 groups in scope are brought to a known state: the root above them
-   lazily initialised (see [Note: lazy init on entry]), parameter reset
-   adopted (``adopt_module_params``), units left unsharded by a forward
-   resharded. All local.
-3. One batched gather (``start_full_tensors``), then gradients if asked for.
-4. Rank-local: each full tensor becomes one new ``nn.Parameter`` placed in
-   every slot of its parameter (ties stay one object); fully summoned groups
-   are marked (see [Note: summoned groups] in ``_fsdp2_internals``); forward
-   hooks are installed.
-Exit, always, also when the body raised: hooks off, every slot gets back
+nothing changed if it fails part way (``summon_dtensor_params``):
+1. *Refuse*: ``collect_scope`` (no side effects), then every misuse
+   (training state, threads, meta device, placements, dead groups) raises
+   before any collective or change.
+2. *Prepare*: FSDP2 groups in scope are brought to a known state: the root
+   above them lazily initialised (see [Note: lazy init on entry]),
+   parameter resets adopted (``adopt_module_params``), units left unsharded
+   by a forward resharded. All local.
+3. *Gather*: one batched gather (``start_full_tensors``), then gradients if
+   asked for.
+4. *Install*, rank-local: each full tensor becomes one new ``nn.Parameter``
+   placed in every slot of its parameter (ties stay one object); fully
+   summoned groups are marked (see [Note: summoned groups] in
+   ``_fsdp2_internals``); forward hooks are installed.
+Exit (``_Swap.exit``), always, also when the body raised: hooks off, every slot gets back
 the exact object it held and every mark is undone, conversions made inside
 are replayed on the shards (see [Note: conversions inside]), then writeback
 if asked (local copies into the original shards, see [Note: writeback needs
@@ -114,7 +116,7 @@ from fsdp_shim import _fsdp2_internals as fsdp2
 from fsdp_shim import _registry as registry
 from fsdp_shim._compat import ungatherable_reason, writeback_refusal
 from fsdp_shim._engine import Gathered, gather_full_tensors, start_full_tensors
-from fsdp_shim._layout import Dim0Layout, Receiver, mesh_dim_groups
+from fsdp_shim._layout import Dim0Layout, Receiver, mesh_dim_groups, require_live_groups
 from fsdp_shim._writeback import write_back_locals
 from fsdp_shim._scope import Scope, ScopedParam, collect_scope, slot_key
 
@@ -182,6 +184,8 @@ class _Swap:
     #: (``.to()``, ``.float()``, ...) made through them. See [Note: conversions inside].
     converting: list[nn.Module] = field(default_factory=list)
     conversions: list[tuple[nn.Module, tuple[Any, ...], dict[str, Any]]] = field(default_factory=list)
+    #: Whether the context's body was reached: only then may a writeback happen. See [Note: faults].
+    body_ran: bool = False
 
     def name(self, item: _Summoned) -> str:
         return _slot_fqn(self.scope.root, item.entry.slots[0])
@@ -236,6 +240,24 @@ class _Swap:
                 self.converting.append(unit)
 
     # -- exit ------------------------------------------------------------
+    def exit(self, with_grads: bool) -> None:
+        """Undo the entry, in order: hooks off, inspect, restore, replay, then writeback if the body ran.
+
+        ``inspect`` reads what the slots hold, so it must come before
+        ``restore`` gives them their objects back; the writeback comes last,
+        onto the restored shards. The registry forgets the full tensors
+        whatever raises.
+        """
+        try:
+            self.remove_hooks()
+            self.inspect()
+            self.restore()
+            self.replay_conversions()
+            if self.writeback and self.body_ran:
+                self.write_back(with_grads)
+        finally:
+            self.forget()
+
     def inspect(self) -> None:
         """Record what each summoned tensor's slots hold now. See [Note: exit checks]."""
         for item in self.summoned:
@@ -523,14 +545,21 @@ def _gather_grads(
 FORWARD_BACKWARD_ERROR = "Cannot manually unshard parameters during forward/backward"
 
 
-def _refuse_before_anything(module: nn.Module, scope: Scope, writeback: bool, thread: int) -> None:
-    """Every misuse this call can detect, before any collective or change, alike on every rank."""
+def _refuse_before_anything(
+    module: nn.Module, scope: Scope, writeback: bool, thread: int
+) -> list[dist.ProcessGroup]:
+    """Every misuse this call can detect, before any collective or change, alike on every rank.
+
+    Returns the process groups the call gathers over (every dim of every
+    mesh in scope), checked alive: the engine need not check again.
+    """
     busy = fsdp2.busy_training_state(scope.states, list(scope.groups))
     if busy is not None:
         raise AssertionError(
             f"{FORWARD_BACKWARD_ERROR}: summon_full_params({_module_label(module)}) during FSDP2 "
             f"forward/backward (training state {busy})"
         )
+    meshes: dict[int, DTensor] = {}  # one DTensor a mesh
     for entry in scope.params:
         for slot in entry.slots:
             owner = registry.owner_of(slot_key(*slot))
@@ -552,6 +581,9 @@ def _refuse_before_anything(module: nn.Module, scope: Scope, writeback: bool, th
             reason = writeback_refusal(placements)
         if reason is not None:
             raise NotImplementedError(f"cannot summon {_slot_fqn(module, entry.slots[0])!r}: {reason}")
+        meshes.setdefault(id(sharded.device_mesh), sharded)  # type: ignore[attr-defined]
+    require_live_groups(list(meshes.values()))
+    return list({id(g): g for d in meshes.values() for g in mesh_dim_groups(d.device_mesh)}.values())
 
 
 def _keeps_full_params(scope: Scope, rank0_only: bool) -> bool:
@@ -589,8 +621,58 @@ def summon_dtensor_params(
     with_grads: bool,
     bucket_bytes: int | None = None,
 ) -> Iterator[None]:
-    """The DTensor implementation of ``summon_full_params``. See [Note: swap lifecycle]."""
+    """The DTensor implementation of ``summon_full_params``. See [Note: swap lifecycle].
+
+    Entry reads refuse, prepare, gather, install; exit (``_Swap.exit``, then
+    the registry) is pushed on one ``ExitStack`` as each step makes it
+    needed, so whatever raises, everything done so far is undone in reverse.
+    """
     thread = registry.current_thread()
+    scope = _scope_of_call(module, recurse, writeback, thread)
+    if not scope.params:
+        yield  # no-op: nothing distributed in scope, or all summoned by an enclosing call
+        return
+    # 1. refuse: misuse raises here, alike on every rank, before any change or collective.
+    groups = _refuse_before_anything(module, scope, writeback, thread)
+    with contextlib.ExitStack() as exits:
+        registry.enter(thread, groups, _module_label(module))
+        exits.callback(registry.leave, thread, groups)
+        started = time.perf_counter()
+        # 2. prepare: FSDP2's groups in a known state; the DTensors to gather, resolved once.
+        dtensors = _prepare(scope)
+        keep = _keeps_full_params(scope, rank0_only)
+        out_device = torch.device("cpu") if offload_to_cpu else None
+        receiver = _receiver(scope, rank0_only)
+        swap = _Swap(scope, writeback)
+        exits.callback(swap.exit, with_grads)
+        # 3. gather. The swap below may run while the last bucket arrives ([Note: values arriving] in
+        # _engine); waiting is pushed last, so it comes first on every way out: no collective left behind.
+        gathered, arrival = start_full_tensors(dtensors, keep=keep, out_device=out_device,
+                                               bucket_bytes=bucket_bytes, receiver=receiver, checked=True)
+        exits.callback(arrival.wait)
+        grads = _gather_grads(dtensors, keep, out_device, bucket_bytes, receiver) if with_grads else {}
+        # 4. install: full parameters in every slot, groups marked, forward hooks; then the values.
+        if keep:
+            swap.swap_in(dtensors, gathered, grads)
+            swap.mark_groups()
+            swap.convert_inside()
+        del gathered, grads
+        _install_forward_hooks(swap, rank0_only, keep)
+        arrival.wait()
+        swap.values_arrived()
+        if logger.isEnabledFor(logging.DEBUG):
+            nbytes = sum(d.numel() * d.element_size() for d in dtensors)
+            logger.debug(
+                "summon_full_params(%s): route=dtensor, %d tensors, %.1f MiB gathered in %.1f ms "
+                "(rank0_only=%s, full tensors on this rank=%s)", _module_label(module), len(dtensors),
+                nbytes / 2**20, (time.perf_counter() - started) * 1e3, rank0_only, keep,
+            )
+        swap.body_ran = True  # See [Note: faults]
+        yield
+
+
+def _scope_of_call(module: nn.Module, recurse: bool, writeback: bool, thread: int) -> Scope:
+    """What this call covers, leaving out what this thread's enclosing contexts hold."""
     mine = registry.slots_of_thread(thread)
     scope = collect_scope(module, recurse, mine)
     if writeback:
@@ -601,68 +683,25 @@ def summon_dtensor_params(
                     "writeback=False context that already holds some of its parameters: their edits would "
                     "be discarded by the outer context. Use writeback=True outside, or summon after it."
                 )
-    if not scope.params:
-        yield  # no-op: nothing distributed in scope, or all summoned by an enclosing call
-        return
-    _refuse_before_anything(module, scope, writeback, thread)
-    meshes = {id(mesh): mesh for mesh in (entry.sharded().device_mesh for entry in scope.params)}  # type: ignore[attr-defined]
-    groups = {id(g): g for mesh in meshes.values() for g in mesh_dim_groups(mesh)}.values()
-    registry.enter(thread, groups, _module_label(module))
-    try:  # one generator for the whole call: each nested context manager cost a generator frame per summon
-        started = time.perf_counter()
-        fsdp2.lazy_init_root(_states_of(scope))
-        for group in scope.groups:
-            fsdp2.adopt_module_params(group)
-            fsdp2.reshard_group(group)  # See [Note: units left unsharded]
-        dtensors: list[DTensor] = []
-        for entry in scope.params:
-            dtensor = entry.sharded()  # after adoption: FSDP2 may have adopted a replaced parameter
-            if not isinstance(dtensor, DTensor):
-                raise AssertionError(f"expected a DTensor parameter at {entry.slots[0][1]!r}, got {type(dtensor)}")
-            dtensors.append(dtensor)
-        keep = _keeps_full_params(scope, rank0_only)
-        out_device = torch.device("cpu") if offload_to_cpu else None
-        receiver = _receiver(scope, rank0_only)
-        # See [Note: values arriving] in _engine: the swap below may run while the last bucket arrives.
-        gathered, arrival = start_full_tensors(dtensors, keep=keep, out_device=out_device,
-                                               bucket_bytes=bucket_bytes, receiver=receiver)
-        try:
-            grads = _gather_grads(dtensors, keep, out_device, bucket_bytes, receiver) if with_grads else {}
-        except BaseException:
-            arrival.wait()
-            raise
-        swap = _Swap(scope, writeback)
-        body_ran = False  # See [Note: faults]
-        try:
-            if keep:
-                swap.swap_in(dtensors, gathered, grads)
-                swap.mark_groups()
-                swap.convert_inside()
-            del gathered, grads
-            _install_forward_hooks(swap, rank0_only, keep)
-            arrival.wait()
-            swap.values_arrived()
-            if logger.isEnabledFor(logging.DEBUG):
-                nbytes = sum(d.numel() * d.element_size() for d in dtensors)
-                logger.debug(
-                    "summon_full_params(%s): route=dtensor, %d tensors, %.1f MiB gathered in %.1f ms "
-                    "(rank0_only=%s, full tensors on this rank=%s)", _module_label(module), len(dtensors),
-                    nbytes / 2**20, (time.perf_counter() - started) * 1e3, rank0_only, keep,
-                )
-            body_ran = True
-            yield
-        finally:
-            try:
-                arrival.wait()  # a no-op unless something above raised first: never leave a collective behind
-            finally:
-                swap.remove_hooks()
-                try:
-                    swap.inspect()
-                    swap.restore()
-                    swap.replay_conversions()
-                    if writeback and body_ran:
-                        swap.write_back(with_grads)
-                finally:
-                    swap.forget()
-    finally:
-        registry.leave(thread, groups)
+    return scope
+
+
+def _prepare(scope: Scope) -> list[DTensor]:
+    """FSDP2's groups in scope in a known state, all local; the DTensors to gather, in scope order.
+
+    The root above them lazily initialised (see [Note: lazy init on entry]),
+    parameter resets adopted, units left unsharded resharded (see [Note:
+    units left unsharded]). Resolved after adoption: FSDP2 may have adopted
+    a replaced parameter.
+    """
+    fsdp2.lazy_init_root(_states_of(scope))
+    for group in scope.groups:
+        fsdp2.adopt_module_params(group)
+        fsdp2.reshard_group(group)
+    dtensors: list[DTensor] = []
+    for entry in scope.params:
+        dtensor = entry.sharded()
+        if not isinstance(dtensor, DTensor):
+            raise AssertionError(f"expected a DTensor parameter at {entry.slots[0][1]!r}, got {type(dtensor)}")
+        dtensors.append(dtensor)
+    return dtensors
