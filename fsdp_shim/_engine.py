@@ -85,7 +85,7 @@ from fsdp_shim._layout import (
     plan_buckets,
     require_gatherable,
 )
-from fsdp_shim._staging import BucketEntry, InFlight, Waitable, bucket_output, copy_in
+from fsdp_shim._staging import BucketEntry, Flat, InFlight, Landed, Waitable, bucket_output, copy_in
 
 logger = logging.getLogger("fsdp_shim")
 
@@ -97,6 +97,7 @@ def _comm_device(dtensor: DTensor) -> torch.device:
         return torch.device("cpu")
     handle = getattr(torch, device_type)
     return torch.device(device_type, handle.current_device())
+
 
 def _start_bucket(
     bucket: list[BucketEntry], cast_to: torch.dtype | None = None, receiver: Receiver = "all"
@@ -136,7 +137,7 @@ def _stage_bucket(
     if receiver != "all":
         root = 0 if receiver == "global_rank0" else global_ranks[0]
         if root not in global_ranks:
-            return InFlight(bucket, None, split_sizes, None)  # nobody here receives: nothing to move
+            return Landed(bucket, split_sizes)  # nobody here receives: nothing to move
         receivers = range(global_ranks.index(root), global_ranks.index(root) + 1)
     if world_size == 1:
         return _start_alone(bucket, split_sizes, dtype, comm_device, buffers)
@@ -146,7 +147,8 @@ def _stage_bucket(
     output = bucket_output(bucket, world_size * per_rank, dtype, comm_device, buffers)
     gather_input, _ = copy_in(bucket, split_sizes, dtype, comm_device, output.narrow(0, rank * per_rank, per_rank))
     launch = functools.partial(all_gather_single, output, gather_input, group=group, async_op=True)
-    return InFlight(bucket, output, split_sizes, None, launch=launch)
+    return Flat(bucket, split_sizes, output=output, launch=launch)
+
 
 def _start_alone(
     bucket: list[BucketEntry], split_sizes: list[int], dtype: torch.dtype, device: torch.device, buffers: FullBuffers
@@ -154,7 +156,8 @@ def _start_alone(
     """A shard group of one rank: each full tensor is its shard, copied once. See [Note: a group of one]."""
     padded_fulls = [buffers.take(padded, dtype, device) for padded in split_sizes]
     torch._foreach_copy_(padded_fulls, [b.dtensor._local_tensor.reshape(-1) for b in bucket])
-    return InFlight(bucket, None, split_sizes, None, padded_fulls=padded_fulls)
+    return Landed(bucket, split_sizes, padded_fulls=padded_fulls)
+
 
 def _arrived(flight: InFlight) -> None:
     """Wait for ``flight``'s collective or messages; a sender's scratch input is then free again."""
@@ -168,8 +171,9 @@ def _arrived(flight: InFlight) -> None:
 def _finish_bucket(flight: InFlight, keep: bool, out_device: torch.device | None) -> list[torch.Tensor]:
     """Wait for the bucket's collective or messages and copy each tensor out. See [Note: bucket layout]."""
     _arrived(flight)
-    if flight.padded_fulls is not None:  # point to point, or a group of one: already in place
+    if isinstance(flight, Landed):  # direct messages, or a group of one: already in place
         return [_on(full, out_device) for full in _in_place_results(flight)] if keep else []
+    assert isinstance(flight, Flat)
     if not keep:
         if flight.output is not None and len(flight.bucket) > 1:
             scratch_pool.give(flight.output)
@@ -192,13 +196,13 @@ def _finish_bucket(flight: InFlight, keep: bool, out_device: torch.device | None
     return _views(padded_fulls, flight)
 
 
-def _padded_fulls(flight: InFlight, output: torch.Tensor) -> list[torch.Tensor]:
+def _padded_fulls(flight: Flat, output: torch.Tensor) -> list[torch.Tensor]:
     """Fresh padded full tensors for a multi-tensor bucket's copy-out of ``output``, on its device."""
     world_size = flight.bucket[0].layout.world_size
     return [torch.empty(world_size * n, dtype=output.dtype, device=output.device) for n in flight.split_sizes]
 
 
-def _copy_out(output: torch.Tensor, flight: InFlight, padded_fulls: list[torch.Tensor]) -> None:
+def _copy_out(output: torch.Tensor, flight: Flat, padded_fulls: list[torch.Tensor]) -> None:
     """Scatter a multi-tensor bucket's output into its padded full tensors (see [Note: bucket layout])."""
     world_size = flight.bucket[0].layout.world_size
     torch.split_with_sizes_copy(
@@ -222,8 +226,8 @@ class _CopiedOut:
     See [Note: values arriving].
     """
 
-    def __init__(self, flight: InFlight, padded_fulls: list[torch.Tensor]) -> None:
-        self._flight: InFlight | None = flight
+    def __init__(self, flight: Flat, padded_fulls: list[torch.Tensor]) -> None:
+        self._flight: Flat | None = flight
         self._padded_fulls = padded_fulls
 
     def wait(self) -> bool:
@@ -246,6 +250,8 @@ def _handed_out_early(
     """
     if _arrives_in_place(flight, keep, out_device):
         return _in_place_results(flight), flight.work
+    if not isinstance(flight, Flat):
+        return None
     output = flight.output
     if not keep or output is None or len(flight.bucket) == 1 or out_device not in (None, output.device):
         return None
@@ -256,24 +262,29 @@ def _handed_out_early(
 def _arrives_in_place(flight: InFlight, keep: bool, out_device: torch.device | None) -> bool:
     """Whether ``flight``'s full tensors exist before its collective is done: it writes into them.
 
-    True for a point-to-point bucket and for a bucket of one that this rank
-    receives, when the results stay where the collective puts them.
+    True for a ``Landed`` bucket and for a ``Flat`` bucket of one that this
+    rank receives, when the results stay where the transfer puts them.
     """
     if not keep:
         return False
-    if flight.padded_fulls is not None:
-        buffers = flight.padded_fulls
-    elif len(flight.bucket) == 1 and flight.output is not None:
-        buffers = [flight.output]
-    else:
-        return False
-    return out_device is None or all(buffer.device == out_device for buffer in buffers)
+    buffers = _landing_buffers(flight)
+    return buffers is not None and (out_device is None or all(b.device == out_device for b in buffers))
+
+
+def _landing_buffers(flight: InFlight) -> list[torch.Tensor] | None:
+    """The padded full tensors the transfer itself writes into, if any (see [Note: a bucket of one])."""
+    if isinstance(flight, Landed):
+        return flight.padded_fulls
+    if isinstance(flight, Flat) and len(flight.bucket) == 1 and flight.output is not None:
+        return [flight.output]
+    return None
 
 
 def _in_place_results(flight: InFlight) -> list[torch.Tensor]:
-    """The full tensors of a flight that ``_arrives_in_place``: views of what the messages write."""
-    buffers = flight.padded_fulls if flight.padded_fulls is not None else [flight.output]
-    return _views(buffers, flight)  # type: ignore[arg-type]
+    """The full tensors of a flight that ``_arrives_in_place``: views of what the transfer writes."""
+    buffers = _landing_buffers(flight)
+    assert buffers is not None, "a rank that keeps full tensors received them"
+    return _views(buffers, flight)
 
 
 def _on(tensor: torch.Tensor, device: torch.device | None) -> torch.Tensor:
@@ -399,6 +410,7 @@ def _gather_buckets(
         len(dtensors), len(buckets), len(fallback),
     )
     return Gathered(results, layouts), arrival
+
 
 class PendingGather:
     """A batch of DTensors, every bucket staged and, once ``launch`` ran, its collective in flight.

@@ -46,7 +46,8 @@ import torch.distributed as dist
 
 from fsdp_shim._host_buffers import FullBuffers, scratch_pool
 from fsdp_shim._layout import rows_held
-from fsdp_shim._staging import AllOf, BucketEntry, InFlight, bucket_output, copy_in
+from fsdp_shim._staging import AllOf, BucketEntry, Flat, InFlight, Landed, bucket_output, copy_in
+
 
 #: Each message of a bucket that carries at least this many bytes on average
 #: goes straight between shard and full tensor; below it, the bucket is packed.
@@ -56,6 +57,7 @@ DIRECT_BYTES = 1 << 20
 #: ``PACKED_TAG + 1 + i``. Far from 0, the tag other code on the same group
 #: most likely uses, so a receive someone else left posted never takes ours.
 PACKED_TAG = 0x46530000
+
 
 class MessagePlan(NamedTuple):
     """How one bucket moves point to point, worked out once when the engine stages it."""
@@ -95,7 +97,7 @@ def post_packed(bucket: list[BucketEntry], route: MessagePlan) -> InFlight:
             works.append(cast(dist.Work, dist.isend(packed, dst=ranks[peer], group=group, tag=PACKED_TAG)))
     if block is not None and packed is not block:  # a bucket of one sent as it is: its own rows still land here
         block.copy_(packed)
-    return InFlight(bucket, output, route.split_sizes, AllOf(works), scratch_input)
+    return Flat(bucket, route.split_sizes, AllOf(works), scratch_input, output=output)
 
 
 def post_direct(bucket: list[BucketEntry], route: MessagePlan) -> InFlight:
@@ -151,7 +153,7 @@ def post_direct(bucket: list[BucketEntry], route: MessagePlan) -> InFlight:
                     works.append(cast(dist.Work, dist.isend(piece, dst=peer, group=group, tag=tag)))
     if own_destinations:  # after the messages are posted, so it overlaps them
         torch._foreach_copy_(own_destinations, own_sources, non_blocking=True)  # casts and moves too
-    return InFlight(bucket, None, route.split_sizes, AllOf(works), scratch_input, padded_fulls=padded_fulls)
+    return Landed(bucket, route.split_sizes, AllOf(works), scratch_input, padded_fulls=padded_fulls)
 
 
 def post_point_to_point(bucket: list[BucketEntry], plan: MessagePlan) -> InFlight:

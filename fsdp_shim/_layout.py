@@ -43,6 +43,7 @@ from fsdp_shim._compat import is_dim0_shard, is_live_group, is_replicate, ungath
 
 logger = logging.getLogger("fsdp_shim")
 
+
 #: Environment variable that overrides the default bucket cap, in MiB.
 BUCKET_ENV = "FSDP_SHIM_BUCKET_MB"
 #: Default cap on one bucket's gathered (full, padded) size. Chosen with
@@ -242,6 +243,7 @@ def plan_buckets(
         size[0] += nbytes
     return buckets, fallback
 
+
 #: Who receives full tensors. ``"all"``: every rank (all-gather). ``"group_rank0"``:
 #: rank 0 of each process group gathered over (FSDP1's ``rank0_only``: each
 #: shard group's). ``"global_rank0"``: global rank 0 alone; buckets over groups
@@ -284,9 +286,11 @@ def moves_point_to_point(group: dist.ProcessGroup) -> bool:
     """
     return _transport == "auto" and dist.get_backend(group) == "gloo"
 
+
 #: Where buckets move point to point, a tensor whose shard carries at least
 #: this many bytes gets a bucket of its own, and so is sent direct (``plan_buckets``).
 ALONE_BYTES = 1 << 20
+
 
 def require_gatherable(dtensors: Sequence[DTensor]) -> None:
     """Refuse, before any collective, what this torch cannot gather correctly or a dead group cannot."""

@@ -1,7 +1,7 @@
 """Staging a bucket: its padded input copied in (and cast), and the record of it in flight.
 
-Owns ``InFlight`` (a staged bucket: its output or full tensors, its
-collective or messages),
+Owns the in-flight record of a staged bucket (``Landed``: full tensors
+written in place; ``Flat``: one output to copy out),
 the copy-in shared by every transport, and ``AllOf``, several
 point-to-point works waited for as one.
 """
@@ -9,7 +9,8 @@ point-to-point works waited for as one.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -24,27 +25,68 @@ class Waitable(Protocol):
     def wait(self) -> Any: ...
 
 
-class InFlight(NamedTuple):
+@dataclass(eq=False)
+class InFlight:
+    """A staged bucket, in one of two shapes (``Landed``, ``Flat``); its work until it is in.
+
+    ``work`` is its collective or messages (``None`` once there is nothing to
+    wait for, or, for a ``Flat`` bucket, until it is launched);
+    ``scratch_input`` a sender's packed input, back to the scratch pool once
+    ``work`` is done.
+    """
+
     bucket: list[BucketEntry]
-    output: torch.Tensor | None  # 1D, world_size * sum(split_sizes); None where this rank receives nothing
-    split_sizes: list[int]
-    work: Waitable | None
-    scratch_input: torch.Tensor | None = None  # a sender's input, reusable once ``work`` is done
-    #: The padded full tensors themselves, when the messages land in them directly (point to point, alone).
-    padded_fulls: list[torch.Tensor] | None = None
-    #: The bucket's collective, while it is staged and not yet launched. See [Note: staged, then launched].
-    launch: Callable[[], Waitable] | None = None
+    split_sizes: list[int]  # each tensor's padded shard, in elements
+    work: Waitable | None = None
+    scratch_input: torch.Tensor | None = None
 
     @property
     def receives(self) -> bool:
         """Whether full tensors arrive on this rank."""
-        return self.output is not None or self.padded_fulls is not None
+        raise NotImplementedError
 
     def launched(self) -> InFlight:
-        """This flight with its collective launched; itself if it has none or it already is."""
-        if self.launch is None:
-            return self
-        return self._replace(work=self.launch(), launch=None)
+        """This flight with its collective launched (a no-op for anything else); returns itself."""
+        return self
+
+
+@dataclass(eq=False)
+class Landed(InFlight):
+    """Full tensors written where they stay: direct messages, or a shard group of one.
+
+    ``padded_fulls`` are the padded full tensors the transfer writes into;
+    ``None`` where this rank receives nothing (``rank0_only`` elsewhere, or
+    a group without the receiver).
+    """
+
+    padded_fulls: list[torch.Tensor] | None = None
+
+    @property
+    def receives(self) -> bool:
+        return self.padded_fulls is not None
+
+
+@dataclass(eq=False)
+class Flat(InFlight):
+    """A bucket gathered into one flat output of ``W`` rank blocks, copied out afterwards.
+
+    The all-gather, or packed messages. ``output`` is ``None`` where this
+    rank receives nothing; ``launch`` holds the collective while the bucket
+    is staged and not yet launched (see [Note: staged, then launched]).
+    """
+
+    output: torch.Tensor | None = None
+    launch: Callable[[], Waitable] | None = None
+
+    @property
+    def receives(self) -> bool:
+        return self.output is not None
+
+    def launched(self) -> InFlight:
+        if self.launch is not None:
+            self.work, self.launch = self.launch(), None
+        return self
+
 
 def bucket_output(
     bucket: list[BucketEntry], numel: int, dtype: torch.dtype, device: torch.device, buffers: FullBuffers
@@ -85,6 +127,7 @@ def copy_in(
         offset += padded
     torch._foreach_copy_(destinations, sources, non_blocking=True)  # casts and moves in the same pass
     return block, scratch_input
+
 
 class AllOf:
     """Several point-to-point works, waited for as one; idempotent.

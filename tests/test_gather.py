@@ -15,7 +15,7 @@ from _helpers import mesh1d, direct_always
 from fsdp_shim._compat import STRIDED_SHARD_FULL_TENSOR_BROKEN
 from fsdp_shim._engine import _CopiedOut, gather_full_tensors, start_full_tensors, start_gather
 from fsdp_shim._layout import BUCKET_ENV, DEFAULT_BUCKET_MB, bucket_bytes_from_env, dim0_layout, plan_buckets
-from fsdp_shim._staging import AllOf
+from fsdp_shim._staging import AllOf, Flat, Landed
 from fsdp_shim._writeback import write_back_local
 
 
@@ -77,7 +77,7 @@ def rank_bucket_boundaries():
     with transport("auto"):
         assert _check_roundtrip(alone, 64 << 20) == ([[0, 2], [1]], [])
         flights = start_gather(_tensors(alone)[1], bucket_bytes=64 << 20)._flights
-        assert [f.padded_fulls is not None for f in flights] == [False, True]
+        assert [type(f) for f in flights] == [Flat, Landed]  # packed into one output; sent direct
         for flight in flights:
             flight.work.wait()
     with transport("auto"), direct_always():  # [Note: point to point]: every shard straight into every rank's full tensors
@@ -221,8 +221,7 @@ def _deliver_to_exactly_the_ranks_named(mesh, fulls, dtensors, shard_rank):
                 assert out is None or torch.equal(out, full), receiver
             flights = list(start_gather(dtensors, receiver=receiver, bucket_bytes=300)._flights)
             # every receiver's full tensors are the messages' destinations, "all" included
-            assert all(f.padded_fulls is not None for f in flights if f.receives)
-            assert all(f.output is None for f in flights)
+            assert all(isinstance(f, Landed) for f in flights)
             for flight in flights:
                 if flight.work is not None:
                     flight.work.wait()
@@ -236,10 +235,11 @@ def _deliver_to_exactly_the_ranks_named(mesh, fulls, dtensors, shard_rank):
         moved = [flight.work is not None for flight in flights]
         # [Note: point to point]: small tensors travel packed, each sender's block into one output, copied out
         assert any(len(flight.bucket) > 1 for flight in flights)
-        assert all(flight.padded_fulls is None and isinstance(flight.work, (AllOf, type(None))) for flight in flights)
+        assert all(isinstance(flight, Flat) for flight in flights if flight.work is not None)  # what moves, packed
+        assert all(isinstance(flight.work, (AllOf, type(None))) for flight in flights)
         if receiver == "all":
             assert all(received) and all(moved)
-            assert all(flight.output is not None for flight in flights)
+            assert all(isinstance(flight, Flat) and flight.output is not None for flight in flights)
         elif receiver == "group_rank0":  # only each shard group's rank 0 allocates an output
             assert all(r == (shard_rank == 0) for r in received) and all(moved)
         else:  # ranks 2 and 3 (the other replica) move nothing at all
@@ -271,11 +271,11 @@ def rank_staged_buckets_launch_later_and_in_order(how: str):
                 if how == "all_gather":  # staged: every bucket's collective waits for launch(), none posted
                     assert all(f.launch is not None and f.work is None for f in staged._flights)
                 else:  # point to point: outside the collective order, every bucket's messages go at once
-                    assert all(f.launch is None and isinstance(f.work, AllOf) for f in staged._flights)
+                    assert all(getattr(f, "launch", None) is None and isinstance(f.work, AllOf) for f in staged._flights)
                 keeps = receiver == "all" or dist.get_rank() == 0
                 got_first = first.finish(keep=keeps)
                 staged.launch()
-                assert all(f.launch is None and f.work is not None for f in staged._flights)
+                assert all(getattr(f, "launch", None) is None and f.work is not None for f in staged._flights)
                 got_staged = staged.finish(keep=keeps)
             if keeps:
                 for full, got in zip(fulls[:2], got_first):
