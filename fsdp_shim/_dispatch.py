@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_shim import _diagnostics
 from fsdp_shim._fsdp2_internals import is_fsdp2_module
 from fsdp_shim._layout import bucket_bytes_from_env
-from fsdp_shim._scope import has_distributed_params
+from fsdp_shim._scope import has_distributed_params, scope_modules
 from fsdp_shim._swap import summon_dtensor_params
 
 logger = logging.getLogger("fsdp_shim")
@@ -30,18 +30,22 @@ Route = Literal["fsdp1", "dtensor", "none"]
 
 def route_for(module: Any, recurse: bool) -> Route:
     """Which implementation serves ``summon_full_params(module, recurse=recurse)``."""
+    return _route(module, recurse)[0]
+
+
+def _route(module: Any, recurse: bool) -> tuple[Route, list[nn.Module] | None]:
+    """The route, and the scope's modules where finding it walked them (the swap reuses the walk)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"summon_full_params expects an nn.Module, got {type(module).__name__}")
     if recurse:
         if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
-            return "fsdp1"
+            return "fsdp1", None
     elif isinstance(module, FullyShardedDataParallel):
-        return "fsdp1"
+        return "fsdp1", None
     if is_fsdp2_module(module):  # a unit: the DTensor path validates, then may find nothing
-        return "dtensor"
-    if has_distributed_params(module, recurse):
-        return "dtensor"
-    return "none"
+        return "dtensor", None
+    modules = scope_modules(module, recurse)
+    return ("dtensor" if has_distributed_params(modules) else "none"), modules
 
 
 def validate_args(
@@ -81,7 +85,7 @@ def summon(
     fsdp1: Callable[..., ContextManager[Any]] | None = None,
 ) -> ContextManager[None]:
     """Dispatch one call. ``fsdp1`` is the original FSDP1 implementation, if known."""
-    route = route_for(module, recurse)
+    route, modules = _route(module, recurse)
     logger.debug("summon_full_params(%s): route=%s", type(module).__name__, route)
     if route == "fsdp1":
         original = fsdp1 if fsdp1 is not None else _original_fsdp1()
@@ -92,7 +96,7 @@ def summon(
     validate_args(writeback, rank0_only, offload_to_cpu, with_grads, module)
     return summon_dtensor_params(
         module, recurse=recurse, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu,
-        with_grads=with_grads, bucket_bytes=bucket_bytes_from_env(bucket_mb),
+        with_grads=with_grads, bucket_bytes=bucket_bytes_from_env(bucket_mb), modules=modules,
     )
 
 

@@ -95,23 +95,26 @@ def fsdp_slot_owners(states: Iterable[fsdp2.FSDPState]) -> _Owners:
     return owners
 
 
-def has_distributed_params(root: nn.Module, recurse: bool) -> bool:
-    """Whether ``collect_scope(root, recurse)`` could find anything to gather (cheap check first)."""
-    modules = scope_modules(root, recurse)
+def has_distributed_params(modules: list[nn.Module]) -> bool:
+    """Whether ``collect_scope`` over ``modules`` (a ``scope_modules`` list) could find anything to gather."""
     if any(isinstance(p, DTensor) for m in modules for p in (*m._parameters.values(), *m._buffers.values())):
         return True
     owners = fsdp_slot_owners(fsdp2.all_fsdp_states()).by_slot  # unsharded slots hold plain tensors
     return any(slot_key(m, name) in owners for m in modules for name in m._parameters)
 
 
-def collect_scope(root: nn.Module, recurse: bool, summoned: Iterable[SlotKey] = ()) -> Scope:
+def collect_scope(
+    root: nn.Module, recurse: bool, summoned: Iterable[SlotKey] = (), modules: list[nn.Module] | None = None
+) -> Scope:
     """The DTensor parameters ``summon_full_params(root, recurse)`` covers.
 
     ``summoned`` holds the slots an enclosing context already swapped: they are
-    full already and are left to that context.
+    full already and are left to that context. ``modules``: ``scope_modules(root,
+    recurse)`` if the caller walked the tree already (routing does).
     """
     summoned = set(summoned)
-    modules = scope_modules(root, recurse)
+    if modules is None:
+        modules = scope_modules(root, recurse)
     states = list({id(s): s for s in (fsdp2.fsdp_state_of(m) for m in modules) if s is not None}.values())
     # The units in scope usually own every slot; a submodule inside a unit is
     # owned by a state above it, found only by looking at every state.

@@ -620,15 +620,18 @@ def summon_dtensor_params(
     offload_to_cpu: bool,
     with_grads: bool,
     bucket_bytes: int | None = None,
+    modules: list[nn.Module] | None = None,
 ) -> Iterator[None]:
     """The DTensor implementation of ``summon_full_params``. See [Note: swap lifecycle].
+
+    ``modules``: the scope's modules, if routing walked them already.
 
     Entry reads refuse, prepare, gather, install; exit (``_Swap.exit``, then
     the registry) is pushed on one ``ExitStack`` as each step makes it
     needed, so whatever raises, everything done so far is undone in reverse.
     """
     thread = registry.current_thread()
-    scope = _scope_of_call(module, recurse, writeback, thread)
+    scope = _scope_of_call(module, recurse, writeback, thread, modules)
     if not scope.params:
         yield  # no-op: nothing distributed in scope, or all summoned by an enclosing call
         return
@@ -671,10 +674,12 @@ def summon_dtensor_params(
         yield
 
 
-def _scope_of_call(module: nn.Module, recurse: bool, writeback: bool, thread: int) -> Scope:
+def _scope_of_call(
+    module: nn.Module, recurse: bool, writeback: bool, thread: int, modules: list[nn.Module] | None
+) -> Scope:
     """What this call covers, leaving out what this thread's enclosing contexts hold."""
     mine = registry.slots_of_thread(thread)
-    scope = collect_scope(module, recurse, mine)
+    scope = collect_scope(module, recurse, mine, modules)
     if writeback:
         for key in scope.enclosed:
             if not mine[key].writeback:
