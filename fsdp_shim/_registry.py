@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 _lock = threading.Lock()
 #: slot -> the live context (any thread) that swapped it.
 _slots: dict[SlotKey, Any] = {}
-#: ``id(full parameter)`` -> its ``_Summoned`` record, while its context is live.
+#: ``id(full parameter)`` -> its ``_SwappedParam`` record, while its context is live.
 _fulls: dict[int, Any] = {}
 #: ``id(process group)`` -> (owning thread, open contexts of that thread on it).
 _groups: dict[int, tuple[int, int]] = {}
@@ -65,7 +65,7 @@ def remove_full(param: torch.Tensor) -> None:
 
 
 def record_of(param: torch.Tensor) -> Any:
-    """The ``_Summoned`` record of a live full parameter (this very object), else None."""
+    """The ``_SwappedParam`` record of a live full parameter (this very object), else None."""
     record = _fulls.get(id(param))
     return record if record is not None and record.full is param else None
 

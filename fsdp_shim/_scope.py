@@ -20,6 +20,11 @@ from fsdp_shim import _fsdp2_internals as fsdp2
 SlotKey = tuple[int, str]
 
 
+def module_label(module: nn.Module) -> str:
+    """How messages name a module: its class."""
+    return type(module).__name__
+
+
 def slot_key(module: nn.Module, name: str) -> SlotKey:
     return (id(module), name)
 
@@ -104,15 +109,16 @@ def has_distributed_params(modules: list[nn.Module]) -> bool:
 
 
 def collect_scope(
-    root: nn.Module, recurse: bool, summoned: Iterable[SlotKey] = (), modules: list[nn.Module] | None = None
+    root: nn.Module, recurse: bool, enclosing: Iterable[SlotKey] = (), modules: list[nn.Module] | None = None
 ) -> Scope:
     """The DTensor parameters ``summon_full_params(root, recurse)`` covers.
 
-    ``summoned`` holds the slots an enclosing context already swapped: they are
-    full already and are left to that context. ``modules``: ``scope_modules(root,
-    recurse)`` if the caller walked the tree already (routing does).
+    ``enclosing`` holds the slots this thread's enclosing contexts already
+    swapped: they are full already and are left to those contexts.
+    ``modules``: ``scope_modules(root, recurse)`` if the caller walked the
+    tree already (routing does).
     """
-    summoned = set(summoned)
+    enclosing = set(enclosing)
     if modules is None:
         modules = scope_modules(root, recurse)
     states = list({id(s): s for s in (fsdp2.fsdp_state_of(m) for m in modules) if s is not None}.values())
@@ -125,14 +131,14 @@ def collect_scope(
         by_slot = owners.by_slot
     by_identity: dict[int, ScopedParam] = {}
     params: list[ScopedParam] = []
-    covered: set[SlotKey] = set(summoned)
+    covered: set[SlotKey] = set(enclosing)
     enclosed: list[SlotKey] = []
     for module in modules:
         for name, value in module._parameters.items():
             if value is None:
                 continue
             key = (id(module), name)  # slot_key, inlined: this loop runs on every summon
-            if key in summoned:
+            if key in enclosing:
                 enclosed.append(key)
                 continue
             owner = by_slot.get(key)
@@ -155,7 +161,7 @@ def collect_scope(
             key = slot_key(module, name)
             if not isinstance(buffer, DTensor):
                 continue
-            if key in summoned:
+            if key in enclosing:
                 enclosed.append(key)
                 continue
             entry = buffers.get(id(buffer))
@@ -166,8 +172,8 @@ def collect_scope(
     for entry in params:
         if entry.fsdp_param is not None:  # a tie reaches out of scope: keep it one object
             slots = owners.slots[id(entry.fsdp_param)]
-            if len(slots) > 1 or summoned:
-                entry.slots = [(m, n) for m, n in slots if (id(m), n) not in summoned]
+            if len(slots) > 1 or enclosing:
+                entry.slots = [(m, n) for m, n in slots if (id(m), n) not in enclosing]
                 covered.update((id(m), n) for m, n in entry.slots)
     scope = Scope(root, modules, params)
     for entry in params:
@@ -180,3 +186,14 @@ def collect_scope(
     scope.states = states
     scope.enclosed = enclosed
     return scope
+
+
+def states_of(scope: Scope) -> list[fsdp2.FSDPState]:
+    """The FSDP2 states of the units in scope and of every group a scoped parameter belongs to."""
+    states = {id(state): state for state in scope.states}
+    for group in scope.groups:
+        for unit in fsdp2.group_modules(group):
+            state = fsdp2.fsdp_state_of(unit)
+            if state is not None:
+                states.setdefault(id(state), state)
+    return list(states.values())

@@ -100,7 +100,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,7 +108,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_map
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_shim import _diagnostics
@@ -118,15 +117,12 @@ from fsdp_shim._compat import ungatherable_reason, writeback_refusal
 from fsdp_shim._engine import Gathered, gather_full_tensors, start_full_tensors
 from fsdp_shim._layout import Dim0Layout, Receiver, mesh_dim_groups, require_live_groups
 from fsdp_shim._writeback import write_back_locals
-from fsdp_shim._scope import Scope, ScopedParam, collect_scope, slot_key
+from fsdp_shim._forward_hooks import install_forward_hooks
+from fsdp_shim._scope import Scope, ScopedParam, collect_scope, module_label, slot_key, states_of
 
 logger = logging.getLogger("fsdp_shim")
 
 _MISSING = object()
-
-
-def _module_label(module: nn.Module) -> str:
-    return type(module).__name__
 
 
 def _slot_fqn(root: nn.Module, slot: tuple[nn.Module, str]) -> str:
@@ -135,11 +131,11 @@ def _slot_fqn(root: nn.Module, slot: tuple[nn.Module, str]) -> str:
     for prefix, candidate in root.named_modules(remove_duplicate=False):
         if candidate is module:
             return f"{prefix}.{name}" if prefix else name
-    return f"<{_module_label(module)} outside {_module_label(root)}>.{name}"
+    return f"<{module_label(module)} outside {module_label(root)}>.{name}"
 
 
 @dataclass
-class _Summoned:
+class _SwappedParam:
     """One scoped parameter (or DTensor buffer) while summoned."""
 
     entry: ScopedParam
@@ -175,7 +171,7 @@ class _Swap:
     scope: Scope
     writeback: bool
     thread: int = field(default_factory=registry.current_thread)
-    summoned: list[_Summoned] = field(default_factory=list)
+    swapped: list[_SwappedParam] = field(default_factory=list)
     originals: list[tuple[ScopedParam, nn.Module, str, Any]] = field(default_factory=list)
     marks: list[fsdp2.GroupMark] = field(default_factory=list)
     hooks: list[RemovableHandle] = field(default_factory=list)
@@ -187,7 +183,7 @@ class _Swap:
     #: Whether the context's body was reached: only then may a writeback happen. See [Note: faults].
     body_ran: bool = False
 
-    def name(self, item: _Summoned) -> str:
+    def name(self, item: _SwappedParam) -> str:
         return _slot_fqn(self.scope.root, item.entry.slots[0])
 
     # -- entry -----------------------------------------------------------
@@ -199,11 +195,11 @@ class _Swap:
                 value = nn.Parameter(full, requires_grad=sharded.requires_grad)
                 if index in grads:
                     value.grad = grads[index]
-            summoned = _Summoned(entry, sharded, value, layout)  # full_version: see values_arrived
-            summoned.shard_versions = summoned.shard_state()
-            self.summoned.append(summoned)
+            swapped = _SwappedParam(entry, sharded, value, layout)  # full_version: see values_arrived
+            swapped.shard_versions = swapped.shard_state()
+            self.swapped.append(swapped)
             if not entry.is_buffer:
-                registry.add_full(value, summoned)
+                registry.add_full(value, swapped)
             for module, name in entry.slots:
                 tensors = entry.tensors(module)
                 self.originals.append((entry, module, name, tensors[name]))
@@ -212,7 +208,7 @@ class _Swap:
 
     def values_arrived(self) -> None:
         """Record each full tensor's version once its values are in (gloo's copy into it bumps it)."""
-        for item in self.summoned:
+        for item in self.swapped:
             full = item.full
             item.full_version = None if full.is_inference() else full._version
 
@@ -220,7 +216,7 @@ class _Swap:
         for group, fully_summoned in self.scope.groups.items():
             if fully_summoned:
                 self.marks.append(fsdp2.mark_summoned(group))
-        fsdp_params = [item.entry.fsdp_param for item in self.summoned if item.entry.fsdp_param is not None]
+        fsdp_params = [item.entry.fsdp_param for item in self.swapped if item.entry.fsdp_param is not None]
         fsdp2.suspend_load_post_hooks(fsdp_params, self.suspended)
 
     def convert_inside(self) -> None:
@@ -260,7 +256,7 @@ class _Swap:
 
     def inspect(self) -> None:
         """Record what each summoned tensor's slots hold now. See [Note: exit checks]."""
-        for item in self.summoned:
+        for item in self.swapped:
             item.shard_changed = item.shard_state() != item.shard_versions
             values = [item.entry.tensors(m).get(n, _MISSING) for m, n in item.entry.slots]
             if any(v is _MISSING or v is None for v in values):
@@ -289,7 +285,7 @@ class _Swap:
         for unit in self.converting:
             unit.__dict__.pop("_apply", None)
         self.converting.clear()
-        for item in self.summoned:
+        for item in self.swapped:
             current = item.current
             if item.entry.is_buffer or not isinstance(current, torch.Tensor):
                 continue
@@ -301,7 +297,7 @@ class _Swap:
         conversions, self.conversions = self.conversions, []
         for unit, args, kwargs in conversions:
             unit._apply(*args, **kwargs)
-        for item in self.summoned:
+        for item in self.swapped:
             current = item.current
             if isinstance(current, torch.Tensor) and current.dtype != item.sharded.dtype:
                 _diagnostics.warn(
@@ -316,7 +312,7 @@ class _Swap:
         """All or nothing: every parameter is checked before the first byte is written."""
         problems: list[str] = []
         items: list[tuple[DTensor, torch.Tensor, Dim0Layout | None]] = []
-        for item in self.summoned:
+        for item in self.swapped:
             if item.current is _MISSING:
                 problems.append(f"{self.name(item)}: deleted (or tied slots replaced by different tensors) "
                                 "inside the context, so there is no value to write back")
@@ -335,14 +331,14 @@ class _Swap:
         if with_grads:
             write_back_locals([
                 (item.sharded.grad, item.full.grad, None)  # type: ignore[misc]
-                for item in self.summoned
+                for item in self.swapped
                 if item.sharded.grad is not None and item.full.grad is not None
             ])
 
     def forget(self) -> None:
-        for item in self.summoned:
+        for item in self.swapped:
             registry.remove_full(item.full)
-        self.summoned.clear()
+        self.swapped.clear()
 
     def remove_hooks(self) -> None:
         for handle in self.hooks:
@@ -352,8 +348,8 @@ class _Swap:
 
 def sharded_param(param: torch.Tensor) -> nn.Parameter | None:
     """The sharded parameter a live context's full ``param`` stands for, else None."""
-    summoned = registry.record_of(param)
-    return None if summoned is None else summoned.entry.sharded()
+    swapped = registry.record_of(param)
+    return None if swapped is None else swapped.entry.sharded()
 
 
 def original_params(param: torch.Tensor) -> list[nn.Parameter]:
@@ -363,167 +359,15 @@ def original_params(param: torch.Tensor) -> list[nn.Parameter]:
     a map was built, FSDP2's unsharded parameter too. Empty if ``param`` is
     not a live context's full parameter.
     """
-    summoned = registry.record_of(param)
-    if summoned is None:
+    swapped = registry.record_of(param)
+    if swapped is None:
         return []
-    found = [summoned.entry.sharded()]
-    if summoned.entry.fsdp_param is not None:
-        unsharded = fsdp2.unsharded_param_if_any(summoned.entry.fsdp_param)
+    found = [swapped.entry.sharded()]
+    if swapped.entry.fsdp_param is not None:
+        unsharded = fsdp2.unsharded_param_if_any(swapped.entry.fsdp_param)
         if unsharded is not None:
             found.append(unsharded)
     return found
-
-
-def _raise_on_forward(message: str) -> Callable[..., None]:
-    def hook(module: nn.Module, args: Any) -> None:
-        raise RuntimeError(message)
-
-    return hook
-
-
-class _RefuseBackward(torch.autograd.Function):
-    """Identity in forward; raises in backward, before any hook of the tensors it wraps."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, message: str) -> torch.Tensor:
-        ctx.message = message
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
-        raise RuntimeError(ctx.message)
-
-
-def _raise_on_backward(message: str) -> Callable[..., Any]:
-    """A forward hook that makes any backward through the unit's outputs fail clearly.
-
-    FSDP2's post-backward would reduce-scatter gradients of unsharded
-    parameters that a summoned unit never had, and fail deep inside. The
-    outputs FSDP2 returns are wrapped once more, so the refusal comes before
-    FSDP2's own pre-backward hooks and leaves its state untouched.
-    """
-
-    def refuse(leaf: Any) -> Any:
-        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-            return _RefuseBackward.apply(leaf, message)
-        return leaf
-
-    def hook(module: nn.Module, args: Any, output: Any) -> Any:
-        return tree_map(refuse, output) if torch.is_grad_enabled() else None
-
-    return hook
-
-
-class _ForwardInParamDtype:
-    """Runs a summoned unit's forward in FSDP2's ``param_dtype``, as FSDP2 would.
-
-    Inside the context the unit's attributes are the full parameters in their
-    stored dtype (fp32 master weights). FSDP2 casts the unit's inputs to
-    ``param_dtype``, so for the forward the slots hold a cast of the current
-    full values (cached until the full parameter is modified), and the full
-    parameters go back afterwards, also when the forward raised.
-    """
-
-    def __init__(self, items: list[tuple[_Summoned, torch.dtype]]):
-        self._items = items
-        self._depth = 0
-        self._cache: dict[int, tuple[int, nn.Parameter]] = {}
-
-    def _cast(self, full: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
-        version = None if full.is_inference() else full._version  # no counter: cast afresh every forward
-        cached = self._cache.get(id(full))
-        if cached is None or version is None or cached[0] != version:
-            with torch.no_grad():
-                cast = nn.Parameter(full.detach().to(dtype), requires_grad=full.requires_grad)
-            cached = (version, cast)
-            self._cache[id(full)] = cached
-        return cached[1]
-
-    def pre_forward(self, module: nn.Module, args: Any) -> None:
-        self._depth += 1
-        if self._depth == 1:
-            self._place(lambda item, dtype: self._cast(item.full, dtype))
-
-    def post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._depth -= 1
-        if self._depth == 0:
-            self._place(lambda item, dtype: item.full)
-
-    def _place(self, value: Callable[[_Summoned, torch.dtype], torch.Tensor]) -> None:
-        for item, dtype in self._items:
-            param = value(item, dtype)
-            for module, name in item.entry.slots:
-                module._parameters[name] = param  # type: ignore[assignment]
-
-
-def _refuse_forwards(swap: _Swap, modules: list[nn.Module], message: str) -> None:
-    """Make a forward through any of ``modules`` raise before FSDP2's own hooks run.
-
-    The FSDP2 root is among them, so a forward through the whole model is
-    refused before the root's pre-forward changes any state.
-    """
-    unique = {id(m): m for m in modules}
-    for module in unique.values():
-        swap.hooks.append(module.register_forward_pre_hook(_raise_on_forward(message), prepend=True))
-
-
-def _install_forward_hooks(swap: _Swap, rank0_only: bool, keep: bool) -> None:
-    scope = swap.scope
-    if rank0_only or (keep and not all(scope.groups.values())):  # only the refusals need the roots
-        roots = fsdp2.root_modules(_states_of(scope))
-    if rank0_only:
-        # Ranks would disagree on which units need an all-gather: refuse on
-        # every rank, before FSDP2's own pre-forward runs.
-        message = (
-            f"forward inside summon_full_params({_module_label(scope.root)}, rank0_only=True) "
-            "is not supported: only rank 0 (of each FSDP shard group) holds full parameters"
-        )
-        guarded = [*(m for g in scope.groups for m in fsdp2.group_modules(g)), scope.root, *roots]
-        _refuse_forwards(swap, guarded, message)
-        return
-    if not keep:
-        return
-    by_group: dict[fsdp2.FSDPParamGroup, list[tuple[_Summoned, torch.dtype]]] = {}
-    for item in swap.summoned:
-        group = item.entry.group
-        if group is None:
-            continue
-        if not scope.groups[group]:
-            continue
-        dtype = fsdp2.param_dtype_for_forward(group, item.entry.fsdp_param)  # type: ignore[arg-type]
-        if dtype is not None:
-            by_group.setdefault(group, []).append((item, dtype))
-    for group, fully_summoned in scope.groups.items():
-        modules = fsdp2.group_modules(group)
-        if not fully_summoned:
-            message = (
-                f"forward through FSDP unit {', '.join(_module_label(m) for m in modules)} while only some "
-                "of its parameters are summoned is not supported: summon the unit itself"
-            )
-            _refuse_forwards(swap, [*modules, *roots], message)
-            continue
-        no_backward = _raise_on_backward(
-            f"backward through outputs of FSDP unit {', '.join(_module_label(m) for m in modules)} "
-            "computed inside summon_full_params is not supported (FSDP1 forbids it too)"
-        )
-        for module in modules:
-            swap.hooks.append(module.register_forward_hook(no_backward))
-        if group in by_group:
-            switch = _ForwardInParamDtype(by_group[group])
-            for module in modules:
-                swap.hooks.append(module.register_forward_pre_hook(switch.pre_forward))
-                swap.hooks.append(module.register_forward_hook(switch.post_forward, always_call=True))
-
-
-def _states_of(scope: Scope) -> list[fsdp2.FSDPState]:
-    """The FSDP2 states of the units in scope and of every group a scoped parameter belongs to."""
-    states = {id(state): state for state in scope.states}
-    for group in scope.groups:
-        for unit in fsdp2.group_modules(group):
-            state = fsdp2.fsdp_state_of(unit)
-            if state is not None:
-                states.setdefault(id(state), state)
-    return list(states.values())
 
 
 def _gather_grads(
@@ -556,7 +400,7 @@ def _refuse_before_anything(
     busy = fsdp2.busy_training_state(scope.states, list(scope.groups))
     if busy is not None:
         raise AssertionError(
-            f"{FORWARD_BACKWARD_ERROR}: summon_full_params({_module_label(module)}) during FSDP2 "
+            f"{FORWARD_BACKWARD_ERROR}: summon_full_params({module_label(module)}) during FSDP2 "
             f"forward/backward (training state {busy})"
         )
     meshes: dict[int, DTensor] = {}  # one DTensor a mesh
@@ -565,13 +409,13 @@ def _refuse_before_anything(
             owner = registry.owner_of(slot_key(*slot))
             if owner is not None and owner.thread != thread:
                 raise RuntimeError(
-                    f"summon_full_params({_module_label(module)}) refused: {_slot_fqn(module, slot)!r} is "
+                    f"summon_full_params({module_label(module)}) refused: {_slot_fqn(module, slot)!r} is "
                     "summoned by a context in another thread. Use one thread per rank for collectives."
                 )
         sharded = entry.sharded()
         if sharded.device.type == "meta":  # FSDP2's lazy init would fail half way and leave its state broken
             raise RuntimeError(
-                f"summon_full_params({_module_label(module)}) refused: {_slot_fqn(module, entry.slots[0])!r} is "
+                f"summon_full_params({module_label(module)}) refused: {_slot_fqn(module, entry.slots[0])!r} is "
                 "still on the meta device. Materialise the model first (model.to_empty(device=...), then "
                 "initialise its parameters); nothing was changed."
             )
@@ -638,7 +482,7 @@ def summon_dtensor_params(
     # 1. refuse: misuse raises here, alike on every rank, before any change or collective.
     groups = _refuse_before_anything(module, scope, writeback, thread)
     with contextlib.ExitStack() as exits:
-        registry.enter(thread, groups, _module_label(module))
+        registry.enter(thread, groups, module_label(module))
         exits.callback(registry.leave, thread, groups)
         started = time.perf_counter()
         # 2. prepare: FSDP2's groups in a known state; the DTensors to gather, resolved once.
@@ -660,14 +504,14 @@ def summon_dtensor_params(
             swap.mark_groups()
             swap.convert_inside()
         del gathered, grads
-        _install_forward_hooks(swap, rank0_only, keep)
+        install_forward_hooks(swap, rank0_only, keep)
         arrival.wait()
         swap.values_arrived()
         if logger.isEnabledFor(logging.DEBUG):
             nbytes = sum(d.numel() * d.element_size() for d in dtensors)
             logger.debug(
                 "summon_full_params(%s): route=dtensor, %d tensors, %.1f MiB gathered in %.1f ms "
-                "(rank0_only=%s, full tensors on this rank=%s)", _module_label(module), len(dtensors),
+                "(rank0_only=%s, full tensors on this rank=%s)", module_label(module), len(dtensors),
                 nbytes / 2**20, (time.perf_counter() - started) * 1e3, rank0_only, keep,
             )
         swap.body_ran = True  # See [Note: faults]
@@ -684,7 +528,7 @@ def _scope_of_call(
         for key in scope.enclosed:
             if not mine[key].writeback:
                 raise RuntimeError(
-                    f"summon_full_params({_module_label(module)}, writeback=True) inside an enclosing "
+                    f"summon_full_params({module_label(module)}, writeback=True) inside an enclosing "
                     "writeback=False context that already holds some of its parameters: their edits would "
                     "be discarded by the outer context. Use writeback=True outside, or summon after it."
                 )
@@ -699,7 +543,7 @@ def _prepare(scope: Scope) -> list[DTensor]:
     units left unsharded]). Resolved after adoption: FSDP2 may have adopted
     a replaced parameter.
     """
-    fsdp2.lazy_init_root(_states_of(scope))
+    fsdp2.lazy_init_root(states_of(scope))
     for group in scope.groups:
         fsdp2.adopt_module_params(group)
         fsdp2.reshard_group(group)

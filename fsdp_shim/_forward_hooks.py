@@ -1,0 +1,166 @@
+"""The forward hooks a summon installs on the units in scope: refusals, and FSDP2's ``param_dtype``.
+
+Inside a context a fully summoned unit's forward runs on the full
+parameters, cast to FSDP2's ``param_dtype`` as FSDP2 would
+(``_ForwardInParamDtype``); a backward through its outputs is refused
+before FSDP2's own hooks run (FSDP1 forbids it too); a forward that cannot
+be right (``rank0_only``, or a unit only partly summoned) is refused before
+FSDP2's pre-forward changes any state. Every hook goes into the swap's
+list and comes off at exit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_map
+
+from fsdp_shim import _fsdp2_internals as fsdp2
+from fsdp_shim._scope import module_label, states_of
+
+if TYPE_CHECKING:
+    from fsdp_shim._swap import _Swap, _SwappedParam
+
+
+def _raise_on_forward(message: str) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any) -> None:
+        raise RuntimeError(message)
+
+    return hook
+
+
+class _RefuseBackward(torch.autograd.Function):
+    """Identity in forward; raises in backward, before any hook of the tensors it wraps."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, message: str) -> torch.Tensor:
+        ctx.message = message
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+        raise RuntimeError(ctx.message)
+
+
+def _raise_on_backward(message: str) -> Callable[..., Any]:
+    """A forward hook that makes any backward through the unit's outputs fail clearly.
+
+    FSDP2's post-backward would reduce-scatter gradients of unsharded
+    parameters that a summoned unit never had, and fail deep inside. The
+    outputs FSDP2 returns are wrapped once more, so the refusal comes before
+    FSDP2's own pre-backward hooks and leaves its state untouched.
+    """
+
+    def refuse(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            return _RefuseBackward.apply(leaf, message)
+        return leaf
+
+    def hook(module: nn.Module, args: Any, output: Any) -> Any:
+        return tree_map(refuse, output) if torch.is_grad_enabled() else None
+
+    return hook
+
+
+class _ForwardInParamDtype:
+    """Runs a summoned unit's forward in FSDP2's ``param_dtype``, as FSDP2 would.
+
+    Inside the context the unit's attributes are the full parameters in their
+    stored dtype (fp32 master weights). FSDP2 casts the unit's inputs to
+    ``param_dtype``, so for the forward the slots hold a cast of the current
+    full values (cached until the full parameter is modified), and the full
+    parameters go back afterwards, also when the forward raised.
+    """
+
+    def __init__(self, items: list[tuple[_SwappedParam, torch.dtype]]):
+        self._items = items
+        self._depth = 0
+        self._cache: dict[int, tuple[int, nn.Parameter]] = {}
+
+    def _cast(self, full: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
+        version = None if full.is_inference() else full._version  # no counter: cast afresh every forward
+        cached = self._cache.get(id(full))
+        if cached is None or version is None or cached[0] != version:
+            with torch.no_grad():
+                cast = nn.Parameter(full.detach().to(dtype), requires_grad=full.requires_grad)
+            cached = (version, cast)
+            self._cache[id(full)] = cached
+        return cached[1]
+
+    def pre_forward(self, module: nn.Module, args: Any) -> None:
+        self._depth += 1
+        if self._depth == 1:
+            self._place(lambda item, dtype: self._cast(item.full, dtype))
+
+    def post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._place(lambda item, dtype: item.full)
+
+    def _place(self, value: Callable[[_SwappedParam, torch.dtype], torch.Tensor]) -> None:
+        for item, dtype in self._items:
+            param = value(item, dtype)
+            for module, name in item.entry.slots:
+                module._parameters[name] = param  # type: ignore[assignment]
+
+
+def _refuse_forwards(swap: _Swap, modules: list[nn.Module], message: str) -> None:
+    """Make a forward through any of ``modules`` raise before FSDP2's own hooks run.
+
+    The FSDP2 root is among them, so a forward through the whole model is
+    refused before the root's pre-forward changes any state.
+    """
+    unique = {id(m): m for m in modules}
+    for module in unique.values():
+        swap.hooks.append(module.register_forward_pre_hook(_raise_on_forward(message), prepend=True))
+
+
+def install_forward_hooks(swap: _Swap, rank0_only: bool, keep: bool) -> None:
+    scope = swap.scope
+    if rank0_only or (keep and not all(scope.groups.values())):  # only the refusals need the roots
+        roots = fsdp2.root_modules(states_of(scope))
+    if rank0_only:
+        # Ranks would disagree on which units need an all-gather: refuse on
+        # every rank, before FSDP2's own pre-forward runs.
+        message = (
+            f"forward inside summon_full_params({module_label(scope.root)}, rank0_only=True) "
+            "is not supported: only rank 0 (of each FSDP shard group) holds full parameters"
+        )
+        guarded = [*(m for g in scope.groups for m in fsdp2.group_modules(g)), scope.root, *roots]
+        _refuse_forwards(swap, guarded, message)
+        return
+    if not keep:
+        return
+    by_group: dict[fsdp2.FSDPParamGroup, list[tuple[_SwappedParam, torch.dtype]]] = {}
+    for item in swap.swapped:
+        group = item.entry.group
+        if group is None:
+            continue
+        if not scope.groups[group]:
+            continue
+        dtype = fsdp2.param_dtype_for_forward(group, item.entry.fsdp_param)  # type: ignore[arg-type]
+        if dtype is not None:
+            by_group.setdefault(group, []).append((item, dtype))
+    for group, fully_summoned in scope.groups.items():
+        modules = fsdp2.group_modules(group)
+        if not fully_summoned:
+            message = (
+                f"forward through FSDP unit {', '.join(module_label(m) for m in modules)} while only some "
+                "of its parameters are summoned is not supported: summon the unit itself"
+            )
+            _refuse_forwards(swap, [*modules, *roots], message)
+            continue
+        no_backward = _raise_on_backward(
+            f"backward through outputs of FSDP unit {', '.join(module_label(m) for m in modules)} "
+            "computed inside summon_full_params is not supported (FSDP1 forbids it too)"
+        )
+        for module in modules:
+            swap.hooks.append(module.register_forward_hook(no_backward))
+        if group in by_group:
+            switch = _ForwardInParamDtype(by_group[group])
+            for module in modules:
+                swap.hooks.append(module.register_forward_pre_hook(switch.pre_forward))
+                swap.hooks.append(module.register_forward_hook(switch.post_forward, always_call=True))
