@@ -114,12 +114,12 @@ def _stage_bucket(
     """Copy in this rank's padded shards; the bucket's collective is left for ``launched()``.
 
     Full tensors written in place (and a bucket of one's output) come from
-    ``buffers``: fresh memory unless a stream recycles (see [Note: recycled
-    buffers]).
+    ``buffers``: fresh memory unless a stream recycles
+    (see [Note: recycled buffers]).
 
     On gloo there is no collective: the bucket moves point to point, and its
-    messages are posted here (see [Note: point to point] and [Note: staged,
-    then launched]).
+    messages are posted here (see [Note: point to point] and
+    [Note: staged, then launched]).
 
     As FSDP2 does, the input is this rank's block of the output buffer, so the
     copy-in needs no buffer of its own and the all-gather runs in place. A

@@ -88,8 +88,8 @@ class RecycledBuffers(FullBuffers):
     its storage's use count when it was alone. One is reused for a request
     of its exact size, dtype and device only while its use count is still
     that: no tensor, view or ``Work`` outside holds it. A request none of
-    them has the size for frees them all first. See [Note: recycled
-    buffers].
+    them has the size for frees them all first.
+    See [Note: recycled buffers].
     """
 
     def __init__(self, earlier: Sequence[tuple[torch.Tensor, int]] = ()) -> None:

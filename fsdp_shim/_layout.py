@@ -207,15 +207,15 @@ def plan_buckets(
     ``bucket_bytes``. A tensor larger than the cap gets a bucket of its own
     and leaves the open bucket open: the small tensors around it (a layer's
     norms and biases around its big matrices) share one collective instead
-    of one each between the big ones, which a collective's fixed cost (about
-    0.5 ms on gloo) made 1.14x FSDP1 in a per-unit loop over 27 MiB units.
+    of one each between the big ones (a collective has a fixed cost).
     Where buckets move point to point, a tensor whose shard (in the dtype
     it travels in) carries at least ``ALONE_BYTES`` travels alone too: it
-    is then sent direct, never copied into a bucket and out again (see
-    [Note: point to point]).
-    ``cast_to`` is the dtype floating tensors travel in (see [Note: cast
-    before gather]). The plan depends only on global metadata, so every rank
-    builds the same one and issues the same collectives in the same order.
+    is then sent direct, never copied into a bucket and out again
+    (see [Note: point to point]).
+    ``cast_to`` is the dtype floating tensors travel in
+    (see [Note: cast before gather]). The plan depends only on global
+    metadata, so every rank builds the same one and issues the same
+    collectives in the same order.
     """
     buckets: list[list[BucketEntry]] = []
     fallback: list[int] = []
@@ -280,9 +280,9 @@ def _transport_from_env() -> None:
 def moves_point_to_point(group: dist.ProcessGroup) -> bool:
     """Whether buckets on ``group`` move by point-to-point messages rather than by a collective.
 
-    gloo: measured faster for every receiver, one or all (see [Note: point
-    to point]), unless the transport is ``all_gather``. Elsewhere (NCCL) the
-    all-gather stays, as FSDP1 and FSDP2 do: nobody has measured there yet.
+    gloo: measured faster for every receiver, one or all
+    (see [Note: point to point]), unless the transport is ``all_gather``.
+    Elsewhere (NCCL) the all-gather stays, as FSDP1 and FSDP2 do.
     """
     return _transport == "auto" and dist.get_backend(group) == "gloo"
 

@@ -8,9 +8,7 @@ an inference engine) without a context and without swapping anything:
   unit (its param group: what one ``recurse=False`` summon gathers), and runs
   of parameters no unit manages (tensor parallel alone, plain tensors) cut at
   the bucket cap. Consecutive batches that fit one bucket together are
-  merged: one collective instead of several (bf16 units of a 12 x 256 model
-  go two by two, which took the bf16 stream from 0.66 to about 0.5 of the
-  per-unit summon loop on 2 gloo ranks). Ties are one parameter, named by
+  merged: one collective instead of several. Ties are one parameter, named by
   ``named_parameters()``'s first name. The plan reads only structure, so
   every rank makes the same.
 * *One batch in flight, the next one staged.* Batch ``k + 1`` is staged
@@ -67,10 +65,8 @@ from fsdp_shim._scope import fsdp_slot_owners, slot_key
 logger = logging.getLogger("fsdp_shim")
 
 #: The stream's default bucket cap, in MiB. Larger than the summon's 4: with a
-#: whole batch in flight, fewer and larger collectives won. 2 gloo ranks,
-#: interleaved, bf16 stream / per-unit summon: at 327 MiB 0.52-0.63 with 6 MiB,
-#: 0.56-0.71 with 4, 0.50-0.53 with 8; at 37 MiB 0.42-0.44 with 6, 0.47-0.50
-#: with 4, 0.50-0.59 with 8. Six is the best of both. See README "Performance".
+#: whole batch in flight, fewer and larger collectives won (the figures:
+#: ``docs/gather-engine.md``).
 STREAM_BUCKET_MB = 6.0
 
 FullParams = Iterator[tuple[str, torch.Tensor | None]]

@@ -16,11 +16,12 @@ nothing changed if it fails part way (``summon_dtensor_params``):
    placed in every slot of its parameter (ties stay one object); fully
    summoned groups are marked (see [Note: summoned groups] in
    ``_fsdp2_internals``); forward hooks are installed.
-Exit (``_Swap.exit``), always, also when the body raised: hooks off, every slot gets back
-the exact object it held and every mark is undone, conversions made inside
-are replayed on the shards (see [Note: conversions inside]), then writeback
-if asked (local copies into the original shards, see [Note: writeback needs
-no collective]) and if the body ran: as FSDP1 does, after a body that
+Exit (``_Swap.exit``), always, also when the body raised: hooks off, every
+slot gets back the exact object it held and every mark is undone,
+conversions made inside are replayed on the shards
+(see [Note: conversions inside]), then writeback if asked (local copies
+into the original shards, see [Note: writeback needs no collective] in
+``_writeback``) and if the body ran: as FSDP1 does, after a body that
 raised too, but never after a fault before the body (see [Note: faults]).
 
 [Note: faults]
