@@ -44,7 +44,7 @@ version counter (the copy into the full tensors bumps it), waits first.
 [Note: staged, then launched]
 A bucket starts in two steps. Staging does the CPU's part: the padded input
 copied in and cast, the output or full tensors allocated. Launching posts
-the collective. The summon does both at once (``_start_bucket``). On gloo
+the collective. The summon does both at once (``BucketGather``'s default). On gloo
 every bucket moves point to point and its messages are posted while it is
 staged, a receiver posting its receives before it copies its own rows, so
 that copy overlaps the transfer. The stream stages batch ``k + 1`` *before*
@@ -64,6 +64,7 @@ Measurements behind each of these, and the history of removed mechanisms:
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 from collections.abc import Sequence
@@ -97,13 +98,6 @@ def _comm_device(dtensor: DTensor) -> torch.device:
         return torch.device("cpu")
     handle = getattr(torch, device_type)
     return torch.device(device_type, handle.current_device())
-
-
-def _start_bucket(
-    bucket: list[BucketEntry], cast_to: torch.dtype | None = None, receiver: Receiver = "all"
-) -> InFlight:
-    """Stage the bucket and launch its collective at once."""
-    return _stage_bucket(bucket, cast_to, receiver).launched()
 
 
 @torch.no_grad()
@@ -313,30 +307,6 @@ class Gathered(NamedTuple):
     layouts: list[Dim0Layout | None]  # fast-path layouts, for ``write_back_local``
 
 
-def gather_full_tensors(
-    dtensors: Sequence[DTensor],
-    *,
-    keep: bool = True,
-    out_device: torch.device | None = None,
-    bucket_bytes: int | None = None,
-    receiver: Receiver = "all",
-) -> Gathered:
-    """All-gather every DTensor in ``dtensors`` to a plain full tensor.
-
-    A collective: every rank of the meshes involved must call it with the same
-    tensors in the same order. ``keep=False`` takes part in the collectives
-    but returns ``None`` for every tensor (``rank0_only`` on other ranks).
-    ``out_device`` moves results there bucket by bucket (``offload_to_cpu``).
-    Results never alias the DTensors' local storage. With a ``receiver`` other
-    than ``"all"``, ``keep`` must be False on every rank it does not name.
-
-    Raises ``NotImplementedError`` before any collective if this torch cannot
-    gather one of the placements correctly (``_compat.ungatherable_reason``).
-    """
-    gathered, _ = _gather_buckets(dtensors, keep, out_device, bucket_bytes, receiver, defer_last=False)
-    return gathered
-
-
 class Arrival:
     """The values of full tensors handed out by ``start_full_tensors`` that are still arriving."""
 
@@ -348,6 +318,122 @@ class Arrival:
         work, self._work = self._work, None
         if work is not None:
             work.wait()
+
+
+class BucketGather:
+    """The one driver: a list of DTensors' buckets, staged ``ahead`` at a time, finished in order.
+
+    Staging copies a bucket in (and posts gloo's messages); launching posts
+    its collective. ``ahead=2`` is the summon's window (bucket ``k + 1`` in
+    flight while ``k`` is copied out, see [Note: one bucket in flight]);
+    ``ahead=None`` stages every bucket at once, the stream's (a whole batch
+    in flight, see [Note: staged, then launched]). A collective: every rank
+    builds, launches and finishes the same gathers in the same order.
+    """
+
+    def __init__(
+        self,
+        dtensors: Sequence[DTensor],
+        *,
+        cast_to: torch.dtype | None = None,
+        bucket_bytes: int | None = None,
+        receiver: Receiver = "all",
+        buffers: FullBuffers | None = None,
+        ahead: int | None = None,
+        launch: bool = True,
+        checked: bool = False,
+    ) -> None:
+        if not checked:
+            require_gatherable(dtensors)
+        cap = bucket_bytes_from_env() if bucket_bytes is None else bucket_bytes
+        buckets, self._fallback = plan_buckets(dtensors, cap, cast_to)
+        self._dtensors = list(dtensors)
+        self._cast_to = cast_to
+        self._receiver = receiver
+        self._buffers = buffers
+        self._unstaged = collections.deque(buckets)
+        self._ahead = len(buckets) if ahead is None else ahead
+        self._flights: collections.deque[InFlight] = collections.deque()
+        self._stage(launch)
+
+    def _stage(self, launch: bool) -> None:
+        while self._unstaged and len(self._flights) < self._ahead:
+            flight = _stage_bucket(self._unstaged.popleft(), self._cast_to, self._receiver, self._buffers)
+            self._flights.append(flight.launched() if launch else flight)
+
+    def launch(self) -> None:
+        """Launch every staged bucket's collective, in bucket order. A collective; a no-op once done."""
+        for flight in self._flights:
+            flight.launched()
+
+    def finish(self, *, keep: bool, out_device: torch.device | None = None) -> list[torch.Tensor | None]:
+        """Wait and copy out, bucket by bucket (each output freed as soon as it is copied), then the fallbacks."""
+        return self.finish_with_layouts(keep=keep, out_device=out_device)[0].tensors
+
+    def finish_with_layouts(
+        self, *, keep: bool, out_device: torch.device | None = None, hand_out_last: bool = False
+    ) -> tuple[Gathered, Arrival]:
+        """``finish``, with each tensor's layout; ``hand_out_last`` may leave the last bucket arriving.
+
+        See [Note: values arriving]: the last bucket's full tensors may be
+        handed out before its values are in, and ``Arrival.wait()`` brings
+        them in.
+        """
+        self.launch()
+        results: list[torch.Tensor | None] = [None] * len(self._dtensors)
+        layouts: list[Dim0Layout | None] = [None] * len(self._dtensors)
+        arrival = Arrival()
+        while self._flights:
+            flight = self._flights.popleft()
+            self._stage(launch=True)  # the window stays full: the next bucket moves while this one is copied out
+            for b in flight.bucket:
+                layouts[b.position] = b.layout
+            last = not self._flights and not self._fallback
+            early = _handed_out_early(flight, keep, out_device) if last and hand_out_last else None
+            if early is not None:
+                fulls, arrival = early[0], Arrival(early[1])
+            else:
+                fulls = _finish_bucket(flight, keep, out_device)
+            for b, full in zip(flight.bucket, fulls):
+                results[b.position] = full
+            del flight, fulls
+        for index in self._fallback:
+            results[index] = _gather_fallback(self._dtensors[index], keep, out_device, self._cast_to)
+        self._fallback = []
+        return Gathered(results, layouts), arrival
+
+    def abandon(self) -> None:
+        """Wait for the launched collectives and drop every result; staged ones and the fallbacks never run."""
+        for flight in self._flights:
+            if flight.work is not None:
+                flight.work.wait()
+        self._flights.clear()
+        self._unstaged.clear()
+        self._fallback = []
+
+
+def gather_full_tensors(
+    dtensors: Sequence[DTensor],
+    *,
+    keep: bool = True,
+    out_device: torch.device | None = None,
+    bucket_bytes: int | None = None,
+    receiver: Receiver = "all",
+) -> Gathered:
+    """All-gather every DTensor in ``dtensors`` to a plain full tensor, one bucket in flight.
+
+    A collective: every rank of the meshes involved must call it with the same
+    tensors in the same order. ``keep=False`` takes part in the collectives
+    but returns ``None`` for every tensor (``rank0_only`` on other ranks).
+    ``out_device`` moves results there bucket by bucket (``offload_to_cpu``).
+    Results never alias the DTensors' local storage. With a ``receiver`` other
+    than ``"all"``, ``keep`` must be False on every rank it does not name.
+
+    Raises ``NotImplementedError`` before any collective if this torch cannot
+    gather one of the placements correctly (``_compat.ungatherable_reason``).
+    """
+    gather = BucketGather(dtensors, bucket_bytes=bucket_bytes, receiver=receiver, ahead=2)
+    return gather.finish_with_layouts(keep=keep, out_device=out_device)[0]
 
 
 def start_full_tensors(
@@ -368,96 +454,10 @@ def start_full_tensors(
     paths, so no collective is left behind. See [Note: values arriving].
     ``checked``: the caller already refused what ``require_gatherable`` would.
     """
-    return _gather_buckets(dtensors, keep, out_device, bucket_bytes, receiver, defer_last=True, checked=checked)
-
-
-def _gather_buckets(
-    dtensors: Sequence[DTensor],
-    keep: bool,
-    out_device: torch.device | None,
-    bucket_bytes: int | None,
-    receiver: Receiver,
-    defer_last: bool,
-    checked: bool = False,
-) -> tuple[Gathered, Arrival]:
-    if not checked:
-        require_gatherable(dtensors)
-    cap = bucket_bytes_from_env() if bucket_bytes is None else bucket_bytes
-    buckets, fallback = plan_buckets(dtensors, cap)
-    results: list[torch.Tensor | None] = [None] * len(dtensors)
-    layouts: list[Dim0Layout | None] = [None] * len(dtensors)
-    arrival = Arrival()
-    # See [Note: one bucket in flight]
-    in_flight: InFlight | None = None
-    for bucket in [*buckets, None]:
-        started = _start_bucket(bucket, None, receiver) if bucket is not None else None
-        if in_flight is not None:
-            for b in in_flight.bucket:
-                layouts[b.position] = b.layout
-            last = started is None and not fallback
-            early = _handed_out_early(in_flight, keep, out_device) if last and defer_last else None
-            if early is not None:
-                fulls, arrival = early[0], Arrival(early[1])
-            else:
-                fulls = _finish_bucket(in_flight, keep, out_device)
-            for b, full in zip(in_flight.bucket, fulls):
-                results[b.position] = full
-        in_flight = started
-    for index in fallback:
-        results[index] = _gather_fallback(dtensors[index], keep, out_device)
-    logger.debug(
-        "gathered %d tensors: %d buckets, %d full_tensor() fallbacks",
-        len(dtensors), len(buckets), len(fallback),
-    )
-    return Gathered(results, layouts), arrival
-
-
-class PendingGather:
-    """A batch of DTensors, every bucket staged and, once ``launch`` ran, its collective in flight.
-
-    See ``start_gather`` and [Note: staged, then launched].
-    """
-
-    def __init__(
-        self, dtensors: Sequence[DTensor], cast_to: torch.dtype | None, bucket_bytes: int | None, receiver: Receiver,
-        launch: bool = True, buffers: FullBuffers | None = None,
-    ):
-        require_gatherable(dtensors)
-        cap = bucket_bytes_from_env() if bucket_bytes is None else bucket_bytes
-        buckets, self._fallback = plan_buckets(dtensors, cap, cast_to)
-        self._dtensors = list(dtensors)
-        self._cast_to = cast_to
-        self._flights = [_stage_bucket(bucket, cast_to, receiver, buffers) for bucket in buckets]
-        if launch:
-            self.launch()
-
-    def launch(self) -> None:
-        """Launch every staged bucket's collective, in bucket order. A collective; a no-op once done."""
-        self._flights = [flight.launched() for flight in self._flights]
-
-    def finish(self, *, keep: bool, out_device: torch.device | None = None) -> list[torch.Tensor | None]:
-        """Wait and copy out, bucket by bucket (each output freed as soon as it is copied), then the fallbacks.
-
-        A collective, like the start: every rank finishes its batches in the same order.
-        """
-        self.launch()
-        results: list[torch.Tensor | None] = [None] * len(self._dtensors)
-        while self._flights:
-            flight = self._flights.pop(0)
-            for b, full in zip(flight.bucket, _finish_bucket(flight, keep, out_device)):
-                results[b.position] = full
-            del flight
-        for index in self._fallback:
-            results[index] = _gather_fallback(self._dtensors[index], keep, out_device, self._cast_to)
-        self._fallback = []
-        return results
-
-    def abandon(self) -> None:
-        """Wait for the launched collectives and drop every result; staged ones and the fallbacks never run."""
-        for flight in self._flights:
-            if flight.work is not None:
-                flight.work.wait()
-        self._flights, self._fallback = [], []
+    gather = BucketGather(dtensors, bucket_bytes=bucket_bytes, receiver=receiver, ahead=2, checked=checked)
+    gathered, arrival = gather.finish_with_layouts(keep=keep, out_device=out_device, hand_out_last=True)
+    logger.debug("gathered %d tensors", len(dtensors))
+    return gathered, arrival
 
 
 def start_gather(
@@ -468,15 +468,16 @@ def start_gather(
     receiver: Receiver = "all",
     launch: bool = True,
     buffers: FullBuffers | None = None,
-) -> PendingGather:
+) -> BucketGather:
     """Stage every bucket of ``dtensors`` and launch its all-gather now; ``finish`` collects them.
 
-    Unlike ``gather_full_tensors`` (one bucket in flight), the whole batch is in
-    flight at once, so it transfers while the caller does other work: the
-    streaming sync keeps one unit in flight this way. With ``launch=False``
-    the buckets are only staged (copied in, cast) and ``PendingGather.launch``
-    starts their collectives later. Fallback tensors (``full_tensor()``,
-    blocking) are gathered in ``finish``. ``buffers`` allocates the full
-    tensors written in place at staging (fresh unless a stream recycles).
+    The whole batch is in flight at once, so it transfers while the caller
+    does other work: the streaming sync keeps one unit in flight this way.
+    With ``launch=False`` the buckets are only staged (copied in, cast) and
+    ``BucketGather.launch`` starts their collectives later. Fallback tensors
+    (``full_tensor()``, blocking) are gathered in ``finish``. ``buffers``
+    allocates the full tensors written in place at staging (fresh unless a
+    stream recycles).
     """
-    return PendingGather(dtensors, cast_to, bucket_bytes, receiver, launch, buffers)
+    return BucketGather(dtensors, cast_to=cast_to, bucket_bytes=bucket_bytes, receiver=receiver, buffers=buffers,
+                        launch=launch)

@@ -57,7 +57,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
 from fsdp_shim import _fsdp2_internals as fsdp2
-from fsdp_shim._engine import PendingGather, start_gather
+from fsdp_shim._engine import BucketGather, start_gather
 from fsdp_shim._host_buffers import RecycledBuffers
 from fsdp_shim._layout import Receiver, bucket_bytes_from_env, gathered_dtype
 from fsdp_shim._scope import fsdp_slot_owners, slot_key
@@ -204,7 +204,7 @@ class _InFlightBatch:
         for index, (tensor, cast) in enumerate(zip(batch.tensors, batch.casts)):
             if isinstance(tensor, DTensor):
                 by_cast.setdefault(cast, []).append(index)
-        self._pending: list[tuple[list[int], PendingGather]] = [
+        self._pending: list[tuple[list[int], BucketGather]] = [
             (indices, start_gather([batch.tensors[i] for i in indices], cast_to=cast,  # type: ignore[misc]
                                    bucket_bytes=bucket_bytes, receiver=receiver, launch=launch, buffers=self.buffers))
             for cast, indices in by_cast.items()
