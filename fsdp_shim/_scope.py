@@ -61,6 +61,8 @@ class Scope:
     states: list[fsdp2.FSDPState] = field(default_factory=list)
     #: Slots in scope left to an enclosing context (already summoned).
     enclosed: list[SlotKey] = field(default_factory=list)
+    #: ``states`` plus the states of every group a scoped parameter belongs to (``states_of``).
+    involved_states: list[fsdp2.FSDPState] | None = None
 
 
 def scope_modules(root: nn.Module, recurse: bool) -> list[nn.Module]:
@@ -189,11 +191,17 @@ def collect_scope(
 
 
 def states_of(scope: Scope) -> list[fsdp2.FSDPState]:
-    """The FSDP2 states of the units in scope and of every group a scoped parameter belongs to."""
+    """The FSDP2 states of the units in scope and of every group a scoped parameter belongs to.
+
+    Worked out once per call: entry's lazy init and the forward hooks both ask.
+    """
+    if scope.involved_states is not None:
+        return scope.involved_states
     states = {id(state): state for state in scope.states}
     for group in scope.groups:
         for unit in fsdp2.group_modules(group):
             state = fsdp2.fsdp_state_of(unit)
             if state is not None:
                 states.setdefault(id(state), state)
-    return list(states.values())
+    scope.involved_states = list(states.values())
+    return scope.involved_states
