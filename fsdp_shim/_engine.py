@@ -2,8 +2,8 @@
 
 Owns staging a bucket on its transport (the collective here, gloo's
 messages in ``_gloo``), the copy-out, the ``full_tensor()`` fallback and
-the drivers the summon (``start_full_tensors``) and the stream
-(``start_gather``) use. Nothing here knows about modules, FSDP state or
+the one driver (``BucketGather``) the summon (``gather_full_tensors``) and
+the stream (``start_gather``) use. Nothing here knows about modules, FSDP state or
 swapping; ``_swap`` decides *what* to gather and where the results go.
 
 [Note: one bucket in flight]
@@ -28,18 +28,6 @@ shard (cast on the way where asked), made in one ``_foreach_copy_`` per
 bucket. The copy is still needed: results never alias live shards, so
 ``writeback=False`` edits are discarded as FSDP1's ``FULL_SHARD`` discards
 them.
-
-[Note: values arriving]
-A summon's own bookkeeping (new ``nn.Parameter`` objects in every slot,
-group marks, hooks) needs the full tensor *objects*, not their values. So
-``start_full_tensors`` hands out the last bucket's full tensors while it is
-still in flight, and the swap runs meanwhile; ``Arrival.wait()`` comes
-before the context's body, and on every error path. Where the messages (or
-the collective) write straight into the full tensors (direct point to
-point, a bucket of one) they are those destinations; a packed bucket's are
-allocated empty and filled by its copy-out, which ``Arrival.wait()`` runs
-once the bucket is in (``_CopiedOut``). Anything that reads a value, or its
-version counter (the copy into the full tensors bumps it), waits first.
 
 [Note: staged, then launched]
 A bucket starts in two steps. Staging does the CPU's part: the padded input
@@ -86,7 +74,7 @@ from fsdp_shim._layout import (
     plan_buckets,
     require_gatherable,
 )
-from fsdp_shim._staging import BucketEntry, Flat, InFlight, Landed, Waitable, bucket_output, copy_in
+from fsdp_shim._staging import BucketEntry, Flat, InFlight, Landed, bucket_output, copy_in
 
 logger = logging.getLogger("fsdp_shim")
 
@@ -214,71 +202,10 @@ def _views(padded_fulls: list[torch.Tensor], flight: InFlight) -> list[torch.Ten
     return [buf[: b.dtensor.numel()].view(b.dtensor.shape) for buf, b in zip(padded_fulls, flight.bucket)]
 
 
-class _CopiedOut:
-    """A multi-tensor bucket whose full tensors were handed out empty: waits, then copies out. Idempotent.
-
-    See [Note: values arriving].
-    """
-
-    def __init__(self, flight: Flat, padded_fulls: list[torch.Tensor]) -> None:
-        self._flight: Flat | None = flight
-        self._padded_fulls = padded_fulls
-
-    def wait(self) -> bool:
-        flight, self._flight = self._flight, None
-        if flight is not None:
-            _arrived(flight)
-            assert flight.output is not None
-            _copy_out(flight.output, flight, self._padded_fulls)
-        return True
-
-
-def _handed_out_early(
-    flight: InFlight, keep: bool, out_device: torch.device | None
-) -> tuple[list[torch.Tensor], Waitable | None] | None:
-    """``flight``'s full tensors before its values are in, and what brings them in; ``None`` if it cannot.
-
-    Where the collective writes straight into them (``_arrives_in_place``),
-    they are its destinations; a multi-tensor bucket's are allocated now and
-    filled by the copy-out once it is in (``_CopiedOut``). See [Note: values arriving].
-    """
-    if _arrives_in_place(flight, keep, out_device):
-        return _in_place_results(flight), flight.work
-    if not isinstance(flight, Flat):
-        return None
-    output = flight.output
-    if not keep or output is None or len(flight.bucket) == 1 or out_device not in (None, output.device):
-        return None
-    padded_fulls = _padded_fulls(flight, output)
-    return _views(padded_fulls, flight), _CopiedOut(flight, padded_fulls)
-
-
-def _arrives_in_place(flight: InFlight, keep: bool, out_device: torch.device | None) -> bool:
-    """Whether ``flight``'s full tensors exist before its collective is done: it writes into them.
-
-    True for a ``Landed`` bucket and for a ``Flat`` bucket of one that this
-    rank receives, when the results stay where the transfer puts them.
-    """
-    if not keep:
-        return False
-    buffers = _landing_buffers(flight)
-    return buffers is not None and (out_device is None or all(b.device == out_device for b in buffers))
-
-
-def _landing_buffers(flight: InFlight) -> list[torch.Tensor] | None:
-    """The padded full tensors the transfer itself writes into, if any (see [Note: a bucket of one])."""
-    if isinstance(flight, Landed):
-        return flight.padded_fulls
-    if isinstance(flight, Flat) and len(flight.bucket) == 1 and flight.output is not None:
-        return [flight.output]
-    return None
-
-
-def _in_place_results(flight: InFlight) -> list[torch.Tensor]:
-    """The full tensors of a flight that ``_arrives_in_place``: views of what the transfer writes."""
-    buffers = _landing_buffers(flight)
-    assert buffers is not None, "a rank that keeps full tensors received them"
-    return _views(buffers, flight)
+def _in_place_results(flight: Landed) -> list[torch.Tensor]:
+    """A ``Landed`` bucket's full tensors: views of the padded full tensors the transfer wrote into."""
+    assert flight.padded_fulls is not None, "a rank that keeps full tensors received them"
+    return _views(flight.padded_fulls, flight)
 
 
 def _on(tensor: torch.Tensor, device: torch.device | None) -> torch.Tensor:
@@ -305,19 +232,6 @@ def _gather_fallback(
 class Gathered(NamedTuple):
     tensors: list[torch.Tensor | None]  # full tensors, None where not kept
     layouts: list[Dim0Layout | None]  # fast-path layouts, for ``write_back_local``
-
-
-class Arrival:
-    """The values of full tensors handed out by ``start_full_tensors`` that are still arriving."""
-
-    def __init__(self, work: Waitable | None = None) -> None:
-        self._work = work
-
-    def wait(self) -> None:
-        """Block until every value has arrived. Idempotent; read none of the tensors before it."""
-        work, self._work = self._work, None
-        if work is not None:
-            work.wait()
 
 
 class BucketGather:
@@ -368,39 +282,25 @@ class BucketGather:
 
     def finish(self, *, keep: bool, out_device: torch.device | None = None) -> list[torch.Tensor | None]:
         """Wait and copy out, bucket by bucket (each output freed as soon as it is copied), then the fallbacks."""
-        return self.finish_with_layouts(keep=keep, out_device=out_device)[0].tensors
+        return self.finish_with_layouts(keep=keep, out_device=out_device).tensors
 
-    def finish_with_layouts(
-        self, *, keep: bool, out_device: torch.device | None = None, hand_out_last: bool = False
-    ) -> tuple[Gathered, Arrival]:
-        """``finish``, with each tensor's layout; ``hand_out_last`` may leave the last bucket arriving.
-
-        See [Note: values arriving]: the last bucket's full tensors may be
-        handed out before its values are in, and ``Arrival.wait()`` brings
-        them in.
-        """
+    def finish_with_layouts(self, *, keep: bool, out_device: torch.device | None = None) -> Gathered:
+        """``finish``, with the layout each tensor was gathered by (writeback reuses it)."""
         self.launch()
         results: list[torch.Tensor | None] = [None] * len(self._dtensors)
         layouts: list[Dim0Layout | None] = [None] * len(self._dtensors)
-        arrival = Arrival()
         while self._flights:
             flight = self._flights.popleft()
             self._stage(launch=True)  # the window stays full: the next bucket moves while this one is copied out
             for b in flight.bucket:
                 layouts[b.position] = b.layout
-            last = not self._flights and not self._fallback
-            early = _handed_out_early(flight, keep, out_device) if last and hand_out_last else None
-            if early is not None:
-                fulls, arrival = early[0], Arrival(early[1])
-            else:
-                fulls = _finish_bucket(flight, keep, out_device)
-            for b, full in zip(flight.bucket, fulls):
+            for b, full in zip(flight.bucket, _finish_bucket(flight, keep, out_device)):
                 results[b.position] = full
-            del flight, fulls
+            del flight
         for index in self._fallback:
             results[index] = _gather_fallback(self._dtensors[index], keep, out_device, self._cast_to)
         self._fallback = []
-        return Gathered(results, layouts), arrival
+        return Gathered(results, layouts)
 
     def abandon(self) -> None:
         """Wait for the launched collectives and drop every result; staged ones and the fallbacks never run."""
@@ -419,6 +319,7 @@ def gather_full_tensors(
     out_device: torch.device | None = None,
     bucket_bytes: int | None = None,
     receiver: Receiver = "all",
+    checked: bool = False,
 ) -> Gathered:
     """All-gather every DTensor in ``dtensors`` to a plain full tensor, one bucket in flight.
 
@@ -430,34 +331,11 @@ def gather_full_tensors(
     than ``"all"``, ``keep`` must be False on every rank it does not name.
 
     Raises ``NotImplementedError`` before any collective if this torch cannot
-    gather one of the placements correctly (``_compat.ungatherable_reason``).
-    """
-    gather = BucketGather(dtensors, bucket_bytes=bucket_bytes, receiver=receiver, ahead=2)
-    return gather.finish_with_layouts(keep=keep, out_device=out_device)[0]
-
-
-def start_full_tensors(
-    dtensors: Sequence[DTensor],
-    *,
-    keep: bool = True,
-    out_device: torch.device | None = None,
-    bucket_bytes: int | None = None,
-    receiver: Receiver = "all",
-    checked: bool = False,
-) -> tuple[Gathered, Arrival]:
-    """``gather_full_tensors`` that may return while the last bucket is still in flight.
-
-    Where that bucket's collective writes straight into its full tensors (see
-    ``_arrives_in_place``), they are handed out at once and their values
-    arrive by ``Arrival.wait()``: the caller does its own bookkeeping (the
-    swap) meanwhile, and must wait before anything reads them, also on error
-    paths, so no collective is left behind. See [Note: values arriving].
-    ``checked``: the caller already refused what ``require_gatherable`` would.
+    gather one of the placements correctly (``_compat.ungatherable_reason``),
+    unless ``checked``: the caller refused that already.
     """
     gather = BucketGather(dtensors, bucket_bytes=bucket_bytes, receiver=receiver, ahead=2, checked=checked)
-    gathered, arrival = gather.finish_with_layouts(keep=keep, out_device=out_device, hand_out_last=True)
-    logger.debug("gathered %d tensors", len(dtensors))
-    return gathered, arrival
+    return gather.finish_with_layouts(keep=keep, out_device=out_device)
 
 
 def start_gather(

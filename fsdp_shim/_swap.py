@@ -10,8 +10,8 @@ nothing changed if it fails part way (``summon_dtensor_params``):
    above them lazily initialised (see [Note: lazy init on entry]),
    parameter resets adopted (``adopt_module_params``), units left unsharded
    by a forward resharded. All local.
-3. *Gather*: one batched gather (``start_full_tensors``), then gradients if
-   asked for.
+3. *Gather*: one batched gather (``gather_full_tensors``), then gradients
+   if asked for. Every value has arrived when it returns.
 4. *Install*, rank-local: each full tensor becomes one new ``nn.Parameter``
    placed in every slot of its parameter (ties stay one object); fully
    summoned groups are marked (see [Note: summoned groups] in
@@ -30,11 +30,9 @@ Two rules, FSDP1's for the body and a stricter one for entry:
   stalls or dies, an exception or ``KeyboardInterrupt`` in a send, receive
   or all-gather, on one rank or all) writes nothing: the slots get their
   objects back, marks and hooks are undone, and the shards stay
-  bit-identical, whatever ``writeback`` says. The full tensors may hold
-  values that never arrived (the swap runs while the last bucket is in
-  flight, see [Note: values arriving] in ``_engine``), so they are never
-  read. 0.4.3 wrote them back: a stalled peer left uninitialised memory
-  (up to 1.7e38) in the training weights.
+  bit-identical, whatever ``writeback`` says. Full tensors whose values
+  never arrived are never read. 0.4.3 wrote them back: a stalled peer left
+  uninitialised memory (up to 1.7e38) in the training weights.
 - A failure inside the body (the body reached means every value arrived)
   keeps FSDP1's rule: writeback still applies to the edits made there, all
   or nothing (see [Note: exit checks]), and the body's exception propagates.
@@ -115,7 +113,7 @@ from fsdp_shim import _diagnostics
 from fsdp_shim import _fsdp2_internals as fsdp2
 from fsdp_shim import _registry as registry
 from fsdp_shim._compat import ungatherable_reason, writeback_refusal
-from fsdp_shim._engine import Gathered, gather_full_tensors, start_full_tensors
+from fsdp_shim._engine import Gathered, gather_full_tensors
 from fsdp_shim._layout import Dim0Layout, Receiver, mesh_dim_groups, require_live_groups
 from fsdp_shim._writeback import write_back_locals
 from fsdp_shim._forward_hooks import install_forward_hooks
@@ -196,7 +194,8 @@ class _Swap:
                 value = nn.Parameter(full, requires_grad=sharded.requires_grad)
                 if index in grads:
                     value.grad = grads[index]
-            swapped = _SwappedParam(entry, sharded, value, layout)  # full_version: see values_arrived
+            swapped = _SwappedParam(entry, sharded, value, layout)
+            swapped.full_version = None if value.is_inference() else value._version  # its values are in
             swapped.shard_versions = swapped.shard_state()
             self.swapped.append(swapped)
             if not entry.is_buffer:
@@ -206,12 +205,6 @@ class _Swap:
                 self.originals.append((entry, module, name, tensors[name]))
                 tensors[name] = value
                 registry.add_slot(slot_key(module, name), self)
-
-    def values_arrived(self) -> None:
-        """Record each full tensor's version once its values are in (gloo's copy into it bumps it)."""
-        for item in self.swapped:
-            full = item.full
-            item.full_version = None if full.is_inference() else full._version
 
     def mark_groups(self) -> None:
         for group, fully_summoned in self.scope.groups.items():
@@ -493,21 +486,17 @@ def summon_dtensor_params(
         receiver = _receiver(scope, rank0_only)
         swap = _Swap(scope, writeback)
         exits.callback(swap.exit, with_grads)
-        # 3. gather. The swap below may run while the last bucket arrives ([Note: values arriving] in
-        # _engine); waiting is pushed last, so it comes first on every way out: no collective left behind.
-        gathered, arrival = start_full_tensors(dtensors, keep=keep, out_device=out_device,
-                                               bucket_bytes=bucket_bytes, receiver=receiver, checked=True)
-        exits.callback(arrival.wait)
+        # 3. gather: every value is in when it returns.
+        gathered = gather_full_tensors(dtensors, keep=keep, out_device=out_device, bucket_bytes=bucket_bytes,
+                                       receiver=receiver, checked=True)
         grads = _gather_grads(dtensors, keep, out_device, bucket_bytes, receiver) if with_grads else {}
-        # 4. install: full parameters in every slot, groups marked, forward hooks; then the values.
+        # 4. install: full parameters in every slot, groups marked, forward hooks.
         if keep:
             swap.swap_in(dtensors, gathered, grads)
             swap.mark_groups()
             swap.convert_inside()
         del gathered, grads
         install_forward_hooks(swap, rank0_only, keep)
-        arrival.wait()
-        swap.values_arrived()
         if logger.isEnabledFor(logging.DEBUG):
             nbytes = sum(d.numel() * d.element_size() for d in dtensors)
             logger.debug(

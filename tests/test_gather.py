@@ -13,7 +13,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from _faults import transport
 from _helpers import mesh1d, direct_always
 from fsdp_shim._compat import STRIDED_SHARD_FULL_TENSOR_BROKEN
-from fsdp_shim._engine import _CopiedOut, gather_full_tensors, start_full_tensors, start_gather
+from fsdp_shim._engine import gather_full_tensors, start_gather
 from fsdp_shim._layout import BUCKET_ENV, DEFAULT_BUCKET_MB, bucket_bytes_from_env, dim0_layout, plan_buckets
 from fsdp_shim._staging import AllOf, Flat, Landed
 from fsdp_shim._writeback import write_back_local
@@ -302,31 +302,6 @@ def _launched_then_dropped(dtensors, fulls):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_staged_buckets_launch_later_and_in_order(dist_run, world_size, how):
     dist_run(world_size, rank_staged_buckets_launch_later_and_in_order, how)
-
-
-# --------------------------------------------------------------------------- values arriving
-def rank_last_bucket_handed_out_before_its_values(how: str):
-    """[Note: values arriving]: the last bucket's full tensors exist at once; ``Arrival.wait()`` fills them."""
-    specs = [((37, 5), torch.float32, [Shard(0)]), ((9,), torch.float32, [Shard(0)]), ((6, 2), torch.float32, [Shard(0)])]
-    fulls, dtensors = _tensors(specs)
-    for direct, receiver in ((False, "all"), (True, "all"), (False, "group_rank0"), (True, "group_rank0")):
-        keep = receiver == "all" or dist.get_rank() == 0
-        with transport(how), direct_always() if direct else contextlib.nullcontext():
-            (got, _), arrival = start_full_tensors(dtensors, keep=keep, receiver=receiver)
-        pending = arrival._work
-        if keep:  # packed or all-gathered: empty until the copy-out, which waits; direct: the messages' destinations
-            assert isinstance(pending, AllOf if direct and how == "auto" else _CopiedOut), (direct, receiver)
-            assert [g.shape for g in got] == [f.shape for f in fulls]
-        else:
-            assert got == [None] * 3 and pending is None
-        arrival.wait()
-        arrival.wait()  # idempotent
-        assert all(g is None or torch.equal(g, f) for g, f in zip(got, fulls))
-
-
-@pytest.mark.parametrize("how", ["auto", "all_gather"])
-def test_last_bucket_handed_out_before_its_values(dist_run, how):
-    dist_run(3, rank_last_bucket_handed_out_before_its_values, how)
 
 
 # --------------------------------------------------------------------------- transports
