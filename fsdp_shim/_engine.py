@@ -64,7 +64,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_shim._compat import all_gather_single
 from fsdp_shim._gloo import MessagePlan, post_point_to_point
-from fsdp_shim._host_buffers import FRESH_BUFFERS, FullBuffers, scratch_pool
+from fsdp_shim._host_buffers import FRESH_BUFFERS, FullBuffers
 from fsdp_shim._layout import (
     Dim0Layout,
     Receiver,
@@ -142,11 +142,10 @@ def _start_alone(
 
 
 def _arrived(flight: InFlight) -> None:
-    """Wait for ``flight``'s collective or messages; a sender's scratch input is then free again."""
+    """Wait for ``flight``'s collective or messages; a sender's buffer may then go."""
     if flight.work is not None:
         flight.work.wait()
-    if flight.scratch_input is not None:
-        scratch_pool.give(flight.scratch_input)
+    flight.send_buffer = None
 
 
 @torch.no_grad()
@@ -157,8 +156,6 @@ def _finish_bucket(flight: InFlight, keep: bool, out_device: torch.device | None
         return [_on(full, out_device) for full in _in_place_results(flight)] if keep else []
     assert isinstance(flight, Flat)
     if not keep:
-        if flight.output is not None and len(flight.bucket) > 1:
-            scratch_pool.give(flight.output)
         return []  # rank0_only: this rank holds nothing once the gather is done
     output = flight.output
     assert output is not None, "a rank that keeps full tensors received them"
@@ -193,8 +190,6 @@ def _copy_out(output: torch.Tensor, flight: Flat, padded_fulls: list[torch.Tenso
         dim=1,
         out=[buf.view(world_size, n) for buf, n in zip(padded_fulls, flight.split_sizes)],
     )
-    if output is flight.output:
-        scratch_pool.give(output)
 
 
 def _views(padded_fulls: list[torch.Tensor], flight: InFlight) -> list[torch.Tensor]:

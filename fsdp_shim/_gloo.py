@@ -44,7 +44,7 @@ from typing import NamedTuple, cast
 import torch
 import torch.distributed as dist
 
-from fsdp_shim._host_buffers import FullBuffers, scratch_pool
+from fsdp_shim._host_buffers import FullBuffers
 from fsdp_shim._layout import rows_held
 from fsdp_shim._staging import AllOf, BucketEntry, Flat, InFlight, Landed, bucket_output, copy_in
 
@@ -91,13 +91,13 @@ def post_packed(bucket: list[BucketEntry], route: MessagePlan) -> InFlight:
                 piece = output.narrow(0, source * per_rank, per_rank)
                 works.append(cast(dist.Work, dist.irecv(piece, src=ranks[source], group=group, tag=PACKED_TAG)))
         block = output.narrow(0, rank * per_rank, per_rank)
-    packed, scratch_input = copy_in(bucket, route.split_sizes, route.dtype, route.device, block)
+    packed, send_buffer = copy_in(bucket, route.split_sizes, route.dtype, route.device, block)
     for peer in route.receivers:
         if peer != rank:
             works.append(cast(dist.Work, dist.isend(packed, dst=ranks[peer], group=group, tag=PACKED_TAG)))
     if block is not None and packed is not block:  # a bucket of one sent as it is: its own rows still land here
         block.copy_(packed)
-    return Flat(bucket, route.split_sizes, AllOf(works), scratch_input, output=output)
+    return Flat(bucket, route.split_sizes, AllOf(works), send_buffer, output=output)
 
 
 def post_direct(bucket: list[BucketEntry], route: MessagePlan) -> InFlight:
@@ -105,7 +105,7 @@ def post_direct(bucket: list[BucketEntry], route: MessagePlan) -> InFlight:
 
     A receiver (``route.receivers``) allocates each padded full tensor and
     posts one receive per (tensor, sender) straight into that sender's rows;
-    every rank sends each shard, as it is (or cast into scratch, each sent
+    every rank sends each shard, as it is (or cast into a send buffer, each sent
     as soon as it is cast), to every other receiver; a receiver then copies
     its own shards into its rows, while the messages move. Rows a rank does
     not hold (an empty trailing shard) travel on neither side. Both sides
@@ -135,17 +135,18 @@ def post_direct(bucket: list[BucketEntry], route: MessagePlan) -> InFlight:
                 else:
                     works.append(cast(dist.Work, dist.irecv(piece, src=route.global_ranks[source], group=group, tag=tag)))
     peers = [route.global_ranks[peer] for peer in route.receivers if peer != rank]
-    scratch_input = None
+    send_buffer = None
     if peers:
         pieces = [b.dtensor._local_tensor.reshape(-1) for b in bucket]
         converted = [t.numel() > 0 and not (t.dtype == dtype and t.device == device) for t in pieces]
-        if any(converted):  # cast (or moved) into scratch, given back once the sends are done
-            scratch_input = scratch_pool.take(sum(t.numel() for t, c in zip(pieces, converted) if c), dtype, device)
+        if any(converted):  # cast (or moved) into a send buffer, kept alive until the sends are done
+            send_buffer = torch.empty(sum(t.numel() for t, c in zip(pieces, converted) if c), dtype=dtype,
+                                      device=device)
         offset = 0
         for tag, (piece, convert) in enumerate(zip(pieces, converted), start=PACKED_TAG + 1):
             if convert:  # each shard goes as soon as it is cast: the first is on the wire while the next casts
-                assert scratch_input is not None
-                staged = scratch_input.narrow(0, offset, piece.numel())
+                assert send_buffer is not None
+                staged = send_buffer.narrow(0, offset, piece.numel())
                 staged.copy_(piece, non_blocking=True)
                 piece, offset = staged, offset + piece.numel()
             if piece.numel():
@@ -153,7 +154,7 @@ def post_direct(bucket: list[BucketEntry], route: MessagePlan) -> InFlight:
                     works.append(cast(dist.Work, dist.isend(piece, dst=peer, group=group, tag=tag)))
     if own_destinations:  # after the messages are posted, so it overlaps them
         torch._foreach_copy_(own_destinations, own_sources, non_blocking=True)  # casts and moves too
-    return Landed(bucket, route.split_sizes, AllOf(works), scratch_input, padded_fulls=padded_fulls)
+    return Landed(bucket, route.split_sizes, AllOf(works), send_buffer, padded_fulls=padded_fulls)
 
 
 def post_point_to_point(bucket: list[BucketEntry], plan: MessagePlan) -> InFlight:

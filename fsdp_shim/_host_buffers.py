@@ -1,20 +1,8 @@
-"""Host buffers: the CPU memory a gather reuses instead of asking the allocator afresh.
+"""Where full tensors' memory comes from: fresh (``FullBuffers``) or, for the stream, recycled.
 
-Owns the per-thread scratch pool (bucket outputs and senders' inputs) and
-the stream's recycled full-tensor buffers. Only CPU memory is ever kept:
-accelerators' caching allocators reuse memory already. Nothing kept is
-handed to a caller while anything else can still see it.
-
-[Note: scratch buffers]
-A multi-tensor bucket's output buffer is scratch: every full tensor is
-copied out of it. On the CPU a fresh buffer of a few MiB comes from ``mmap``
-each time (glibc maps a request as large as the last freed one anew), and
-touching it costs page faults. So each thread keeps its last few CPU scratch
-buffers, by size, and a per-unit loop over identical blocks reuses one. At
-most ``ScratchPool.KEEP`` buffers of at most a bucket (plus padding) each
-stay allocated. Buffers handed out as full tensors are never scratch, and a
-buffer made under ``inference_mode`` is never kept (a copy into it outside
-that mode would be refused).
+Only CPU memory is ever recycled: accelerators' caching allocators reuse
+memory already. Nothing recycled is handed to a caller while anything else
+can still see it.
 
 [Note: recycled buffers]
 A stream's full tensors are valid until its next step, so it can reuse
@@ -35,40 +23,11 @@ are. Measured gains: ``docs/gather-engine.md``.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 
 import torch
 
 from fsdp_shim._compat import storage_use_count
-
-
-class ScratchPool(threading.local):
-    """Bucket outputs kept for reuse on the CPU, per thread. See [Note: scratch buffers]."""
-
-    KEEP = 4  # buffers, most recently used first out
-
-    def __init__(self) -> None:
-        self.free: dict[tuple[int, torch.dtype], torch.Tensor] = {}
-
-    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        if device.type == "cpu":
-            buffer = self.free.pop((numel, dtype), None)
-            if buffer is not None:
-                return buffer
-        return torch.empty(numel, dtype=dtype, device=device)
-
-    def give(self, buffer: torch.Tensor) -> None:
-        if buffer.device.type != "cpu":
-            return  # accelerators' caching allocators already reuse memory
-        if buffer.is_inference():
-            return  # made under inference_mode: outside it, the next copy into it would be refused
-        self.free[(buffer.numel(), buffer.dtype)] = buffer
-        while len(self.free) > self.KEEP:
-            del self.free[next(iter(self.free))]
-
-
-scratch_pool = ScratchPool()
 
 
 class FullBuffers:

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from fsdp_shim._host_buffers import FullBuffers, scratch_pool
+from fsdp_shim._host_buffers import FullBuffers
 from fsdp_shim._layout import BucketEntry
 
 
@@ -31,14 +31,14 @@ class InFlight:
 
     ``work`` is its collective or messages (``None`` once there is nothing to
     wait for, or, for a ``Flat`` bucket, until it is launched);
-    ``scratch_input`` a sender's packed input, back to the scratch pool once
-    ``work`` is done.
+    ``send_buffer`` a sender's packed or cast input, kept alive until ``work``
+    is done.
     """
 
     bucket: list[BucketEntry]
     split_sizes: list[int]  # each tensor's padded shard, in elements
     work: Waitable | None = None
-    scratch_input: torch.Tensor | None = None
+    send_buffer: torch.Tensor | None = None
 
     @property
     def receives(self) -> bool:
@@ -91,9 +91,9 @@ class Flat(InFlight):
 def bucket_output(
     bucket: list[BucketEntry], numel: int, dtype: torch.dtype, device: torch.device, buffers: FullBuffers
 ) -> torch.Tensor:
-    """A bucket's flat output: scratch, except that a bucket of one hands it out as its full tensor."""
+    """A bucket's flat output: fresh, except that a bucket of one's is its full tensor, from ``buffers``."""
     if len(bucket) > 1:
-        return scratch_pool.take(numel, dtype, device)
+        return torch.empty(numel, dtype=dtype, device=device)
     return buffers.take(numel, dtype, device)
 
 
@@ -101,9 +101,9 @@ def copy_in(
     bucket: list[BucketEntry], split_sizes: list[int], dtype: torch.dtype, device: torch.device,
     block: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """This rank's padded shards, back to back: (the input, the scratch it lives in if any).
+    """This rank's padded shards, back to back: (the input, the send buffer it lives in if any).
 
-    Packed into ``block`` (this rank's block of the output), or into scratch
+    Packed into ``block`` (this rank's block of the output), or into a send buffer
     where this rank receives nothing. A bucket of one whose shard needs no
     padding, cast or move is its own input (see [Note: a bucket of one]).
     """
@@ -112,9 +112,9 @@ def copy_in(
     if (len(bucket) == 1 and local.numel() == per_rank and local.dtype == dtype and local.device == device
             and local.is_contiguous()):
         return local.view(-1), None
-    scratch_input = None
-    if block is None:  # a sender only: scratch, given back once its messages are out
-        block = scratch_input = scratch_pool.take(per_rank, dtype, device)
+    send_buffer = None
+    if block is None:  # a sender only: a buffer of its own, kept alive until its messages are out
+        block = send_buffer = torch.empty(per_rank, dtype=dtype, device=device)
     destinations: list[torch.Tensor] = []
     sources: list[torch.Tensor] = []
     offset = 0
@@ -126,7 +126,7 @@ def copy_in(
             block.narrow(0, offset + local.numel(), padded - local.numel()).zero_()
         offset += padded
     torch._foreach_copy_(destinations, sources, non_blocking=True)  # casts and moves in the same pass
-    return block, scratch_input
+    return block, send_buffer
 
 
 class AllOf:

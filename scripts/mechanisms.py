@@ -5,11 +5,10 @@
     python scripts/mechanisms.py --widths 768 --runs 1 --reps 9
 
 Mechanisms, each switched off by a patch of this process's modules only:
-``scratch`` (the per-thread scratch pool: ``ScratchPool.KEEP = 0``),
-``recycled`` (the stream's recycled buffers: every request fresh),
-``early`` (the summon's early hand-out of the last bucket: waited for first),
+``recycled`` (the stream's recycled buffers: every request fresh) and
 ``split`` (direct or packed per bucket by size, against all packed and all
-direct). Workloads: the per-unit ``rank0_only`` summon loop (compose-rl's
+direct). The scratch pool and the summon's early hand-out were measured
+the same way and removed in 0.6.0 (docs/gather-engine.md). Workloads: the per-unit ``rank0_only`` summon loop (compose-rl's
 weight sync), the whole-model summon, and the fp32 and bf16 streams. Within
 a repetition every variant runs once, the order rotating; the figure is the
 median over repetitions of variant / baseline (everything on), per run.
@@ -28,23 +27,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-VARIANTS = ("baseline", "no_scratch", "no_recycled", "no_early", "all_packed", "all_direct")
+VARIANTS = ("baseline", "no_recycled", "all_packed", "all_direct")
 WORKLOADS = ("per_unit_rank0", "whole_model", "stream_fp32", "stream_bf16")
 
 
 @contextlib.contextmanager
 def _variant(name: str) -> Iterator[None]:
-    from fsdp_shim import _engine, _gloo, _host_buffers
+    from fsdp_shim import _gloo, _host_buffers
 
-    saved = (_host_buffers.ScratchPool.KEEP, _host_buffers.RecycledBuffers.take, _engine._handed_out_early,
-             _gloo.DIRECT_BYTES)
-    if name == "no_scratch":
-        _host_buffers.scratch_pool.free.clear()
-        _host_buffers.ScratchPool.KEEP = 0
-    elif name == "no_recycled":
+    saved = (_host_buffers.RecycledBuffers.take, _gloo.DIRECT_BYTES)
+    if name == "no_recycled":
         _host_buffers.RecycledBuffers.take = _host_buffers.FullBuffers.take  # type: ignore[method-assign]
-    elif name == "no_early":
-        _engine._handed_out_early = lambda *args: None  # type: ignore[assignment]
     elif name == "all_packed":
         _gloo.DIRECT_BYTES = 1 << 62
     elif name == "all_direct":
@@ -52,8 +45,7 @@ def _variant(name: str) -> Iterator[None]:
     try:
         yield
     finally:
-        (_host_buffers.ScratchPool.KEEP, _host_buffers.RecycledBuffers.take, _engine._handed_out_early,
-         _gloo.DIRECT_BYTES) = saved
+        _host_buffers.RecycledBuffers.take, _gloo.DIRECT_BYTES = saved
 
 
 def rank_measure(width: int, reps: int) -> dict[str, dict[str, list[float]]]:
