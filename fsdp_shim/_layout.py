@@ -47,7 +47,7 @@ logger = logging.getLogger("fsdp_shim")
 #: Environment variable that overrides the default bucket cap, in MiB.
 BUCKET_ENV = "FSDP_SHIM_BUCKET_MB"
 #: Default cap on one bucket's gathered (full, padded) size. Chosen with
-#: ``fsdp-shim bench --bucket-mb``: see README "Performance".
+#: ``fsdp-shim bench --bucket-mb``: see docs/performance.md.
 DEFAULT_BUCKET_MB = 4.0
 
 
