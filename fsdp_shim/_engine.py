@@ -3,8 +3,9 @@
 Owns staging a bucket on its transport (the collective here, gloo's
 messages in ``_gloo``), the copy-out, the ``full_tensor()`` fallback and
 the one driver (``BucketGather``) the summon (``gather_full_tensors``) and
-the stream (``start_gather``) use. Nothing here knows about modules, FSDP state or
-swapping; ``_swap`` decides *what* to gather and where the results go.
+the stream (``start_gather``) use. Nothing here knows about modules, FSDP
+state or swapping; ``_swap`` decides *what* to gather and where the results
+go.
 
 [Note: one bucket in flight]
 Bucket ``k + 1``'s collective (or messages) is launched before bucket ``k``
@@ -32,8 +33,8 @@ them.
 [Note: staged, then launched]
 A bucket starts in two steps. Staging does the CPU's part: the padded input
 copied in and cast, the output or full tensors allocated. Launching posts
-the collective. The summon does both at once (``BucketGather``'s default). On gloo
-every bucket moves point to point and its messages are posted while it is
+the collective. The summon does both at once (``BucketGather``'s default).
+On gloo every bucket moves point to point and its messages are posted while it is
 staged, a receiver posting its receives before it copies its own rows, so
 that copy overlaps the transfer. The stream stages batch ``k + 1`` *before*
 it waits for batch ``k``: the copies and casts run while batch ``k`` is on
@@ -233,11 +234,13 @@ class BucketGather:
     """The one driver: a list of DTensors' buckets, staged ``ahead`` at a time, finished in order.
 
     Staging copies a bucket in (and posts gloo's messages); launching posts
-    its collective. ``ahead=2`` is the summon's window (bucket ``k + 1`` in
-    flight while ``k`` is copied out, see [Note: one bucket in flight]);
-    ``ahead=None`` stages every bucket at once, the stream's (a whole batch
-    in flight, see [Note: staged, then launched]). A collective: every rank
-    builds, launches and finishes the same gathers in the same order.
+    its collective. ``ahead`` buckets are staged beyond the one being
+    finished: ``ahead=1`` is the summon's window, bucket ``k + 1`` in flight
+    while ``k`` is copied out, two at most
+    (see [Note: one bucket in flight]); ``ahead=None`` stages every bucket
+    at once, the stream's, a whole batch in flight
+    (see [Note: staged, then launched]). A collective: every rank builds,
+    launches and finishes the same gathers in the same order.
     """
 
     def __init__(
@@ -286,7 +289,7 @@ class BucketGather:
         layouts: list[Dim0Layout | None] = [None] * len(self._dtensors)
         while self._flights:
             flight = self._flights.popleft()
-            self._stage(launch=True)  # the window stays full: the next bucket moves while this one is copied out
+            self._stage(launch=True)  # the next bucket moves while this one is copied out
             for b in flight.bucket:
                 layouts[b.position] = b.layout
             for b, full in zip(flight.bucket, _finish_bucket(flight, keep, out_device)):
@@ -329,7 +332,7 @@ def gather_full_tensors(
     gather one of the placements correctly (``_compat.ungatherable_reason``),
     unless ``checked``: the caller refused that already.
     """
-    gather = BucketGather(dtensors, bucket_bytes=bucket_bytes, receiver=receiver, ahead=2, checked=checked)
+    gather = BucketGather(dtensors, bucket_bytes=bucket_bytes, receiver=receiver, ahead=1, checked=checked)
     return gather.finish_with_layouts(keep=keep, out_device=out_device)
 
 
