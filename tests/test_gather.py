@@ -330,3 +330,36 @@ def rank_each_transport_moves_what_it_says(how: str):
 @pytest.mark.parametrize("how", ["auto", "all_gather"])
 def test_each_transport_moves_what_it_says(dist_run, how):
     dist_run(2, rank_each_transport_moves_what_it_says, how)
+
+
+def rank_summon_window_holds_two_buckets_at_most(how: str):
+    """[Note: one bucket in flight]: the summon's driver stages one bucket beyond the one it copies out."""
+    from fsdp_shim import _engine
+
+    specs = [((13, 7), torch.float32, [Shard(0)])] * 6
+    fulls, dtensors = _tensors(specs)
+    alive: list[int] = []
+    original = _engine._finish_bucket
+
+    def recording(flight, keep, out_device):
+        alive.append(1 + len(gather._flights))  # the one being finished and those staged beyond it
+        return original(flight, keep, out_device)
+
+    _engine._finish_bucket = recording
+    try:
+        with transport(how):
+            gather = _engine.BucketGather(dtensors, bucket_bytes=64, ahead=1)  # one tensor a bucket
+            assert len(gather._flights) == 1
+            got = gather.finish(keep=True)
+            whole = _engine.BucketGather(dtensors, bucket_bytes=64)  # the stream's: every bucket at once
+            assert len(whole._flights) == len(specs)
+            whole.finish(keep=True)
+    finally:
+        _engine._finish_bucket = original
+    assert alive[: len(specs)] == [2] * (len(specs) - 1) + [1]
+    assert all(torch.equal(g, f) for g, f in zip(got, fulls))
+
+
+@pytest.mark.parametrize("how", ["auto", "all_gather"])
+def test_summon_window_holds_two_buckets_at_most(dist_run, how):
+    dist_run(2, rank_summon_window_holds_two_buckets_at_most, how)
