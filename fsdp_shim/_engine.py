@@ -71,8 +71,9 @@ from fsdp_shim._layout import (
     Receiver,
     bucket_bytes_from_env,
     gathered_dtype,
+    GatherPlan,
     moves_point_to_point,
-    plan_buckets,
+    plan_gather,
     require_gatherable,
 )
 from fsdp_shim._staging import BucketEntry, Flat, InFlight, Landed, bucket_output, copy_in
@@ -89,7 +90,6 @@ def _comm_device(dtensor: DTensor) -> torch.device:
     return torch.device(device_type, handle.current_device())
 
 
-@torch.no_grad()
 def _stage_bucket(
     bucket: list[BucketEntry], cast_to: torch.dtype | None = None, receiver: Receiver = "all",
     buffers: FullBuffers | None = None,
@@ -108,6 +108,7 @@ def _stage_bucket(
     copy-in needs no buffer of its own and the all-gather runs in place. A
     bucket of one tensor whose shard needs no padding, cast or move is sent
     as it is: no copy-in at all (see [Note: a bucket of one]).
+    Called under ``no_grad``.
     """
     first = bucket[0]
     world_size, group, rank = first.layout.world_size, first.layout.group, first.layout.rank
@@ -115,20 +116,23 @@ def _stage_bucket(
     dtype = gathered_dtype(first.dtensor, cast_to)
     comm_device = _comm_device(first.dtensor)
     buffers = buffers or FRESH_BUFFERS
-    global_ranks = dist.get_process_group_ranks(group)  # by group rank
-    receivers = range(world_size)  # group ranks that receive full tensors
     if receiver != "all":
+        global_ranks = dist.get_process_group_ranks(group)  # by group rank
         root = 0 if receiver == "global_rank0" else global_ranks[0]
         if root not in global_ranks:
             return Landed(bucket, split_sizes)  # nobody here receives: nothing to move
-        receivers = range(global_ranks.index(root), global_ranks.index(root) + 1)
     if world_size == 1:
         return _start_alone(bucket, split_sizes, dtype, comm_device, buffers)
     if moves_point_to_point(group):
+        global_ranks = dist.get_process_group_ranks(group)
+        receivers = range(world_size)  # group ranks that receive full tensors
+        if receiver != "all":
+            root = 0 if receiver == "global_rank0" else global_ranks[0]
+            receivers = range(global_ranks.index(root), global_ranks.index(root) + 1)
         return post_point_to_point(bucket, MessagePlan(split_sizes, dtype, comm_device, receivers, global_ranks, buffers))
     per_rank = sum(split_sizes)
     output = bucket_output(bucket, world_size * per_rank, dtype, comm_device, buffers)
-    gather_input, _ = copy_in(bucket, split_sizes, dtype, comm_device, output.narrow(0, rank * per_rank, per_rank))
+    gather_input, _ = copy_in(bucket, split_sizes, dtype, comm_device, output[rank * per_rank:(rank + 1) * per_rank])
     launch = functools.partial(all_gather_single, output, gather_input, group=group, async_op=True)
     return Flat(bucket, split_sizes, output=output, launch=launch)
 
@@ -149,9 +153,11 @@ def _arrived(flight: InFlight) -> None:
     flight.send_buffer = None
 
 
-@torch.no_grad()
 def _finish_bucket(flight: InFlight, keep: bool, out_device: torch.device | None) -> list[torch.Tensor]:
-    """Wait for the bucket's collective or messages and copy each tensor out. See [Note: bucket layout]."""
+    """Wait for the bucket's collective or messages and copy each tensor out. See [Note: bucket layout].
+
+    Called under ``no_grad``.
+    """
     _arrived(flight)
     if isinstance(flight, Landed):  # direct messages, or a group of one: already in place
         return [_on(full, out_device) for full in _in_place_results(flight)] if keep else []
@@ -169,28 +175,28 @@ def _finish_bucket(flight: InFlight, keep: bool, out_device: torch.device | None
             getattr(torch, output.device.type).current_stream().synchronize()
         output = host
     if len(flight.bucket) == 1:  # see [Note: a bucket of one]
-        only = flight.bucket[0].dtensor
-        return [output[: only.numel()].view(only.shape)]
-    padded_fulls = _padded_fulls(flight, output)
-    _copy_out(output, flight, padded_fulls)
-    return _views(padded_fulls, flight)
+        return [_unpadded(output.view(flight.bucket[0].layout.padded_shape), flight.bucket[0].layout)]
+    return _copy_out(output, flight)
 
 
-def _padded_fulls(flight: Flat, output: torch.Tensor) -> list[torch.Tensor]:
-    """Fresh padded full tensors for a multi-tensor bucket's copy-out of ``output``, on its device."""
+def _unpadded(padded: torch.Tensor, layout: Dim0Layout) -> torch.Tensor:
+    """The full tensor in ``padded`` (``layout.padded_shape``): its first rows, itself if there is no padding."""
+    rows = layout.shape[0]
+    return padded if padded.shape[0] == rows else padded.narrow(0, 0, rows)
+
+
+def _copy_out(output: torch.Tensor, flight: Flat) -> list[torch.Tensor]:
+    """Scatter a multi-tensor bucket's output into fresh padded full tensors; each one's full tensor.
+
+    See [Note: bucket layout]. Each is allocated in its padded shape, so the
+    full tensor is the buffer itself, or its first rows where it is padded.
+    """
     world_size = flight.bucket[0].layout.world_size
-    return [torch.empty(world_size * n, dtype=output.dtype, device=output.device) for n in flight.split_sizes]
-
-
-def _copy_out(output: torch.Tensor, flight: Flat, padded_fulls: list[torch.Tensor]) -> None:
-    """Scatter a multi-tensor bucket's output into its padded full tensors (see [Note: bucket layout])."""
-    world_size = flight.bucket[0].layout.world_size
+    padded = [torch.empty(b.layout.padded_shape, dtype=output.dtype, device=output.device) for b in flight.bucket]
     torch.split_with_sizes_copy(
-        output.view(world_size, -1),
-        flight.split_sizes,
-        dim=1,
-        out=[buf.view(world_size, n) for buf, n in zip(padded_fulls, flight.split_sizes)],
+        output.view(world_size, -1), flight.split_sizes, dim=1, out=[buf.view(world_size, -1) for buf in padded],
     )
+    return [_unpadded(buf, b.layout) for buf, b in zip(padded, flight.bucket)]
 
 
 def _views(padded_fulls: list[torch.Tensor], flight: InFlight) -> list[torch.Tensor]:
@@ -228,6 +234,7 @@ def _gather_fallback(
 class Gathered(NamedTuple):
     tensors: list[torch.Tensor | None]  # full tensors, None where not kept
     layouts: list[Dim0Layout | None]  # fast-path layouts, for ``write_back_local``
+    plan: GatherPlan  # what the gather followed; a caller may pass it back for the same tensors
 
 
 class BucketGather:
@@ -254,11 +261,13 @@ class BucketGather:
         ahead: int | None = None,
         launch: bool = True,
         checked: bool = False,
+        plan: GatherPlan | None = None,
     ) -> None:
         if not checked:
             require_gatherable(dtensors)
         cap = bucket_bytes_from_env() if bucket_bytes is None else bucket_bytes
-        buckets, self._fallback = plan_buckets(dtensors, cap, cast_to)
+        self.plan = plan_gather(dtensors, cap, cast_to, reuse=plan)
+        buckets, self._fallback = self.plan.bind(dtensors), list(self.plan.fallback)
         self._dtensors = list(dtensors)
         self._cast_to = cast_to
         self._receiver = receiver
@@ -268,6 +277,7 @@ class BucketGather:
         self._flights: collections.deque[InFlight] = collections.deque()
         self._stage(launch)
 
+    @torch.no_grad()
     def _stage(self, launch: bool) -> None:
         while self._unstaged and len(self._flights) < self._ahead:
             flight = _stage_bucket(self._unstaged.popleft(), self._cast_to, self._receiver, self._buffers)
@@ -284,12 +294,17 @@ class BucketGather:
 
     def finish_with_layouts(self, *, keep: bool, out_device: torch.device | None = None) -> Gathered:
         """``finish``, with the layout each tensor was gathered by (writeback reuses it)."""
+        with torch.no_grad():
+            return self._finish(keep, out_device)
+
+    def _finish(self, keep: bool, out_device: torch.device | None) -> Gathered:
         self.launch()
         results: list[torch.Tensor | None] = [None] * len(self._dtensors)
         layouts: list[Dim0Layout | None] = [None] * len(self._dtensors)
         while self._flights:
             flight = self._flights.popleft()
-            self._stage(launch=True)  # the next bucket moves while this one is copied out
+            if self._unstaged:
+                self._stage(launch=True)  # the next bucket moves while this one is copied out
             for b in flight.bucket:
                 layouts[b.position] = b.layout
             for b, full in zip(flight.bucket, _finish_bucket(flight, keep, out_device)):
@@ -298,7 +313,7 @@ class BucketGather:
         for index in self._fallback:
             results[index] = _gather_fallback(self._dtensors[index], keep, out_device, self._cast_to)
         self._fallback = []
-        return Gathered(results, layouts)
+        return Gathered(results, layouts, self.plan)
 
     def abandon(self) -> None:
         """Wait for the launched collectives and drop every result; staged ones and the fallbacks never run."""
@@ -318,6 +333,7 @@ def gather_full_tensors(
     bucket_bytes: int | None = None,
     receiver: Receiver = "all",
     checked: bool = False,
+    plan: GatherPlan | None = None,
 ) -> Gathered:
     """All-gather every DTensor in ``dtensors`` to a plain full tensor, one bucket in flight.
 
@@ -332,7 +348,8 @@ def gather_full_tensors(
     gather one of the placements correctly (``_compat.ungatherable_reason``),
     unless ``checked``: the caller refused that already.
     """
-    gather = BucketGather(dtensors, bucket_bytes=bucket_bytes, receiver=receiver, ahead=1, checked=checked)
+    gather = BucketGather(dtensors, bucket_bytes=bucket_bytes, receiver=receiver, ahead=1, checked=checked,
+                          plan=plan)
     return gather.finish_with_layouts(keep=keep, out_device=out_device)
 
 

@@ -75,6 +75,8 @@ class Dim0Layout(NamedTuple):
     chunk_rows: int  # c = ceil(n / W)
     row_numel: int  # elements per dim-0 row
     local_rows: int  # rows this rank holds, c or fewer
+    shape: torch.Size  # the full tensor's
+    padded_shape: tuple[int, ...]  # the full tensor's with ``W * c`` rows: what a copy-out allocates
 
     @property
     def padded_numel(self) -> int:  # one rank's padded contribution
@@ -101,6 +103,16 @@ def _mesh_dim(mesh: DeviceMesh, mesh_dim: int) -> tuple[dist.ProcessGroup, int, 
 def mesh_dim_groups(mesh: DeviceMesh) -> list[dist.ProcessGroup]:
     """The process group of every dim of ``mesh`` (what gathering a DTensor on it may use)."""
     return [_mesh_dim(mesh, dim)[0] for dim in range(mesh.ndim)]
+
+
+def require_live_groups_of(groups: Sequence[dist.ProcessGroup]) -> None:
+    """``require_live_groups`` for groups known already: a summon plan's (see [Note: summon plans] in ``_scope``)."""
+    for group in groups:
+        if not is_live_group(group):
+            raise RuntimeError(
+                "cannot gather: a device mesh in scope uses a process group that was destroyed or belongs to "
+                "another process group world (was the model sharded before destroy_process_group()?)"
+            )
 
 
 def require_live_groups(dtensors: Sequence[DTensor]) -> None:
@@ -179,7 +191,9 @@ def _work_out_dim0_layout(dtensor: DTensor) -> Dim0Layout | None:
     row_numel = 1
     for size in dtensor.shape[1:]:
         row_numel *= size
-    return Dim0Layout(group, world_size, rank, chunk_rows, row_numel, expected_rows)
+    shape = torch.Size(dtensor.shape)
+    return Dim0Layout(group, world_size, rank, chunk_rows, row_numel, expected_rows, shape,
+                      (world_size * chunk_rows, *shape[1:]))
 
 
 class BucketEntry(NamedTuple):
@@ -195,6 +209,45 @@ def gathered_dtype(tensor: torch.Tensor, cast_to: torch.dtype | None) -> torch.d
     if cast_to is not None and tensor.is_floating_point():
         return cast_to
     return tensor.dtype
+
+
+class GatherPlan(NamedTuple):
+    """``plan_buckets``' answer by position, reusable for as long as ``key`` (``plan_key``) matches.
+
+    A per-unit summon gathers the same parameters call after call: planning
+    them again (a layout lookup, a dtype and a bucket key per tensor) was a
+    sixth of the gather's host cost. See [Note: summon plans] in ``_scope``.
+    """
+
+    key: tuple[Any, ...]
+    buckets: list[list[tuple[int, Dim0Layout]]]  # (position in the caller's list, layout)
+    fallback: list[int]
+    specs: list[Any]  # held, so that the ids in ``key`` stay theirs
+
+    def bind(self, dtensors: Sequence[DTensor]) -> list[list[BucketEntry]]:
+        """The buckets, holding this call's DTensors."""
+        return [[BucketEntry(p, dtensors[p], layout) for p, layout in bucket] for bucket in self.buckets]
+
+
+def plan_key(dtensors: Sequence[DTensor], bucket_bytes: int, cast_to: torch.dtype | None) -> tuple[Any, ...]:
+    """Everything a plan depends on: each tensor's spec (by identity: equal meshes may hold other
+    groups) and local shape, dtype and device, the cap, the cast and the transport."""
+    return (bucket_bytes, cast_to, _transport, *[
+        (id(d._spec), t.shape, t.dtype, t.device) for d in dtensors for t in (d._local_tensor,)
+    ])
+
+
+def plan_gather(
+    dtensors: Sequence[DTensor], bucket_bytes: int, cast_to: torch.dtype | None = None,
+    reuse: GatherPlan | None = None,
+) -> GatherPlan:
+    """The plan for ``dtensors``: ``reuse`` if it was made for the same key, else a new one (``plan_buckets``)."""
+    key = plan_key(dtensors, bucket_bytes, cast_to)
+    if reuse is not None and reuse.key == key:
+        return reuse
+    buckets, fallback = plan_buckets(dtensors, bucket_bytes, cast_to)
+    return GatherPlan(key, [[(b.position, b.layout) for b in bucket] for bucket in buckets], fallback,
+                      [d._spec for d in dtensors])
 
 
 def plan_buckets(

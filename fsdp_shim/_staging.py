@@ -115,16 +115,17 @@ def copy_in(
     send_buffer = None
     if block is None:  # a sender only: a buffer of its own, kept alive until its messages are out
         block = send_buffer = torch.empty(per_rank, dtype=dtype, device=device)
+    sources = [b.dtensor._local_tensor.reshape(-1) for b in bucket]
+    if sources[0].device == device and all(b.layout.local_rows == b.layout.chunk_rows for b in bucket):
+        # no padding, no move (a bucket holds one device): one cat, casting too
+        torch.cat(sources, out=block)
+        return block, send_buffer
     destinations: list[torch.Tensor] = []
-    sources: list[torch.Tensor] = []
-    offset = 0
-    for b, padded in zip(bucket, split_sizes):
-        local = b.dtensor._local_tensor.reshape(-1)
-        destinations.append(block.narrow(0, offset, local.numel()))
-        sources.append(local)
-        if padded > local.numel():  # zeros: padding is never exposed, but stays deterministic
-            block.narrow(0, offset + local.numel(), padded - local.numel()).zero_()
-        offset += padded
+    for local, padded, piece in zip(sources, split_sizes, torch.split_with_sizes(block, split_sizes)):
+        numel = local.numel()
+        destinations.append(piece[:numel])
+        if padded > numel:  # zeros: padding is never exposed, but stays deterministic
+            piece[numel:].zero_()
     torch._foreach_copy_(destinations, sources, non_blocking=True)  # casts and moves in the same pass
     return block, send_buffer
 

@@ -33,7 +33,7 @@ def _tensors(specs, seed=0):
 
 def _check_roundtrip(specs, bucket_bytes):
     fulls, dtensors = _tensors(specs)
-    got, layouts = gather_full_tensors(dtensors, bucket_bytes=bucket_bytes)
+    got, layouts, _ = gather_full_tensors(dtensors, bucket_bytes=bucket_bytes)
     for full, out, d in zip(fulls, got, dtensors):
         assert out is not None and out.dtype == full.dtype and torch.equal(out, full)
         assert out.untyped_storage().data_ptr() != d._local_tensor.untyped_storage().data_ptr()
@@ -145,7 +145,7 @@ def rank_non_contiguous_shards_and_broken_layouts():
     assert not local.is_contiguous()
     dtensor = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
     assert dim0_layout(dtensor) is not None
-    got, layouts = gather_full_tensors([dtensor])
+    got, layouts, _ = gather_full_tensors([dtensor])
     assert torch.equal(got[0], full)
     with direct_always():
         assert torch.equal(gather_full_tensors([dtensor]).tensors[0], full)
@@ -215,7 +215,7 @@ def _deliver_to_exactly_the_ranks_named(mesh, fulls, dtensors, shard_rank):
 
     for receiver, keeps in (("all", True), ("group_rank0", shard_rank == 0), ("global_rank0", dist.get_rank() == 0)):
         with direct_always():  # every bucket sent direct, straight into the receivers' full tensors
-            got, _ = gather_full_tensors(dtensors, keep=keeps, receiver=receiver, bucket_bytes=300)
+            got, _, _ = gather_full_tensors(dtensors, keep=keeps, receiver=receiver, bucket_bytes=300)
             for full, out in zip(fulls, got):
                 assert (out is not None) == keeps, receiver
                 assert out is None or torch.equal(out, full), receiver
@@ -225,7 +225,7 @@ def _deliver_to_exactly_the_ranks_named(mesh, fulls, dtensors, shard_rank):
             for flight in flights:
                 if flight.work is not None:
                     flight.work.wait()
-        got, _ = gather_full_tensors(dtensors, keep=keeps, receiver=receiver, bucket_bytes=300)
+        got, _, _ = gather_full_tensors(dtensors, keep=keeps, receiver=receiver, bucket_bytes=300)
         for full, out in zip(fulls, got):
             assert (out is not None) == keeps, receiver
             assert out is None or torch.equal(out, full), receiver
