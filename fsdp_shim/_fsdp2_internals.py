@@ -60,6 +60,8 @@ otherwise become inference tensors, the training weights among them.
 
 from __future__ import annotations
 
+import itertools
+import operator
 import sys
 import threading
 import types
@@ -164,20 +166,23 @@ def busy_training_state(states: list[FSDPState], groups: list[FSDPParamGroup]) -
         return "BACKWARD (autograd is running)"
     idle = TrainingState.IDLE
     contexts: set[int] = set()
-    for state in states:  # every summon runs this: a plain scan, each shared context once
+    for state in states:  # every summon runs this: each shared context scanned once, in C (map)
         if state._training_state != idle:
             return state._training_state.name
         context = state._state_ctx
         if id(context) in contexts:
             continue
         contexts.add(id(context))
-        for other in getattr(context, "all_states", ()):
-            if other._training_state != idle:
-                return other._training_state.name
+        all_states = getattr(context, "all_states", ())
+        if any(map(operator.is_not, map(_training_state_of, all_states), itertools.repeat(idle))):
+            return next(s._training_state.name for s in all_states if s._training_state != idle)
     for group in groups:
         if group._training_state != idle:
             return group._training_state.name
     return None
+
+
+_training_state_of = operator.attrgetter("_training_state")
 
 
 def _roots_by_module() -> dict[int, FSDPState]:

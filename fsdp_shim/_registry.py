@@ -44,6 +44,11 @@ def slots_of_thread(thread: int) -> dict[SlotKey, Any]:
         return {key: swap for key, swap in _slots.items() if swap.thread == thread}
 
 
+def has_live_slots() -> bool:
+    """Whether any thread has a context open that swapped a slot."""
+    return bool(_slots)
+
+
 def owner_of(key: SlotKey) -> Any:
     return _slots.get(key)
 

@@ -4,6 +4,26 @@ A *slot* is a ``(module, attribute name)`` pair; a parameter tied across two
 modules has two slots. FSDP2 may hold a plain unsharded tensor in a slot (after
 forward) where the sharded DTensor is what we gather, so slots that FSDP2
 manages are resolved through its ``FSDPParam`` rather than the attribute.
+
+[Note: summon plans]
+Weight sync summons every FSDP2 unit, one at a time, at every step: the
+same scope, refusal checks and gather plan each time. On NCCL that loop is
+decided by host cost (docs/host-cost.md), so a summon of a unit keeps what
+it worked out in a ``SummonPlan`` on the unit's FSDP2 state and reuses it
+while the module tree it was worked out from is unchanged. A scope is a
+function of the modules in it (their classes, children, parameter and buffer
+slots and what those hold) and of FSDP2's ``FSDPParam``s (fixed from
+``fully_shard`` on, and ``fully_shard`` changes a module's class), so the
+plan's ``fingerprint`` records exactly that, by identity, and holds the
+objects it names so their ids stay theirs. A mismatch (a slot reassigned, a
+submodule added, a unit left unsharded by a forward, whose slots then hold
+other tensors) just plans afresh. Not cached: a call inside an enclosing
+context of the same thread (its scope depends on what is already summoned),
+and a scope with a parameter slot no state in it owns (its owner was looked
+for among every state, which any ``fully_shard`` may change). What can change without
+the tree changing is checked on every call anyway: training state, threads,
+the meta device, live groups; the gather plan checks its own key
+(``_layout.plan_key``) against the tensors resolved at each call.
 """
 
 from __future__ import annotations
@@ -63,6 +83,83 @@ class Scope:
     enclosed: list[SlotKey] = field(default_factory=list)
     #: ``states`` plus the states of every group a scoped parameter belongs to (``states_of``).
     involved_states: list[fsdp2.FSDPState] | None = None
+    #: Whether a parameter slot in scope has no owner among ``states`` (owned by a state above the
+    #: scope, or by none: a plain parameter), so that finding its owner looked at every state.
+    owned_outside: bool = False
+
+
+Fingerprint = tuple[tuple[Any, ...], ...]
+
+
+def fingerprint(modules: list[nn.Module]) -> Fingerprint:
+    """The tree ``modules`` make, by identity: each one's class, and its children, parameters and
+    buffers, names and objects. See [Note: summon plans]."""
+    return tuple(
+        (type(m), tuple(m._modules), tuple(map(id, m._modules.values())), tuple(m._parameters),
+         tuple(map(id, m._parameters.values())), tuple(m._buffers), tuple(map(id, m._buffers.values())))
+        for m in modules
+    )
+
+
+@dataclass(eq=False)
+class SummonPlan:
+    """What a summon of one unit worked out, reusable while ``matches``. See [Note: summon plans].
+
+    ``scope`` is shared between the calls that reuse it: nothing writes to it
+    after ``collect_scope`` but ``states_of``, which caches its answer there.
+    ``_swap`` fills in the rest the first time the plan serves a call.
+    """
+
+    scope: Scope
+    recurse: bool
+    fingerprint: Fingerprint
+    #: The objects ``fingerprint`` names by id, held so the ids stay theirs.
+    held: list[object]
+    #: The DTensor specs refusal last passed, by entry, and whether it passed them for writeback too.
+    checked_specs: list[Any] | None = None
+    checked_writeback: bool = False
+    #: The process groups the call gathers over (every dim of every mesh in scope).
+    groups: list[Any] | None = None
+    #: ``_layout.GatherPlan`` of the last gather, checked against each call's tensors by its key.
+    gather: Any = None
+
+    def matches(self, module: nn.Module, recurse: bool) -> bool:
+        return self.scope.root is module and self.recurse == recurse and fingerprint(self.scope.modules) == self.fingerprint
+
+
+#: Where a unit's FSDP2 state keeps its plans: ``{(id(module), recurse): SummonPlan}`` (a state may
+#: serve several modules). On the state, not in a global map: a plan holds its module, so a map
+#: would keep every model alive; the state's lifetime is the module's.
+_PLANS_ATTR = "_fsdp_shim_summon_plans"
+
+
+def cached_plan(module: nn.Module, recurse: bool) -> SummonPlan | None:
+    """The plan of an earlier summon of ``module`` that still matches its tree, else None."""
+    state = fsdp2.fsdp_state_of(module) if fsdp2.is_fsdp2_module(module) else None
+    if state is None:
+        return None
+    plan = state.__dict__.get(_PLANS_ATTR, {}).get((id(module), recurse))
+    return plan if plan is not None and plan.matches(module, recurse) else None
+
+
+def plan_summon(module: nn.Module, recurse: bool, modules: list[nn.Module] | None = None) -> SummonPlan | Scope:
+    """A new plan for summoning ``module`` from outside any context, kept on its FSDP2 state;
+    just the scope where the plan cannot be kept (see [Note: summon plans])."""
+    if modules is None:
+        modules = scope_modules(module, recurse)
+    state = fsdp2.fsdp_state_of(module) if fsdp2.is_fsdp2_module(module) else None
+    held: list[object] = []
+    for m in modules:
+        held.extend(m._parameters.values())
+        held.extend(m._buffers.values())
+        held.extend(m._modules.values())
+    tree = fingerprint(modules)
+    scope = collect_scope(module, recurse, modules=modules)
+    if state is None or scope.owned_outside:
+        return scope
+    plan = SummonPlan(scope, recurse, tree, held)
+    state.__dict__.setdefault(_PLANS_ATTR, {})[(id(module), recurse)] = plan
+    return plan
 
 
 def scope_modules(root: nn.Module, recurse: bool) -> list[nn.Module]:
@@ -128,7 +225,9 @@ def collect_scope(
     # owned by a state above it, found only by looking at every state.
     owners = fsdp_slot_owners(states)
     by_slot = owners.by_slot
-    if any((id(m), name) not in by_slot for m in modules for name, p in m._parameters.items() if p is not None):
+    look_outside = any(
+        (id(m), name) not in by_slot for m in modules for name, p in m._parameters.items() if p is not None)
+    if look_outside:
         owners = fsdp_slot_owners(fsdp2.all_fsdp_states())
         by_slot = owners.by_slot
     by_identity: dict[int, ScopedParam] = {}
@@ -178,6 +277,7 @@ def collect_scope(
                 entry.slots = [(m, n) for m, n in slots if (id(m), n) not in enclosing]
                 covered.update((id(m), n) for m, n in entry.slots)
     scope = Scope(root, modules, params)
+    scope.owned_outside = look_outside
     for entry in params:
         if entry.group is not None and entry.group not in scope.groups:
             scope.groups[entry.group] = all(

@@ -114,10 +114,20 @@ from fsdp_shim import _fsdp2_internals as fsdp2
 from fsdp_shim import _registry as registry
 from fsdp_shim._compat import ungatherable_reason, writeback_refusal
 from fsdp_shim._engine import Gathered, gather_full_tensors
-from fsdp_shim._layout import Dim0Layout, Receiver, mesh_dim_groups, require_live_groups
+from fsdp_shim._layout import Dim0Layout, Receiver, mesh_dim_groups, require_live_groups, require_live_groups_of
 from fsdp_shim._writeback import write_back_locals
 from fsdp_shim._forward_hooks import install_forward_hooks
-from fsdp_shim._scope import Scope, ScopedParam, collect_scope, module_label, slot_key, states_of
+from fsdp_shim._scope import (
+    Scope,
+    ScopedParam,
+    SummonPlan,
+    cached_plan,
+    collect_scope,
+    module_label,
+    plan_summon,
+    slot_key,
+    states_of,
+)
 
 logger = logging.getLogger("fsdp_shim")
 
@@ -187,7 +197,7 @@ class _Swap:
 
     # -- entry -----------------------------------------------------------
     def swap_in(self, dtensors: list[DTensor], gathered: Gathered, grads: dict[int, torch.Tensor]) -> None:
-        for index, (entry, sharded, full, layout) in enumerate(zip(self.scope.params, dtensors, *gathered)):
+        for index, (entry, sharded, full, layout) in enumerate(zip(self.scope.params, dtensors, gathered.tensors, gathered.layouts)):
             assert full is not None  # kept ranks hold every tensor
             value: torch.Tensor = full
             if not entry.is_buffer:
@@ -384,12 +394,15 @@ FORWARD_BACKWARD_ERROR = "Cannot manually unshard parameters during forward/back
 
 
 def _refuse_before_anything(
-    module: nn.Module, scope: Scope, writeback: bool, thread: int
+    module: nn.Module, scope: Scope, writeback: bool, thread: int, plan: SummonPlan | None = None
 ) -> list[dist.ProcessGroup]:
     """Every misuse this call can detect, before any collective or change, alike on every rank.
 
     Returns the process groups the call gathers over (every dim of every
-    mesh in scope), checked alive: the engine need not check again.
+    mesh in scope), checked alive: the engine need not check again. With a
+    ``plan``, the checks that depend on a DTensor's spec alone (placements,
+    meshes) are skipped for the specs it passed before (see [Note: summon
+    plans] in ``_scope``); the rest runs on every call.
     """
     busy = fsdp2.busy_training_state(scope.states, list(scope.groups))
     if busy is not None:
@@ -397,31 +410,44 @@ def _refuse_before_anything(
             f"{FORWARD_BACKWARD_ERROR}: summon_full_params({module_label(module)}) during FSDP2 "
             f"forward/backward (training state {busy})"
         )
-    meshes: dict[int, DTensor] = {}  # one DTensor a mesh
-    for entry in scope.params:
-        for slot in entry.slots:
-            owner = registry.owner_of(slot_key(*slot))
-            if owner is not None and owner.thread != thread:
-                raise RuntimeError(
-                    f"summon_full_params({module_label(module)}) refused: {_slot_fqn(module, slot)!r} is "
-                    "summoned by a context in another thread. Use one thread per rank for collectives."
-                )
-        sharded = entry.sharded()
-        if sharded.device.type == "meta":  # FSDP2's lazy init would fail half way and leave its state broken
+    if registry.has_live_slots():  # a context open in any thread: are any of ours in another one's?
+        for entry in scope.params:
+            for slot in entry.slots:
+                owner = registry.owner_of(slot_key(*slot))
+                if owner is not None and owner.thread != thread:
+                    raise RuntimeError(
+                        f"summon_full_params({module_label(module)}) refused: {_slot_fqn(module, slot)!r} is "
+                        "summoned by a context in another thread. Use one thread per rank for collectives."
+                    )
+    shardeds = [entry.sharded() for entry in scope.params]
+    for entry, sharded in zip(scope.params, shardeds):
+        if sharded._local_tensor.is_meta:  # FSDP2's lazy init would fail half way and leave its state broken
             raise RuntimeError(
                 f"summon_full_params({module_label(module)}) refused: {_slot_fqn(module, entry.slots[0])!r} is "
                 "still on the meta device. Materialise the model first (model.to_empty(device=...), then "
                 "initialise its parameters); nothing was changed."
             )
-        placements = getattr(sharded, "placements", ())
+    specs = [sharded._spec for sharded in shardeds]
+    if (plan is not None and plan.groups is not None and (plan.checked_writeback or not writeback)
+            and plan.checked_specs is not None and len(specs) == len(plan.checked_specs)
+            and all(a is b for a, b in zip(specs, plan.checked_specs))):
+        groups = plan.groups
+        require_live_groups_of(groups)
+        return groups
+    meshes: dict[int, DTensor] = {}  # one DTensor a mesh
+    for entry, sharded in zip(scope.params, shardeds):
+        placements = sharded.placements
         reason = ungatherable_reason(placements)
         if reason is None and writeback:
             reason = writeback_refusal(placements)
         if reason is not None:
             raise NotImplementedError(f"cannot summon {_slot_fqn(module, entry.slots[0])!r}: {reason}")
-        meshes.setdefault(id(sharded.device_mesh), sharded)  # type: ignore[attr-defined]
+        meshes.setdefault(id(sharded.device_mesh), sharded)
     require_live_groups(list(meshes.values()))
-    return list({id(g): g for d in meshes.values() for g in mesh_dim_groups(d.device_mesh)}.values())
+    groups = list({id(g): g for d in meshes.values() for g in mesh_dim_groups(d.device_mesh)}.values())
+    if plan is not None:
+        plan.checked_specs, plan.checked_writeback, plan.groups = specs, writeback, groups
+    return groups
 
 
 def _keeps_full_params(scope: Scope, rank0_only: bool) -> bool:
@@ -469,12 +495,12 @@ def summon_dtensor_params(
     needed, so whatever raises, everything done so far is undone in reverse.
     """
     thread = registry.current_thread()
-    scope = _scope_of_call(module, recurse, writeback, thread, modules)
+    scope, plan = _scope_of_call(module, recurse, writeback, thread, modules)
     if not scope.params:
         yield  # no-op: nothing distributed in scope, or all summoned by an enclosing call
         return
     # 1. refuse: misuse raises here, alike on every rank, before any change or collective.
-    groups = _refuse_before_anything(module, scope, writeback, thread)
+    groups = _refuse_before_anything(module, scope, writeback, thread, plan)
     with contextlib.ExitStack() as exits:
         registry.enter(thread, groups, module_label(module))
         exits.callback(registry.leave, thread, groups)
@@ -488,7 +514,9 @@ def summon_dtensor_params(
         exits.callback(swap.exit, with_grads)
         # 3. gather: every value is in when it returns.
         gathered = gather_full_tensors(dtensors, keep=keep, out_device=out_device, bucket_bytes=bucket_bytes,
-                                       receiver=receiver, checked=True)
+                                       receiver=receiver, checked=True, plan=plan and plan.gather)
+        if plan is not None:
+            plan.gather = gathered.plan
         grads = _gather_grads(dtensors, keep, out_device, bucket_bytes, receiver) if with_grads else {}
         # 4. install: full parameters in every slot, groups marked, forward hooks.
         if keep:
@@ -510,8 +538,14 @@ def summon_dtensor_params(
 
 def _scope_of_call(
     module: nn.Module, recurse: bool, writeback: bool, thread: int, modules: list[nn.Module] | None
-) -> Scope:
-    """What this call covers, leaving out what this thread's enclosing contexts hold."""
+) -> tuple[Scope, SummonPlan | None]:
+    """What this call covers, leaving out what this thread's enclosing contexts hold; and the
+    unit's plan, reused or made, where it can have one (see [Note: summon plans] in ``_scope``)."""
+    if not registry.has_live_context(thread):
+        plan = cached_plan(module, recurse) or plan_summon(module, recurse, modules)
+        if isinstance(plan, SummonPlan):
+            return plan.scope, plan
+        return plan, None
     mine = registry.slots_of_thread(thread)
     scope = collect_scope(module, recurse, mine, modules)
     if writeback:
@@ -522,7 +556,7 @@ def _scope_of_call(
                     "writeback=False context that already holds some of its parameters: their edits would "
                     "be discarded by the outer context. Use writeback=True outside, or summon after it."
                 )
-    return scope
+    return scope, None
 
 
 def _prepare(scope: Scope) -> list[DTensor]:
