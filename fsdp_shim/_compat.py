@@ -38,6 +38,20 @@ except ImportError:  # pragma: no cover - a future torch without it
 
 _TORCH = parse_version(torch.__version__)
 
+class grad_disabled:
+    """``torch.no_grad()`` for the summon's hot path: the same switch, without its ~3 us a use on CPU
+    (``torch.no_grad`` is a Python decorator-capable object; this is two C calls)."""
+
+    __slots__ = ("_previous",)
+
+    def __enter__(self) -> None:
+        self._previous = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+
+    def __exit__(self, *exc: object) -> None:
+        torch._C._set_grad_enabled(self._previous)
+
+
 #: ``all_gather_into_tensor`` was renamed ``all_gather_single`` in 2.13.
 _ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 

@@ -63,7 +63,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from fsdp_shim._compat import all_gather_single
+from fsdp_shim._compat import all_gather_single, grad_disabled
 from fsdp_shim._gloo import MessagePlan, post_point_to_point
 from fsdp_shim._host_buffers import FRESH_BUFFERS, FullBuffers
 from fsdp_shim._layout import (
@@ -72,7 +72,6 @@ from fsdp_shim._layout import (
     bucket_bytes_from_env,
     gathered_dtype,
     GatherPlan,
-    moves_point_to_point,
     plan_gather,
     require_gatherable,
 )
@@ -81,18 +80,21 @@ from fsdp_shim._staging import BucketEntry, Flat, InFlight, Landed, bucket_outpu
 logger = logging.getLogger("fsdp_shim")
 
 
+_CPU = torch.device("cpu")
+
+
 def _comm_device(dtensor: DTensor) -> torch.device:
     """The device collectives on this mesh run on (CPU-offloaded shards are staged there)."""
     device_type = dtensor.device_mesh.device_type
     if device_type == "cpu":
-        return torch.device("cpu")
+        return _CPU
     handle = getattr(torch, device_type)
     return torch.device(device_type, handle.current_device())
 
 
 def _stage_bucket(
-    bucket: list[BucketEntry], cast_to: torch.dtype | None = None, receiver: Receiver = "all",
-    buffers: FullBuffers | None = None,
+    bucket: list[BucketEntry], point_to_point: bool, cast_to: torch.dtype | None = None,
+    receiver: Receiver = "all", buffers: FullBuffers | None = None,
 ) -> InFlight:
     """Copy in this rank's padded shards; the bucket's collective is left for ``launched()``.
 
@@ -123,7 +125,7 @@ def _stage_bucket(
             return Landed(bucket, split_sizes)  # nobody here receives: nothing to move
     if world_size == 1:
         return _start_alone(bucket, split_sizes, dtype, comm_device, buffers)
-    if moves_point_to_point(group):
+    if point_to_point:  # _layout.moves_point_to_point(group), from the plan
         global_ranks = dist.get_process_group_ranks(group)
         receivers = range(world_size)  # group ranks that receive full tensors
         if receiver != "all":
@@ -192,7 +194,7 @@ def _copy_out(output: torch.Tensor, flight: Flat) -> list[torch.Tensor]:
     full tensor is the buffer itself, or its first rows where it is padded.
     """
     world_size = flight.bucket[0].layout.world_size
-    padded = [torch.empty(b.layout.padded_shape, dtype=output.dtype, device=output.device) for b in flight.bucket]
+    padded = [output.new_empty(b.layout.padded_shape) for b in flight.bucket]  # output's dtype and device
     torch.split_with_sizes_copy(
         output.view(world_size, -1), flight.split_sizes, dim=1, out=[buf.view(world_size, -1) for buf in padded],
     )
@@ -272,15 +274,18 @@ class BucketGather:
         self._cast_to = cast_to
         self._receiver = receiver
         self._buffers = buffers
-        self._unstaged = collections.deque(buckets)
+        self._unstaged = collections.deque(zip(buckets, self.plan.point_to_point))
         self._ahead = len(buckets) if ahead is None else ahead
         self._flights: collections.deque[InFlight] = collections.deque()
         self._stage(launch)
 
-    @torch.no_grad()
     def _stage(self, launch: bool) -> None:
+        with grad_disabled():
+            self._stage_ahead(launch)
+
+    def _stage_ahead(self, launch: bool) -> None:
         while self._unstaged and len(self._flights) < self._ahead:
-            flight = _stage_bucket(self._unstaged.popleft(), self._cast_to, self._receiver, self._buffers)
+            flight = _stage_bucket(*self._unstaged.popleft(), self._cast_to, self._receiver, self._buffers)
             self._flights.append(flight.launched() if launch else flight)
 
     def launch(self) -> None:
@@ -294,7 +299,7 @@ class BucketGather:
 
     def finish_with_layouts(self, *, keep: bool, out_device: torch.device | None = None) -> Gathered:
         """``finish``, with the layout each tensor was gathered by (writeback reuses it)."""
-        with torch.no_grad():
+        with grad_disabled():
             return self._finish(keep, out_device)
 
     def _finish(self, keep: bool, out_device: torch.device | None) -> Gathered:
@@ -304,7 +309,7 @@ class BucketGather:
         while self._flights:
             flight = self._flights.popleft()
             if self._unstaged:
-                self._stage(launch=True)  # the next bucket moves while this one is copied out
+                self._stage_ahead(launch=True)  # the next bucket moves while this one is copied out
             for b in flight.bucket:
                 layouts[b.position] = b.layout
             for b, full in zip(flight.bucket, _finish_bucket(flight, keep, out_device)):

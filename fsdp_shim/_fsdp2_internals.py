@@ -60,8 +60,6 @@ otherwise become inference tensors, the training weights among them.
 
 from __future__ import annotations
 
-import itertools
-import operator
 import sys
 import threading
 import types
@@ -166,7 +164,7 @@ def busy_training_state(states: list[FSDPState], groups: list[FSDPParamGroup]) -
         return "BACKWARD (autograd is running)"
     idle = TrainingState.IDLE
     contexts: set[int] = set()
-    for state in states:  # every summon runs this: each shared context scanned once, in C (map)
+    for state in states:  # every summon runs this: each shared context scanned once
         if state._training_state != idle:
             return state._training_state.name
         context = state._state_ctx
@@ -174,15 +172,13 @@ def busy_training_state(states: list[FSDPState], groups: list[FSDPParamGroup]) -
             continue
         contexts.add(id(context))
         all_states = getattr(context, "all_states", ())
-        if any(map(operator.is_not, map(_training_state_of, all_states), itertools.repeat(idle))):
+        if [s._training_state for s in all_states].count(idle) != len(all_states):
             return next(s._training_state.name for s in all_states if s._training_state != idle)
     for group in groups:
         if group._training_state != idle:
             return group._training_state.name
     return None
 
-
-_training_state_of = operator.attrgetter("_training_state")
 
 
 def _roots_by_module() -> dict[int, FSDPState]:
@@ -222,7 +218,6 @@ def lazy_init_root(states: list[FSDPState]) -> None:
                 root._lazy_init()
 
 
-@torch.no_grad()
 def adopt_module_params(group: FSDPParamGroup) -> None:
     """Run the parameter reset FSDP2's lazy init would run, if it has not yet.
 
@@ -231,8 +226,8 @@ def adopt_module_params(group: FSDPParamGroup) -> None:
     Doing it now, while the attributes are still FSDP2's, means a first forward
     inside the context cannot adopt a full tensor instead.
     """
-    if group.is_sharded and not group._reset_sharded_params:
-        with torch.inference_mode(False):  # see [Note: lazy init on entry]
+    if group.is_sharded and not group._reset_sharded_params:  # every summon asks: no decorator on the way
+        with torch.no_grad(), torch.inference_mode(False):  # see [Note: lazy init on entry]
             for fsdp_param in group.fsdp_params:
                 fsdp_param.reset_sharded_param()
         group._reset_sharded_params = True

@@ -223,6 +223,7 @@ class GatherPlan(NamedTuple):
     buckets: list[list[tuple[int, Dim0Layout]]]  # (position in the caller's list, layout)
     fallback: list[int]
     specs: list[Any]  # held, so that the ids in ``key`` stay theirs
+    point_to_point: list[bool]  # by bucket: ``moves_point_to_point`` of its group (the transport is in ``key``)
 
     def bind(self, dtensors: Sequence[DTensor]) -> list[list[BucketEntry]]:
         """The buckets, holding this call's DTensors."""
@@ -247,7 +248,7 @@ def plan_gather(
         return reuse
     buckets, fallback = plan_buckets(dtensors, bucket_bytes, cast_to)
     return GatherPlan(key, [[(b.position, b.layout) for b in bucket] for bucket in buckets], fallback,
-                      [d._spec for d in dtensors])
+                      [d._spec for d in dtensors], [moves_point_to_point(bucket[0].layout.group) for bucket in buckets])
 
 
 def plan_buckets(

@@ -94,11 +94,12 @@ Fingerprint = tuple[tuple[Any, ...], ...]
 def fingerprint(modules: list[nn.Module]) -> Fingerprint:
     """The tree ``modules`` make, by identity: each one's class, and its children, parameters and
     buffers, names and objects. See [Note: summon plans]."""
-    return tuple(
-        (type(m), tuple(m._modules), tuple(map(id, m._modules.values())), tuple(m._parameters),
-         tuple(map(id, m._parameters.values())), tuple(m._buffers), tuple(map(id, m._buffers.values())))
-        for m in modules
-    )
+    parts = []
+    for m in modules:  # every summon of a unit runs this: one flat tuple a module, names (str) then ids (int)
+        params, buffers, children = m._parameters, m._buffers, m._modules
+        parts.append((type(m), *params, *map(id, params.values()), None, *buffers, *map(id, buffers.values()),
+                      None, *children, *map(id, children.values())))
+    return tuple(parts)
 
 
 @dataclass(eq=False)

@@ -96,10 +96,8 @@ outside would have left it, plus the writeback rule.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,6 +132,17 @@ logger = logging.getLogger("fsdp_shim")
 _MISSING = object()
 
 
+def shard_state(sharded: DTensor) -> tuple[int, int, int]:
+    """In-place changes to a shard: the DTensor's own version counter (DTensor ops bump it,
+    not the local tensor's) and the local tensor's (direct edits of ``_local_tensor``).
+
+    The shards are FSDP2's parameters, made outside any ``inference_mode``: they always
+    have version counters (an in-place edit inside ``inference_mode`` bumps them too).
+    """
+    local = sharded._local_tensor
+    return (sharded._version, id(local), local._version)
+
+
 def _slot_fqn(root: nn.Module, slot: tuple[nn.Module, str]) -> str:
     """``slot``'s name as seen from ``root`` (for error messages; walks the tree)."""
     module, name = slot
@@ -153,20 +162,10 @@ class _SwappedParam:
     layout: Dim0Layout | None  # how it was gathered; writeback reuses it
     #: full._version once its values arrived; None for an inference tensor (no version counter).
     full_version: int | None = 0
-    shard_versions: tuple[int, int, int] = (0, 0, 0)  # see shard_state()
+    shard_versions: tuple[int, int, int] = (0, 0, 0)  # see shard_state
     #: What the slots held at exit: ``full``, a replacement, or _MISSING. See [Note: exit checks].
     current: Any = None
     shard_changed: bool = False  # by someone else, inside the context (set at exit, before any replay)
-
-    def shard_state(self) -> tuple[int, int, int]:
-        """In-place changes to the shard: the DTensor's own version counter (DTensor ops bump it,
-        not the local tensor's) and the local tensor's (direct edits of ``_local_tensor``).
-
-        The shards are FSDP2's parameters, made outside any ``inference_mode``: they always
-        have version counters (an in-place edit inside ``inference_mode`` bumps them too).
-        """
-        local = self.sharded._local_tensor
-        return (self.sharded._version, id(local), local._version)
 
     def changed_full(self) -> bool:
         """Whether the full tensor may hold edits. See [Note: inference mode]."""
@@ -179,6 +178,7 @@ class _SwappedParam:
 class _Swap:
     scope: Scope
     writeback: bool
+    with_grads: bool = False
     thread: int = field(default_factory=registry.current_thread)
     swapped: list[_SwappedParam] = field(default_factory=list)
     originals: list[tuple[ScopedParam, nn.Module, str, Any]] = field(default_factory=list)
@@ -197,24 +197,26 @@ class _Swap:
 
     # -- entry -----------------------------------------------------------
     def swap_in(self, dtensors: list[DTensor], gathered: Gathered, grads: dict[int, torch.Tensor]) -> None:
-        for index, (entry, sharded, full, layout) in enumerate(zip(self.scope.params, dtensors, gathered.tensors, gathered.layouts)):
+        originals = self.originals
+        entries = zip(self.scope.params, dtensors, gathered.tensors, gathered.layouts)
+        for index, (entry, sharded, full, layout) in enumerate(entries):  # every summon: kept lean
             assert full is not None  # kept ranks hold every tensor
             value: torch.Tensor = full
             if not entry.is_buffer:
                 value = nn.Parameter(full, requires_grad=sharded.requires_grad)
                 if index in grads:
                     value.grad = grads[index]
-            swapped = _SwappedParam(entry, sharded, value, layout)
-            swapped.full_version = None if value.is_inference() else value._version  # its values are in
-            swapped.shard_versions = swapped.shard_state()
+            swapped = _SwappedParam(entry, sharded, value, layout,
+                                    None if value.is_inference() else value._version,  # its values are in
+                                    shard_state(sharded))
             self.swapped.append(swapped)
             if not entry.is_buffer:
                 registry.add_full(value, swapped)
             for module, name in entry.slots:
-                tensors = entry.tensors(module)
-                self.originals.append((entry, module, name, tensors[name]))
+                tensors = module._buffers if entry.is_buffer else module._parameters
+                originals.append((entry, module, name, tensors[name]))
                 tensors[name] = value
-                registry.add_slot(slot_key(module, name), self)
+                registry.add_slot((id(module), name), self)  # slot_key, inlined
 
     def mark_groups(self) -> None:
         for group, fully_summoned in self.scope.groups.items():
@@ -240,7 +242,7 @@ class _Swap:
                 self.converting.append(unit)
 
     # -- exit ------------------------------------------------------------
-    def exit(self, with_grads: bool) -> None:
+    def exit(self) -> None:
         """Undo the entry, in order: hooks off, inspect, restore, replay, then writeback if the body ran.
 
         ``inspect`` reads what the slots hold, so it must come before
@@ -254,15 +256,21 @@ class _Swap:
             self.restore()
             self.replay_conversions()
             if self.writeback and self.body_ran:
-                self.write_back(with_grads)
+                self.write_back(self.with_grads)
         finally:
             self.forget()
 
     def inspect(self) -> None:
         """Record what each summoned tensor's slots hold now. See [Note: exit checks]."""
         for item in self.swapped:
-            item.shard_changed = item.shard_state() != item.shard_versions
-            values = [item.entry.tensors(m).get(n, _MISSING) for m, n in item.entry.slots]
+            item.shard_changed = shard_state(item.sharded) != item.shard_versions
+            slots = item.entry.slots
+            if len(slots) == 1:  # the common case, and every summon's: one slot still holding the full tensor
+                module, name = slots[0]
+                if (module._buffers if item.entry.is_buffer else module._parameters).get(name) is item.full:
+                    item.current = item.full
+                    continue
+            values = [item.entry.tensors(m).get(n, _MISSING) for m, n in slots]
             if any(v is _MISSING or v is None for v in values):
                 item.current = _MISSING
                 continue
@@ -279,8 +287,8 @@ class _Swap:
         FSDP1 (``use_orig_params=True``) keeps it on its one object.
         """
         for entry, module, name, original in reversed(self.originals):
-            entry.tensors(module)[name] = original
-            registry.remove_slot(slot_key(module, name))
+            (module._buffers if entry.is_buffer else module._parameters)[name] = original
+            registry.remove_slot((id(module), name))  # slot_key, inlined
         self.originals.clear()
         for mark in reversed(self.marks):
             mark.unmark()
@@ -474,57 +482,79 @@ def _receiver(scope: Scope, rank0_only: bool) -> Receiver:
     return "all"  # FSDP2 units and other DTensors in one call: the simple, safe answer
 
 
-@contextlib.contextmanager
-def summon_dtensor_params(
-    module: nn.Module,
-    *,
-    recurse: bool,
-    writeback: bool,
-    rank0_only: bool,
-    offload_to_cpu: bool,
-    with_grads: bool,
-    bucket_bytes: int | None = None,
-    modules: list[nn.Module] | None = None,
-) -> Iterator[None]:
-    """The DTensor implementation of ``summon_full_params``. See [Note: swap lifecycle].
+class summon_dtensor_params:
+    """The DTensor implementation of ``summon_full_params``: a single-use context manager.
 
-    ``modules``: the scope's modules, if routing walked them already.
+    See [Note: swap lifecycle]. ``modules``: the scope's modules, if routing
+    walked them already.
 
-    Entry reads refuse, prepare, gather, install; exit (``_Swap.exit``, then
-    the registry) is pushed on one ``ExitStack`` as each step makes it
-    needed, so whatever raises, everything done so far is undone in reverse.
+    ``__enter__`` reads refuse, prepare, gather, install; each step that
+    needs undoing is undone, in reverse, if a later one raises: ``_Swap.exit``
+    (which never writes back there: the body did not run), then the
+    registry. ``__exit__`` undoes them all, also when the body raised. A
+    class rather than a generator and an ``ExitStack``: weight sync enters
+    one per unit, and those cost ~10 us a call on the host.
     """
-    thread = registry.current_thread()
-    scope, plan = _scope_of_call(module, recurse, writeback, thread, modules)
-    if not scope.params:
-        yield  # no-op: nothing distributed in scope, or all summoned by an enclosing call
-        return
-    # 1. refuse: misuse raises here, alike on every rank, before any change or collective.
-    groups = _refuse_before_anything(module, scope, writeback, thread, plan)
-    with contextlib.ExitStack() as exits:
+
+    __slots__ = ("_args", "_swap", "_leave")
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        recurse: bool,
+        writeback: bool,
+        rank0_only: bool,
+        offload_to_cpu: bool,
+        with_grads: bool,
+        bucket_bytes: int | None = None,
+        modules: list[nn.Module] | None = None,
+    ) -> None:
+        self._args: tuple[Any, ...] | None = (
+            module, recurse, writeback, rank0_only, offload_to_cpu, with_grads, bucket_bytes, modules)
+        self._swap: _Swap | None = None
+        self._leave: tuple[int, list[dist.ProcessGroup]] | None = None
+
+    def __enter__(self) -> None:
+        if self._args is None:
+            raise RuntimeError("a summon_full_params context can be entered once; call summon_full_params again")
+        module, recurse, writeback, rank0_only, offload_to_cpu, with_grads, bucket_bytes, modules = self._args
+        self._args = None
+        thread = registry.current_thread()
+        scope, plan = _scope_of_call(module, recurse, writeback, thread, modules)
+        if not scope.params:
+            return  # no-op: nothing distributed in scope, or all summoned by an enclosing call
+        # 1. refuse: misuse raises here, alike on every rank, before any change or collective.
+        groups = _refuse_before_anything(module, scope, writeback, thread, plan)
         registry.enter(thread, groups, module_label(module))
-        exits.callback(registry.leave, thread, groups)
-        started = time.perf_counter()
-        # 2. prepare: FSDP2's groups in a known state; the DTensors to gather, resolved once.
-        dtensors = _prepare(scope)
-        keep = _keeps_full_params(scope, rank0_only)
-        out_device = torch.device("cpu") if offload_to_cpu else None
-        receiver = _receiver(scope, rank0_only)
-        swap = _Swap(scope, writeback)
-        exits.callback(swap.exit, with_grads)
-        # 3. gather: every value is in when it returns.
-        gathered = gather_full_tensors(dtensors, keep=keep, out_device=out_device, bucket_bytes=bucket_bytes,
-                                       receiver=receiver, checked=True, plan=plan and plan.gather)
-        if plan is not None:
-            plan.gather = gathered.plan
-        grads = _gather_grads(dtensors, keep, out_device, bucket_bytes, receiver) if with_grads else {}
-        # 4. install: full parameters in every slot, groups marked, forward hooks.
-        if keep:
-            swap.swap_in(dtensors, gathered, grads)
-            swap.mark_groups()
-            swap.convert_inside()
-        del gathered, grads
-        install_forward_hooks(swap, rank0_only, keep)
+        try:
+            started = time.perf_counter()
+            # 2. prepare: FSDP2's groups in a known state; the DTensors to gather, resolved once.
+            dtensors = _prepare(scope)
+            keep = _keeps_full_params(scope, rank0_only)
+            out_device = torch.device("cpu") if offload_to_cpu else None
+            receiver = _receiver(scope, rank0_only)
+            swap = _Swap(scope, writeback, with_grads)
+            try:
+                # 3. gather: every value is in when it returns.
+                gathered = gather_full_tensors(dtensors, keep=keep, out_device=out_device, bucket_bytes=bucket_bytes,
+                                               receiver=receiver, checked=True, plan=plan and plan.gather)
+                if plan is not None:
+                    plan.gather = gathered.plan
+                grads = _gather_grads(dtensors, keep, out_device, bucket_bytes, receiver) if with_grads else {}
+                # 4. install: full parameters in every slot, groups marked, forward hooks.
+                if keep:
+                    swap.swap_in(dtensors, gathered, grads)
+                    swap.mark_groups()
+                    swap.convert_inside()
+                del gathered, grads
+                install_forward_hooks(swap, rank0_only, keep)
+            except BaseException:
+                swap.exit()  # the body never ran: nothing is written back (see [Note: faults])
+                raise
+        except BaseException:
+            registry.leave(thread, groups)
+            raise
         if logger.isEnabledFor(logging.DEBUG):
             nbytes = sum(d.numel() * d.element_size() for d in dtensors)
             logger.debug(
@@ -532,8 +562,18 @@ def summon_dtensor_params(
                 "(rank0_only=%s, full tensors on this rank=%s)", module_label(module), len(dtensors),
                 nbytes / 2**20, (time.perf_counter() - started) * 1e3, rank0_only, keep,
             )
+        self._swap, self._leave = swap, (thread, groups)
         swap.body_ran = True  # See [Note: faults]
-        yield
+
+    def __exit__(self, *exc_info: object) -> None:
+        swap, leave = self._swap, self._leave
+        if swap is None or leave is None:
+            return  # no-op context
+        self._swap = self._leave = None
+        try:
+            swap.exit()
+        finally:
+            registry.leave(*leave)
 
 
 def _scope_of_call(
