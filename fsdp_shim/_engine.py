@@ -71,6 +71,7 @@ from fsdp_shim._layout import (
     Receiver,
     bucket_bytes_from_env,
     gathered_dtype,
+    BucketShape,
     GatherPlan,
     plan_gather,
     require_gatherable,
@@ -93,8 +94,7 @@ def _comm_device(dtensor: DTensor) -> torch.device:
 
 
 def _stage_bucket(
-    bucket: list[BucketEntry], point_to_point: bool, cast_to: torch.dtype | None = None,
-    receiver: Receiver = "all", buffers: FullBuffers | None = None,
+    bucket: list[BucketEntry], shape: BucketShape, receiver: Receiver = "all", buffers: FullBuffers | None = None,
 ) -> InFlight:
     """Copy in this rank's padded shards; the bucket's collective is left for ``launched()``.
 
@@ -114,8 +114,7 @@ def _stage_bucket(
     """
     first = bucket[0]
     world_size, group, rank = first.layout.world_size, first.layout.group, first.layout.rank
-    split_sizes = [b.layout.padded_numel for b in bucket]
-    dtype = gathered_dtype(first.dtensor, cast_to)
+    split_sizes, dtype = shape.split_sizes, shape.dtype
     comm_device = _comm_device(first.dtensor)
     buffers = buffers or FRESH_BUFFERS
     if receiver != "all":
@@ -125,7 +124,7 @@ def _stage_bucket(
             return Landed(bucket, split_sizes)  # nobody here receives: nothing to move
     if world_size == 1:
         return _start_alone(bucket, split_sizes, dtype, comm_device, buffers)
-    if point_to_point:  # _layout.moves_point_to_point(group), from the plan
+    if shape.point_to_point:
         global_ranks = dist.get_process_group_ranks(group)
         receivers = range(world_size)  # group ranks that receive full tensors
         if receiver != "all":
@@ -134,7 +133,8 @@ def _stage_bucket(
         return post_point_to_point(bucket, MessagePlan(split_sizes, dtype, comm_device, receivers, global_ranks, buffers))
     per_rank = sum(split_sizes)
     output = bucket_output(bucket, world_size * per_rank, dtype, comm_device, buffers)
-    gather_input, _ = copy_in(bucket, split_sizes, dtype, comm_device, output[rank * per_rank:(rank + 1) * per_rank])
+    gather_input, _ = copy_in(bucket, split_sizes, dtype, comm_device, output[rank * per_rank:(rank + 1) * per_rank],
+                              shape.unpadded)
     launch = functools.partial(all_gather_single, output, gather_input, group=group, async_op=True)
     return Flat(bucket, split_sizes, output=output, launch=launch)
 
@@ -274,7 +274,7 @@ class BucketGather:
         self._cast_to = cast_to
         self._receiver = receiver
         self._buffers = buffers
-        self._unstaged = collections.deque(zip(buckets, self.plan.point_to_point))
+        self._unstaged = collections.deque(zip(buckets, self.plan.shapes))
         self._ahead = len(buckets) if ahead is None else ahead
         self._flights: collections.deque[InFlight] = collections.deque()
         self._stage(launch)
@@ -285,7 +285,7 @@ class BucketGather:
 
     def _stage_ahead(self, launch: bool) -> None:
         while self._unstaged and len(self._flights) < self._ahead:
-            flight = _stage_bucket(*self._unstaged.popleft(), self._cast_to, self._receiver, self._buffers)
+            flight = _stage_bucket(*self._unstaged.popleft(), self._receiver, self._buffers)
             self._flights.append(flight.launched() if launch else flight)
 
     def launch(self) -> None:

@@ -63,7 +63,6 @@ from __future__ import annotations
 import sys
 import threading
 import types
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -195,17 +194,18 @@ def _roots_by_module() -> dict[int, FSDPState]:
     return roots
 
 
-def lazy_init_root(states: list[FSDPState]) -> None:
+def lazy_init_root(states: list[FSDPState]) -> bool:
     """Lazily initialise the FSDP2 root above ``states``, as a first forward would.
 
     See [Note: lazy init on entry]. Local, no collective; a no-op once FSDP2
     has initialised (then it costs one attribute read per state). A tree in
     which some unit already initialised as a root of its own is left alone:
     FSDP2 raises for it at the next forward through the real root, as it
-    would without us.
+    would without us. Returns whether it initialised anything.
     """
     if all(s._is_root is not None for s in states):
-        return  # no-op: already initialised
+        return False  # no-op: already initialised
+    initialised = False
     live = [s for s in all_fsdp_states() if len(s._modules) == 1]
     roots = _roots_by_module()
     for state in states:
@@ -216,21 +216,25 @@ def lazy_init_root(states: list[FSDPState]) -> None:
         if all(s._is_root is None for s in tree):
             with torch.inference_mode(False):  # see [Note: lazy init on entry]
                 root._lazy_init()
+            initialised = True
+    return initialised
 
 
-def adopt_module_params(group: FSDPParamGroup) -> None:
+def adopt_module_params(group: FSDPParamGroup) -> bool:
     """Run the parameter reset FSDP2's lazy init would run, if it has not yet.
 
     Before the first forward, FSDP2 adopts whatever tensor the module attribute
     holds as the sharded parameter (``model.to()``, ``load_state_dict(assign=True)``).
     Doing it now, while the attributes are still FSDP2's, means a first forward
-    inside the context cannot adopt a full tensor instead.
+    inside the context cannot adopt a full tensor instead. Returns whether it reset anything.
     """
     if group.is_sharded and not group._reset_sharded_params:  # every summon asks: no decorator on the way
         with torch.no_grad(), torch.inference_mode(False):  # see [Note: lazy init on entry]
             for fsdp_param in group.fsdp_params:
                 fsdp_param.reset_sharded_param()
         group._reset_sharded_params = True
+        return True
+    return False
 
 
 def reshard_group(group: FSDPParamGroup) -> None:
@@ -275,23 +279,23 @@ class SuspendedHooks:
 
     A hook's dict entry keeps its key and position and only its value is
     swapped, so the hook order stays exactly as it was, with nothing to
-    reorder on resume (a pop and re-insert had to sort the dict back).
+    reorder on resume (a pop and re-insert had to sort the dict back). The
+    entries hold the hook dicts themselves: a summon suspends and resumes
+    its hooks within one context, while its modules are alive.
     """
 
-    entries: list[tuple[weakref.ref[nn.Module], str, int, Any]] = field(default_factory=list)
+    entries: list[tuple[dict[int, Any], int, Any]] = field(default_factory=list)
 
     def suspend(self, module: nn.Module, hooks_attr: str, hook_id: int) -> None:
         hooks: dict[int, Any] = getattr(module, hooks_attr)
         hook = hooks.get(hook_id)
         if hook is not None and hook is not _suspended_hook:
-            self.entries.append((weakref.ref(module), hooks_attr, hook_id, hook))
+            self.entries.append((hooks, hook_id, hook))
             hooks[hook_id] = _suspended_hook
 
     def resume(self) -> None:
-        for module_ref, hooks_attr, hook_id, hook in reversed(self.entries):
-            module = module_ref()
-            if module is not None:
-                getattr(module, hooks_attr)[hook_id] = hook
+        for hooks, hook_id, hook in reversed(self.entries):
+            hooks[hook_id] = hook
         self.entries.clear()
 
 

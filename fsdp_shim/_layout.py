@@ -211,6 +211,15 @@ def gathered_dtype(tensor: torch.Tensor, cast_to: torch.dtype | None) -> torch.d
     return tensor.dtype
 
 
+class BucketShape(NamedTuple):
+    """What staging one planned bucket needs, worked out with its plan rather than per call."""
+
+    split_sizes: list[int]  # each tensor's padded shard, in elements
+    dtype: torch.dtype  # what travels: the stored dtype, or the cast one
+    point_to_point: bool  # ``moves_point_to_point`` of its group (the transport is in the plan's key)
+    unpadded: bool  # every shard on this rank fills its padded size: the copy-in is one cat
+
+
 class GatherPlan(NamedTuple):
     """``plan_buckets``' answer by position, reusable for as long as ``key`` (``plan_key``) matches.
 
@@ -223,7 +232,7 @@ class GatherPlan(NamedTuple):
     buckets: list[list[tuple[int, Dim0Layout]]]  # (position in the caller's list, layout)
     fallback: list[int]
     specs: list[Any]  # held, so that the ids in ``key`` stay theirs
-    point_to_point: list[bool]  # by bucket: ``moves_point_to_point`` of its group (the transport is in ``key``)
+    shapes: list[BucketShape]  # by bucket
 
     def bind(self, dtensors: Sequence[DTensor]) -> list[list[BucketEntry]]:
         """The buckets, holding this call's DTensors."""
@@ -247,8 +256,14 @@ def plan_gather(
     if reuse is not None and reuse.key == key:
         return reuse
     buckets, fallback = plan_buckets(dtensors, bucket_bytes, cast_to)
+    shapes = [
+        BucketShape([b.layout.padded_numel for b in bucket], gathered_dtype(bucket[0].dtensor, cast_to),
+                    moves_point_to_point(bucket[0].layout.group),
+                    all(b.layout.local_rows == b.layout.chunk_rows for b in bucket))
+        for bucket in buckets
+    ]
     return GatherPlan(key, [[(b.position, b.layout) for b in bucket] for bucket in buckets], fallback,
-                      [d._spec for d in dtensors], [moves_point_to_point(bucket[0].layout.group) for bucket in buckets])
+                      [d._spec for d in dtensors], shapes)
 
 
 def plan_buckets(

@@ -99,7 +99,7 @@ def bucket_output(
 
 def copy_in(
     bucket: list[BucketEntry], split_sizes: list[int], dtype: torch.dtype, device: torch.device,
-    block: torch.Tensor | None,
+    block: torch.Tensor | None, unpadded: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """This rank's padded shards, back to back: (the input, the send buffer it lives in if any).
 
@@ -116,7 +116,9 @@ def copy_in(
     if block is None:  # a sender only: a buffer of its own, kept alive until its messages are out
         block = send_buffer = torch.empty(per_rank, dtype=dtype, device=device)
     sources = [t.view(-1) if t.is_contiguous() else t.reshape(-1) for t in (b.dtensor._local_tensor for b in bucket)]
-    if sources[0].device == device and all(b.layout.local_rows == b.layout.chunk_rows for b in bucket):
+    if unpadded is None:  # not planned: every shard of this rank fills its padded size?
+        unpadded = all(b.layout.local_rows == b.layout.chunk_rows for b in bucket)
+    if unpadded and sources[0].device == device:
         # no padding, no move (a bucket holds one device): one cat, casting too
         torch.cat(sources, out=block)
         return block, send_buffer

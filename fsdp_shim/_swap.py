@@ -97,6 +97,7 @@ outside would have left it, plus the writeback rule.
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -203,7 +204,10 @@ class _Swap:
             assert full is not None  # kept ranks hold every tensor
             value: torch.Tensor = full
             if not entry.is_buffer:
-                value = nn.Parameter(full, requires_grad=sharded.requires_grad)
+                # nn.Parameter(full, requires_grad), without its Python __new__ for the plain
+                # tensors the gather makes: the very call that __new__ makes for them.
+                value = (torch.Tensor._make_subclass(nn.Parameter, full, sharded.requires_grad)
+                         if type(full) is torch.Tensor else nn.Parameter(full, requires_grad=sharded.requires_grad))
                 if index in grads:
                     value.grad = grads[index]
             swapped = _SwappedParam(entry, sharded, value, layout,
@@ -403,11 +407,13 @@ FORWARD_BACKWARD_ERROR = "Cannot manually unshard parameters during forward/back
 
 def _refuse_before_anything(
     module: nn.Module, scope: Scope, writeback: bool, thread: int, plan: SummonPlan | None = None
-) -> list[dist.ProcessGroup]:
+) -> tuple[list[dist.ProcessGroup], list[DTensor]]:
     """Every misuse this call can detect, before any collective or change, alike on every rank.
 
     Returns the process groups the call gathers over (every dim of every
-    mesh in scope), checked alive: the engine need not check again. With a
+    mesh in scope), checked alive: the engine need not check again; and
+    each scoped parameter's DTensor, as resolved now (``_prepare`` reuses
+    them unless FSDP2 adopts other ones). With a
     ``plan``, the checks that depend on a DTensor's spec alone (placements,
     meshes) are skipped for the specs it passed before (see [Note: summon
     plans] in ``_scope``); the rest runs on every call.
@@ -427,7 +433,8 @@ def _refuse_before_anything(
                         f"summon_full_params({module_label(module)}) refused: {_slot_fqn(module, slot)!r} is "
                         "summoned by a context in another thread. Use one thread per rank for collectives."
                     )
-    shardeds = [entry.sharded() for entry in scope.params]
+    shardeds: list[DTensor] = [entry.sharded() for entry in scope.params]  # type: ignore[misc]
+    specs = []
     for entry, sharded in zip(scope.params, shardeds):
         if sharded._local_tensor.is_meta:  # FSDP2's lazy init would fail half way and leave its state broken
             raise RuntimeError(
@@ -435,13 +442,12 @@ def _refuse_before_anything(
                 "still on the meta device. Materialise the model first (model.to_empty(device=...), then "
                 "initialise its parameters); nothing was changed."
             )
-    specs = [sharded._spec for sharded in shardeds]
+        specs.append(sharded._spec)
     if (plan is not None and plan.groups is not None and (plan.checked_writeback or not writeback)
             and plan.checked_specs is not None and len(specs) == len(plan.checked_specs)
-            and all(a is b for a, b in zip(specs, plan.checked_specs))):
-        groups = plan.groups
-        require_live_groups_of(groups)
-        return groups
+            and all(map(operator.is_, specs, plan.checked_specs))):  # by identity: equal meshes may hold other groups
+        require_live_groups_of(plan.groups)
+        return plan.groups, shardeds
     meshes: dict[int, DTensor] = {}  # one DTensor a mesh
     for entry, sharded in zip(scope.params, shardeds):
         placements = sharded.placements
@@ -455,7 +461,7 @@ def _refuse_before_anything(
     groups = list({id(g): g for d in meshes.values() for g in mesh_dim_groups(d.device_mesh)}.values())
     if plan is not None:
         plan.checked_specs, plan.checked_writeback, plan.groups = specs, writeback, groups
-    return groups
+    return groups, shardeds
 
 
 def _keeps_full_params(scope: Scope, rank0_only: bool) -> bool:
@@ -525,12 +531,12 @@ class summon_dtensor_params:
         if not scope.params:
             return  # no-op: nothing distributed in scope, or all summoned by an enclosing call
         # 1. refuse: misuse raises here, alike on every rank, before any change or collective.
-        groups = _refuse_before_anything(module, scope, writeback, thread, plan)
+        groups, shardeds = _refuse_before_anything(module, scope, writeback, thread, plan)
         registry.enter(thread, groups, module_label(module))
         try:
             started = time.perf_counter()
             # 2. prepare: FSDP2's groups in a known state; the DTensors to gather, resolved once.
-            dtensors = _prepare(scope)
+            dtensors = _prepare(scope, shardeds)
             keep = _keeps_full_params(scope, rank0_only)
             out_device = torch.device("cpu") if offload_to_cpu else None
             receiver = _receiver(scope, rank0_only)
@@ -599,18 +605,23 @@ def _scope_of_call(
     return scope, None
 
 
-def _prepare(scope: Scope) -> list[DTensor]:
+def _prepare(scope: Scope, resolved: list[DTensor]) -> list[DTensor]:
     """FSDP2's groups in scope in a known state, all local; the DTensors to gather, in scope order.
 
     The root above them lazily initialised (see [Note: lazy init on entry]),
     parameter resets adopted, units left unsharded resharded (see [Note:
-    units left unsharded]). Resolved after adoption: FSDP2 may have adopted
-    a replaced parameter.
+    units left unsharded]). ``resolved``: the DTensors as refusal resolved
+    them, returned as they are unless a lazy init or an adoption ran, after
+    which they are resolved again: FSDP2 may have adopted a replaced
+    parameter. Resharding puts FSDP2's own sharded parameters back, the
+    objects already resolved.
     """
-    fsdp2.lazy_init_root(states_of(scope))
+    changed = fsdp2.lazy_init_root(states_of(scope))
     for group in scope.groups:
-        fsdp2.adopt_module_params(group)
+        changed = fsdp2.adopt_module_params(group) or changed
         fsdp2.reshard_group(group)
+    if not changed:
+        return resolved
     dtensors: list[DTensor] = []
     for entry in scope.params:
         dtensor = entry.sharded()
