@@ -24,10 +24,12 @@ if TYPE_CHECKING:
     from fsdp_shim._scope import SlotKey
 
 _lock = threading.Lock()
-#: slot -> the live context (any thread) that swapped it.
-_slots: dict[SlotKey, Any] = {}
-#: ``id(full parameter)`` -> its ``_SwappedParam`` record, while its context is live.
-_fulls: dict[int, Any] = {}
+#: ``id(swap)`` -> each live context (any thread) whose slots are swapped, in entry order. A swap
+#: answers for its own slots (``slot_keys()``): registering the swap, not each slot, keeps the
+#: per-unit summon's bookkeeping at one entry a call; lookups (nesting, threads) are the rare path.
+_slot_swaps: dict[int, Any] = {}
+#: ``id(swap)`` -> each live context whose full parameters are out (``record_of(id)``).
+_full_swaps: dict[int, Any] = {}
 #: ``id(process group)`` -> (owning thread, open contexts of that thread on it).
 _groups: dict[int, tuple[int, int]] = {}
 #: threads with a live context -> how many.
@@ -40,39 +42,48 @@ def current_thread() -> int:
 
 def slots_of_thread(thread: int) -> dict[SlotKey, Any]:
     """The slots this thread's live contexts swapped (what a nested call leaves alone)."""
-    with _lock:
-        return {key: swap for key, swap in _slots.items() if swap.thread == thread}
+    swaps = list(_slot_swaps.values())
+    return {key: swap for swap in swaps if swap.thread == thread for key in swap.slot_keys()}
 
 
 def has_live_slots() -> bool:
     """Whether any thread has a context open that swapped a slot."""
-    return bool(_slots)
+    return bool(_slot_swaps)
 
 
 def owner_of(key: SlotKey) -> Any:
-    return _slots.get(key)
+    """The live context that swapped slot ``key``, if any."""
+    for swap in list(_slot_swaps.values()):
+        if key in swap.slot_keys():
+            return swap
+    return None
 
 
-def add_slot(key: SlotKey, swap: Any) -> None:
-    _slots[key] = swap
+def add_slots(swap: Any) -> None:
+    """``swap``'s slots now hold its full tensors."""
+    _slot_swaps[id(swap)] = swap
 
 
-def remove_slot(key: SlotKey) -> None:
-    _slots.pop(key, None)
+def remove_slots(swap: Any) -> None:
+    _slot_swaps.pop(id(swap), None)
 
 
-def add_full(param: torch.Tensor, record: Any) -> None:
-    _fulls[id(param)] = record
+def add_fulls(swap: Any) -> None:
+    """``swap``'s full parameters are out, until ``remove_fulls``."""
+    _full_swaps[id(swap)] = swap
 
 
-def remove_full(param: torch.Tensor) -> None:
-    _fulls.pop(id(param), None)
+def remove_fulls(swap: Any) -> None:
+    _full_swaps.pop(id(swap), None)
 
 
 def record_of(param: torch.Tensor) -> Any:
     """The ``_SwappedParam`` record of a live full parameter (this very object), else None."""
-    record = _fulls.get(id(param))
-    return record if record is not None and record.full is param else None
+    for swap in list(_full_swaps.values()):
+        record = swap.record_of(id(param))
+        if record is not None and record.full is param:
+            return record
+    return None
 
 
 def has_live_context(thread: int) -> bool:

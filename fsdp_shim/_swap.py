@@ -119,6 +119,7 @@ from fsdp_shim._forward_hooks import install_forward_hooks
 from fsdp_shim._scope import (
     Scope,
     ScopedParam,
+    SlotKey,
     SummonPlan,
     cached_plan,
     collect_scope,
@@ -163,7 +164,8 @@ class _SwappedParam:
     layout: Dim0Layout | None  # how it was gathered; writeback reuses it
     #: full._version once its values arrived; None for an inference tensor (no version counter).
     full_version: int | None = 0
-    shard_versions: tuple[int, int, int] = (0, 0, 0)  # see shard_state
+    #: See shard_state; recorded only under writeback, the one reader of it and of ``shard_changed``.
+    shard_versions: tuple[int, int, int] = (0, 0, 0)
     #: What the slots held at exit: ``full``, a replacement, or _MISSING. See [Note: exit checks].
     current: Any = None
     shard_changed: bool = False  # by someone else, inside the context (set at exit, before any replay)
@@ -192,13 +194,16 @@ class _Swap:
     conversions: list[tuple[nn.Module, tuple[Any, ...], dict[str, Any]]] = field(default_factory=list)
     #: Whether the context's body was reached: only then may a writeback happen. See [Note: faults].
     body_ran: bool = False
+    #: Built on demand from ``originals`` and ``swapped`` (``slot_keys``, ``record_of``).
+    _slot_keys: set[SlotKey] | None = None
+    _records: dict[int, _SwappedParam] | None = None
 
     def name(self, item: _SwappedParam) -> str:
         return _slot_fqn(self.scope.root, item.entry.slots[0])
 
     # -- entry -----------------------------------------------------------
     def swap_in(self, dtensors: list[DTensor], gathered: Gathered, grads: dict[int, torch.Tensor]) -> None:
-        originals = self.originals
+        originals, writeback = self.originals, self.writeback
         entries = zip(self.scope.params, dtensors, gathered.tensors, gathered.layouts)
         for index, (entry, sharded, full, layout) in enumerate(entries):  # every summon: kept lean
             assert full is not None  # kept ranks hold every tensor
@@ -212,15 +217,14 @@ class _Swap:
                     value.grad = grads[index]
             swapped = _SwappedParam(entry, sharded, value, layout,
                                     None if value.is_inference() else value._version,  # its values are in
-                                    shard_state(sharded))
+                                    shard_state(sharded) if writeback else (0, 0, 0))
             self.swapped.append(swapped)
-            if not entry.is_buffer:
-                registry.add_full(value, swapped)
             for module, name in entry.slots:
                 tensors = module._buffers if entry.is_buffer else module._parameters
                 originals.append((entry, module, name, tensors[name]))
                 tensors[name] = value
-                registry.add_slot((id(module), name), self)  # slot_key, inlined
+        registry.add_fulls(self)
+        registry.add_slots(self)
 
     def mark_groups(self) -> None:
         for group, fully_summoned in self.scope.groups.items():
@@ -267,7 +271,8 @@ class _Swap:
     def inspect(self) -> None:
         """Record what each summoned tensor's slots hold now. See [Note: exit checks]."""
         for item in self.swapped:
-            item.shard_changed = shard_state(item.sharded) != item.shard_versions
+            if self.writeback:
+                item.shard_changed = shard_state(item.sharded) != item.shard_versions
             slots = item.entry.slots
             if len(slots) == 1:  # the common case, and every summon's: one slot still holding the full tensor
                 module, name = slots[0]
@@ -292,8 +297,9 @@ class _Swap:
         """
         for entry, module, name, original in reversed(self.originals):
             (module._buffers if entry.is_buffer else module._parameters)[name] = original
-            registry.remove_slot((id(module), name))  # slot_key, inlined
+        registry.remove_slots(self)
         self.originals.clear()
+        self._slot_keys = None
         for mark in reversed(self.marks):
             mark.unmark()
         self.marks.clear()
@@ -352,9 +358,22 @@ class _Swap:
             ])
 
     def forget(self) -> None:
-        for item in self.swapped:
-            registry.remove_full(item.full)
+        registry.remove_fulls(self)
         self.swapped.clear()
+        self._records = None
+
+    # -- what the registry asks (the rare path: nesting, threads, ``sharded_param``) --
+    def slot_keys(self) -> set[SlotKey]:
+        """The slots this context swapped and has not restored yet."""
+        if self._slot_keys is None:
+            self._slot_keys = {(id(module), name) for _, module, name, _ in self.originals}
+        return self._slot_keys
+
+    def record_of(self, param_id: int) -> _SwappedParam | None:
+        """The record of this context's full parameter with ``id`` ``param_id``, if any (buffers are not)."""
+        if self._records is None:
+            self._records = {id(item.full): item for item in self.swapped if not item.entry.is_buffer}
+        return self._records.get(param_id)
 
     def remove_hooks(self) -> None:
         for handle in self.hooks:
