@@ -182,7 +182,7 @@ def _finish_bucket(flight: InFlight, keep: bool, out_device: torch.device | None
 
 
 def _unpadded(padded: torch.Tensor, layout: Dim0Layout) -> torch.Tensor:
-    """The full tensor in ``padded`` (``layout.padded_shape``): its first rows, itself if there is no padding."""
+    """The full tensor in ``padded`` (its rows padded past ``n``): its first rows, itself if there is no padding."""
     rows = layout.shape[0]
     return padded if padded.shape[0] == rows else padded.narrow(0, 0, rows)
 
@@ -190,13 +190,19 @@ def _unpadded(padded: torch.Tensor, layout: Dim0Layout) -> torch.Tensor:
 def _copy_out(output: torch.Tensor, flight: Flat) -> list[torch.Tensor]:
     """Scatter a multi-tensor bucket's output into fresh padded full tensors; each one's full tensor.
 
-    See [Note: bucket layout]. Each is allocated in its padded shape, so the
-    full tensor is the buffer itself, or its first rows where it is padded.
+    See [Note: bucket layout]: only the first ``R`` rank blocks hold rows,
+    so only they are copied, into buffers of ``R * c_i`` rows. The full
+    tensor is the buffer itself, or its first rows where it is padded.
     """
     world_size = flight.bucket[0].layout.world_size
-    padded = [output.new_empty(b.layout.padded_shape) for b in flight.bucket]  # output's dtype and device
+    blocks = max(b.layout.blocks_with_rows for b in flight.bucket)
+    if blocks == world_size:
+        padded = [output.new_empty(b.layout.padded_shape) for b in flight.bucket]  # output's dtype and device
+    else:
+        padded = [output.new_empty((blocks * b.layout.chunk_rows, *b.layout.shape[1:])) for b in flight.bucket]
+    sizes = flight.split_sizes  # explicit view sizes, never -1: a tensor may have no elements
     torch.split_with_sizes_copy(
-        output.view(world_size, -1), flight.split_sizes, dim=1, out=[buf.view(world_size, -1) for buf in padded],
+        output.view(world_size, sum(sizes))[:blocks], sizes, dim=1, out=[buf.view(blocks, n) for buf, n in zip(padded, sizes)],
     )
     return [_unpadded(buf, b.layout) for buf, b in zip(padded, flight.bucket)]
 
