@@ -130,7 +130,8 @@ def _stage_bucket(
         if receiver != "all":
             root = 0 if receiver == "global_rank0" else global_ranks[0]
             receivers = range(global_ranks.index(root), global_ranks.index(root) + 1)
-        return post_point_to_point(bucket, MessagePlan(split_sizes, dtype, comm_device, receivers, global_ranks, buffers))
+        route = MessagePlan(split_sizes, dtype, comm_device, receivers, global_ranks, buffers)
+        return post_point_to_point(bucket, route)
     per_rank = sum(split_sizes)
     output = bucket_output(bucket, world_size * per_rank, dtype, comm_device, buffers)
     gather_input, _ = copy_in(bucket, split_sizes, dtype, comm_device, output[rank * per_rank:(rank + 1) * per_rank],
@@ -201,9 +202,8 @@ def _copy_out(output: torch.Tensor, flight: Flat) -> list[torch.Tensor]:
     else:
         padded = [output.new_empty((blocks * b.layout.chunk_rows, *b.layout.shape[1:])) for b in flight.bucket]
     sizes = flight.split_sizes  # explicit view sizes, never -1: a tensor may have no elements
-    torch.split_with_sizes_copy(
-        output.view(world_size, sum(sizes))[:blocks], sizes, dim=1, out=[buf.view(blocks, n) for buf, n in zip(padded, sizes)],
-    )
+    out = [buf.view(blocks, n) for buf, n in zip(padded, sizes)]
+    torch.split_with_sizes_copy(output.view(world_size, sum(sizes))[:blocks], sizes, dim=1, out=out)
     return [_unpadded(buf, b.layout) for buf, b in zip(padded, flight.bucket)]
 
 

@@ -12,18 +12,23 @@ decided by host cost (docs/host-cost.md), so a summon of a unit keeps what
 it worked out in a ``SummonPlan`` on the unit's FSDP2 state and reuses it
 while the module tree it was worked out from is unchanged. A scope is a
 function of the modules in it (their classes, children, parameter and buffer
-slots and what those hold) and of FSDP2's ``FSDPParam``s (fixed from
-``fully_shard`` on, and ``fully_shard`` changes a module's class), so the
-plan's ``fingerprint`` records exactly that, by identity, and holds the
-objects it names so their ids stay theirs. A mismatch (a slot reassigned, a
+slots) and of FSDP2's ``FSDPParam``s (fixed from ``fully_shard`` on, and
+``fully_shard`` changes a module's class). The plan's ``fingerprint``
+records exactly that: each module's class; its children and DTensor-bearing
+buffers by identity (a buffer is gathered as the object it is), held by the
+plan so their ids stay theirs; its parameter slots by name and the type of
+what they hold (a cached scope's parameters are found through their
+``FSDPParam`` by slot, so only ``None`` or not matters; holding them would
+keep replaced shards in memory). A mismatch (a slot added or emptied, a
 submodule added, a unit left unsharded by a forward, whose slots then hold
-other tensors) just plans afresh. Not cached: a call inside an enclosing
+plain tensors) just plans afresh. Not cached: a call inside an enclosing
 context of the same thread (its scope depends on what is already summoned),
 and a scope with a parameter slot no state in it owns (its owner was looked
-for among every state, which any ``fully_shard`` may change). What can change without
-the tree changing is checked on every call anyway: training state, threads,
-the meta device, live groups; the gather plan checks its own key
-(``_layout.plan_key``) against the tensors resolved at each call.
+for among every state, which any ``fully_shard`` may change). What can
+change without the tree changing is checked on every call anyway: training
+state, threads, the meta device, live groups; the gather plan checks its
+own key (``_layout.plan_key``) against the tensors resolved at each call.
+Measured: docs/host-cost.md.
 """
 
 from __future__ import annotations
@@ -92,12 +97,12 @@ Fingerprint = tuple[tuple[Any, ...], ...]
 
 
 def fingerprint(modules: list[nn.Module]) -> Fingerprint:
-    """The tree ``modules`` make, by identity: each one's class, and its children, parameters and
-    buffers, names and objects. See [Note: summon plans]."""
+    """The tree ``modules`` make: each one's class, parameter names and the types they hold,
+    buffers and children by name and identity. See [Note: summon plans]."""
     parts = []
-    for m in modules:  # every summon of a unit runs this: one flat tuple a module, names (str) then ids (int)
+    for m in modules:  # every summon of a unit runs this: one flat tuple a module
         params, buffers, children = m._parameters, m._buffers, m._modules
-        parts.append((type(m), *params, *map(id, params.values()), None, *buffers, *map(id, buffers.values()),
+        parts.append((type(m), *params, *map(type, params.values()), None, *buffers, *map(id, buffers.values()),
                       None, *children, *map(id, children.values())))
     return tuple(parts)
 
@@ -114,7 +119,7 @@ class SummonPlan:
     scope: Scope
     recurse: bool
     fingerprint: Fingerprint
-    #: The objects ``fingerprint`` names by id, held so the ids stay theirs.
+    #: The objects ``fingerprint`` names by id (buffers, children), held so the ids stay theirs.
     held: list[object]
     #: The DTensor specs refusal last passed, by entry, and whether it passed them for writeback too.
     checked_specs: list[Any] | None = None
@@ -125,7 +130,9 @@ class SummonPlan:
     gather: Any = None
 
     def matches(self, module: nn.Module, recurse: bool) -> bool:
-        return self.scope.root is module and self.recurse == recurse and fingerprint(self.scope.modules) == self.fingerprint
+        if self.scope.root is not module or self.recurse != recurse:
+            return False
+        return fingerprint(self.scope.modules) == self.fingerprint
 
 
 #: Where a unit's FSDP2 state keeps its plans: ``{(id(module), recurse): SummonPlan}`` (a state may
@@ -151,7 +158,6 @@ def plan_summon(module: nn.Module, recurse: bool, modules: list[nn.Module] | Non
     state = fsdp2.fsdp_state_of(module) if fsdp2.is_fsdp2_module(module) else None
     held: list[object] = []
     for m in modules:
-        held.extend(m._parameters.values())
         held.extend(m._buffers.values())
         held.extend(m._modules.values())
     tree = fingerprint(modules)

@@ -3,6 +3,7 @@
 
     python scripts/host_cost.py                          # W = 8, 64, 1024 and HSDP 8 x 128; both models
     python scripts/host_cost.py --world 8 --models units96 --reps 15
+    python scripts/host_cost.py --runs 3                 # each configuration in 3 fresh processes
     python scripts/host_cost.py --device cuda --world 1  # on a GPU: the same contenders, one real rank
 
 On NCCL a small unit's all-gather costs tens of microseconds, so a per-unit
@@ -10,10 +11,12 @@ weight-sync loop is decided by host cost: Python, allocations, copies. The
 ``fake`` backend's collectives return at once without moving data, so what
 this times is that host cost, at any world size, on the CPU (the shim takes
 its all-gather path there, as on NCCL). Each configuration runs in a fresh
-process. Contenders are interleaved within each repetition (the order
+process (``--runs N``: N processes, and the ratio is the median of their
+medians). Contenders are interleaved within each repetition (the order
 rotates); the table gives the median ms per unit, each contender's ratio to
 FSDP2's own ``unshard()``/``reshard()`` loop (median of per-repetition
-ratios, with their IQR), and Python calls per unit (cProfile, one pass).
+ratios, with the first run's IQR, and each run's median), and Python calls
+per unit (cProfile, one pass).
 
 Contenders: the shim's per-unit ``summon_full_params(unit, recurse=False,
 writeback=False)`` loop with ``rank0_only`` off and on; FSDP2's
@@ -155,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="world sizes; RxS is HSDP with R replicas of S shards (default: 8 64 1024 8x128)")
     parser.add_argument("--models", nargs="+", default=["bench", "units96"], choices=["bench", "units96"])
     parser.add_argument("--reps", type=int, default=11)
+    parser.add_argument("--runs", type=int, default=1,
+                        help="fresh processes per configuration; the ratio is the median of their medians")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--one", nargs=2, metavar=("WORLD", "MODEL"), help=argparse.SUPPRESS)
@@ -165,19 +170,27 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for model in args.models:
         for world in args.world:
-            proc = subprocess.run([sys.executable, __file__, "--one", world, model, "--reps", str(args.reps),
-                                   "--device", args.device], capture_output=True, text=True)
-            if proc.returncode != 0:
-                print(f"{model} W={world}: FAILED\n{proc.stderr[-3000:]}", flush=True)
-                return 1
-            row = json.loads(proc.stdout.strip().splitlines()[-1])
-            rows.append(row)
-            print(f"\n{model} ({row['units']} units), W={world}, {row['device']}, torch {row['torch']}", flush=True)
-            print(f"  {'contender':<18} {'ms/unit':>8} {'/ unshard':>10} {'IQR':>14} {'calls/unit':>11}")
+            runs = []
+            for _ in range(args.runs):
+                proc = subprocess.run([sys.executable, __file__, "--one", world, model, "--reps", str(args.reps),
+                                       "--device", args.device], capture_output=True, text=True)
+                if proc.returncode != 0:
+                    print(f"{model} W={world}: FAILED\n{proc.stderr[-3000:]}", flush=True)
+                    return 1
+                runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            rows.extend(runs)
+            first = runs[0]
+            print(f"\n{model} ({first['units']} units), W={world}, {first['device']}, torch {first['torch']}, "
+                  f"{len(runs)} run(s) of {args.reps} repetitions", flush=True)
+            print(f"  {'contender':<18} {'ms/unit':>8} {'/ unshard':>10} {'IQR (run 1)':>14} {'runs':>20} "
+                  f"{'calls/unit':>11}")
             for name in CONTENDERS:
-                q1, m, q3 = row["ratio_to_unshard"][name]
-                print(f"  {name:<18} {row['median_ms_per_unit'][name]:>8.3f} {m:>10.2f} {f'{q1:.2f}-{q3:.2f}':>14} "
-                      f"{row['python_calls_per_unit'][name]:>11.0f}", flush=True)
+                medians = [run["ratio_to_unshard"][name][1] for run in runs]
+                q1, _, q3 = first["ratio_to_unshard"][name]
+                ms = statistics.median(run["median_ms_per_unit"][name] for run in runs)
+                each = " ".join(f"{m:.2f}" for m in medians) if len(runs) > 1 else ""
+                print(f"  {name:<18} {ms:>8.3f} {statistics.median(medians):>10.2f} {f'{q1:.2f}-{q3:.2f}':>14} "
+                      f"{each:>20} {first['python_calls_per_unit'][name]:>11.0f}", flush=True)
     if args.json:
         with open(args.json, "w") as out:
             json.dump(rows, out, indent=2)
