@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_shim import _diagnostics
 from fsdp_shim._fsdp2_internals import is_fsdp2_module
-from fsdp_shim._layout import bucket_bytes_from_env
+from fsdp_shim._layout import bucket_bytes_chosen
 from fsdp_shim._scope import has_distributed_params, scope_modules
 from fsdp_shim._swap import summon_dtensor_params
 
@@ -94,9 +94,10 @@ def summon(
         return contextlib.nullcontext()
     # Checked at the call, which a with statement makes at once: FSDP1 checks at __enter__, one step later.
     validate_args(writeback, rank0_only, offload_to_cpu, with_grads, module)
+    bucket_bytes, chosen = bucket_bytes_chosen(bucket_mb)
     return summon_dtensor_params(
         module, recurse=recurse, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu,
-        with_grads=with_grads, bucket_bytes=bucket_bytes_from_env(bucket_mb), modules=modules,
+        with_grads=with_grads, bucket_bytes=bucket_bytes, modules=modules, bucket_chosen=chosen,
     )
 
 

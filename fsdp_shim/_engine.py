@@ -270,11 +270,12 @@ class BucketGather:
         launch: bool = True,
         checked: bool = False,
         plan: GatherPlan | None = None,
+        collective_bytes: int | None = None,
     ) -> None:
         if not checked:
             require_gatherable(dtensors)
         cap = bucket_bytes_from_env() if bucket_bytes is None else bucket_bytes
-        self.plan = plan_gather(dtensors, cap, cast_to, reuse=plan)
+        self.plan = plan_gather(dtensors, cap, cast_to, reuse=plan, collective_bytes=collective_bytes)
         buckets, self._fallback = self.plan.bind(dtensors), list(self.plan.fallback)
         self._dtensors = list(dtensors)
         self._cast_to = cast_to
@@ -345,6 +346,7 @@ def gather_full_tensors(
     receiver: Receiver = "all",
     checked: bool = False,
     plan: GatherPlan | None = None,
+    collective_bytes: int | None = None,
 ) -> Gathered:
     """All-gather every DTensor in ``dtensors`` to a plain full tensor, one bucket in flight.
 
@@ -360,7 +362,7 @@ def gather_full_tensors(
     unless ``checked``: the caller refused that already.
     """
     gather = BucketGather(dtensors, bucket_bytes=bucket_bytes, receiver=receiver, ahead=1, checked=checked,
-                          plan=plan)
+                          plan=plan, collective_bytes=collective_bytes)
     return gather.finish_with_layouts(keep=keep, out_device=out_device)
 
 

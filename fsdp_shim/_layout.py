@@ -55,8 +55,27 @@ BUCKET_ENV = "FSDP_SHIM_BUCKET_MB"
 DEFAULT_BUCKET_MB = 4.0
 
 
+#: [Note: one unit, one collective]
+#: A summon whose scope is one FSDP2 unit (the per-unit weight-sync loop)
+#: gathers it, on the all-gather path, in one collective a dtype, as FSDP2's
+#: own ``unshard()`` does, unless a bucket size was chosen (``bucket_mb``,
+#: ``FSDP_SHIM_BUCKET_MB``): the memory is at most what FSDP2's unshard of
+#: that unit holds, and a collective has a fixed cost that grows with the
+#: world size (fake backend, 1,024 ranks: about 1 ms each; the bench model's
+#: blocks, padded four-fold there, took four of them a unit, and the loop
+#: 1.5x FSDP2's, against 0.99x with one). Point to point (gloo) keeps the cap,
+#: measured best there; a summon of several units keeps it, bounding the
+#: memory beyond the full tensors.
+UNCAPPED = 1 << 62
+
+
 def bucket_bytes_from_env(explicit: float | None = None, default_mb: float = DEFAULT_BUCKET_MB) -> int:
     """The bucket cap in bytes: ``explicit`` MiB, else ``$FSDP_SHIM_BUCKET_MB``, else ``default_mb``."""
+    return bucket_bytes_chosen(explicit, default_mb)[0]
+
+
+def bucket_bytes_chosen(explicit: float | None = None, default_mb: float = DEFAULT_BUCKET_MB) -> tuple[int, bool]:
+    """``bucket_bytes_from_env``, and whether the size was chosen (argument or environment) rather than defaulted."""
     if explicit is None:
         raw = os.environ.get(BUCKET_ENV)
         if raw:
@@ -67,7 +86,7 @@ def bucket_bytes_from_env(explicit: float | None = None, default_mb: float = DEF
     mib = default_mb if explicit is None else explicit
     if mib <= 0:
         raise ValueError(f"bucket size must be positive, got {mib} MiB")
-    return int(mib * 1024 * 1024)
+    return int(mib * 1024 * 1024), explicit is not None
 
 
 class Dim0Layout(NamedTuple):
@@ -244,23 +263,25 @@ class GatherPlan(NamedTuple):
         return [[BucketEntry(p, dtensors[p], layout) for p, layout in bucket] for bucket in self.buckets]
 
 
-def plan_key(dtensors: Sequence[DTensor], bucket_bytes: int, cast_to: torch.dtype | None) -> tuple[Any, ...]:
+def plan_key(
+    dtensors: Sequence[DTensor], bucket_bytes: int, cast_to: torch.dtype | None, collective_bytes: int | None = None,
+) -> tuple[Any, ...]:
     """Everything a plan depends on: each tensor's spec (by identity: equal meshes may hold other
-    groups) and local shape, dtype and device, the cap, the cast and the transport."""
-    return (bucket_bytes, cast_to, _transport, *[
+    groups) and local shape, dtype and device, the caps, the cast and the transport."""
+    return (bucket_bytes, collective_bytes, cast_to, _transport, *[
         (id(d._spec), t.shape, t.dtype, t.device) for d in dtensors for t in (d._local_tensor,)
     ])
 
 
 def plan_gather(
     dtensors: Sequence[DTensor], bucket_bytes: int, cast_to: torch.dtype | None = None,
-    reuse: GatherPlan | None = None,
+    reuse: GatherPlan | None = None, collective_bytes: int | None = None,
 ) -> GatherPlan:
     """The plan for ``dtensors``: ``reuse`` if it was made for the same key, else a new one (``plan_buckets``)."""
-    key = plan_key(dtensors, bucket_bytes, cast_to)
+    key = plan_key(dtensors, bucket_bytes, cast_to, collective_bytes)
     if reuse is not None and reuse.key == key:
         return reuse
-    buckets, fallback = plan_buckets(dtensors, bucket_bytes, cast_to)
+    buckets, fallback = plan_buckets(dtensors, bucket_bytes, cast_to, collective_bytes)
     shapes = [
         BucketShape([b.layout.padded_numel for b in bucket], gathered_dtype(bucket[0].dtensor, cast_to),
                     moves_point_to_point(bucket[0].layout.group),
@@ -272,7 +293,8 @@ def plan_gather(
 
 
 def plan_buckets(
-    dtensors: Sequence[DTensor], bucket_bytes: int, cast_to: torch.dtype | None = None
+    dtensors: Sequence[DTensor], bucket_bytes: int, cast_to: torch.dtype | None = None,
+    collective_bytes: int | None = None,
 ) -> tuple[list[list[BucketEntry]], list[int]]:
     """Split ``dtensors`` into fast-path buckets and fallback indices.
 
@@ -287,7 +309,9 @@ def plan_buckets(
     is then sent direct, never copied into a bucket and out again
     (see [Note: point to point]).
     ``cast_to`` is the dtype floating tensors travel in
-    (see [Note: cast before gather]). The plan depends only on global
+    (see [Note: cast before gather]). ``collective_bytes``, if given, is the
+    cap where buckets move by a collective (see [Note: one unit, one
+    collective]). The plan depends only on global
     metadata, so every rank builds the same one and issues the same
     collectives in the same order.
     """
@@ -305,11 +329,12 @@ def plan_buckets(
         nbytes = layout.world_size * layout.padded_numel * dtype.itemsize
         if layout.group not in direct:
             direct[layout.group] = moves_point_to_point(layout.group)
-        if nbytes > bucket_bytes or (direct[layout.group] and nbytes >= ALONE_BYTES * layout.world_size):
+        cap = bucket_bytes if direct[layout.group] or collective_bytes is None else collective_bytes
+        if nbytes > cap or (direct[layout.group] and nbytes >= ALONE_BYTES * layout.world_size):
             buckets.append([BucketEntry(index, dtensor, layout)])
             continue
         bucket, size = open_buckets.get(key, (None, [0]))
-        if bucket is None or size[0] + nbytes > bucket_bytes:
+        if bucket is None or size[0] + nbytes > cap:
             bucket, size = [], [0]
             buckets.append(bucket)
             open_buckets[key] = (bucket, size)

@@ -113,7 +113,14 @@ from fsdp_shim import _fsdp2_internals as fsdp2
 from fsdp_shim import _registry as registry
 from fsdp_shim._compat import ungatherable_reason, writeback_refusal
 from fsdp_shim._engine import Gathered, gather_full_tensors
-from fsdp_shim._layout import Dim0Layout, Receiver, mesh_dim_groups, require_live_groups, require_live_groups_of
+from fsdp_shim._layout import (
+    UNCAPPED,
+    Dim0Layout,
+    Receiver,
+    mesh_dim_groups,
+    require_live_groups,
+    require_live_groups_of,
+)
 from fsdp_shim._writeback import write_back_locals
 from fsdp_shim._forward_hooks import install_forward_hooks
 from fsdp_shim._scope import (
@@ -407,7 +414,7 @@ def original_params(param: torch.Tensor) -> list[nn.Parameter]:
 
 def _gather_grads(
     dtensors: list[DTensor], keep: bool, out_device: torch.device | None, bucket_bytes: int | None,
-    receiver: Receiver,
+    receiver: Receiver, collective_bytes: int | None,
 ) -> dict[int, torch.Tensor]:
     with_grad = [i for i, d in enumerate(dtensors) if d.grad is not None]
     gathered = gather_full_tensors(
@@ -416,6 +423,7 @@ def _gather_grads(
         out_device=out_device,
         bucket_bytes=bucket_bytes,
         receiver=receiver,
+        collective_bytes=collective_bytes,
     )
     return {i: g for i, g in zip(with_grad, gathered.tensors) if g is not None}
 
@@ -483,6 +491,11 @@ def _refuse_before_anything(
     return groups, shardeds
 
 
+def _one_unit(scope: Scope) -> bool:
+    """Whether the scope is one FSDP2 unit's parameters and nothing else (see [Note: one unit, one collective])."""
+    return len(scope.groups) == 1 and all(entry.fsdp_param is not None for entry in scope.params)
+
+
 def _keeps_full_params(scope: Scope, rank0_only: bool) -> bool:
     """Whether this rank holds full parameters: FSDP1's ``rank0_only`` is rank 0 *of the FSDP group*.
 
@@ -534,16 +547,17 @@ class summon_dtensor_params:
         with_grads: bool,
         bucket_bytes: int | None = None,
         modules: list[nn.Module] | None = None,
+        bucket_chosen: bool = True,
     ) -> None:
         self._args: tuple[Any, ...] | None = (
-            module, recurse, writeback, rank0_only, offload_to_cpu, with_grads, bucket_bytes, modules)
+            module, recurse, writeback, rank0_only, offload_to_cpu, with_grads, bucket_bytes, modules, bucket_chosen)
         self._swap: _Swap | None = None
         self._leave: tuple[int, list[dist.ProcessGroup]] | None = None
 
     def __enter__(self) -> None:
         if self._args is None:
             raise RuntimeError("a summon_full_params context can be entered once; call summon_full_params again")
-        module, recurse, writeback, rank0_only, offload_to_cpu, with_grads, bucket_bytes, modules = self._args
+        module, recurse, writeback, rank0_only, offload_to_cpu, with_grads, bucket_bytes, modules, chosen = self._args
         self._args = None
         thread = registry.current_thread()
         scope, plan = _scope_of_call(module, recurse, writeback, thread, modules)
@@ -559,14 +573,17 @@ class summon_dtensor_params:
             keep = _keeps_full_params(scope, rank0_only)
             out_device = torch.device("cpu") if offload_to_cpu else None
             receiver = _receiver(scope, rank0_only)
+            collective_bytes = None if chosen or not _one_unit(scope) else UNCAPPED  # [Note: one unit, one collective]
             swap = _Swap(scope, writeback, with_grads)
             try:
                 # 3. gather: every value is in when it returns.
                 gathered = gather_full_tensors(dtensors, keep=keep, out_device=out_device, bucket_bytes=bucket_bytes,
-                                               receiver=receiver, checked=True, plan=plan and plan.gather)
+                                               receiver=receiver, checked=True, plan=plan and plan.gather,
+                                               collective_bytes=collective_bytes)
                 if plan is not None:
                     plan.gather = gathered.plan
-                grads = _gather_grads(dtensors, keep, out_device, bucket_bytes, receiver) if with_grads else {}
+                grads = (_gather_grads(dtensors, keep, out_device, bucket_bytes, receiver, collective_bytes)
+                         if with_grads else {})
                 # 4. install: full parameters in every slot, groups marked, forward hooks.
                 if keep:
                     swap.swap_in(dtensors, gathered, grads)

@@ -7,7 +7,7 @@ import contextlib
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from _faults import transport
@@ -370,3 +370,51 @@ def rank_summon_window_holds_two_buckets_at_most(how: str):
 @pytest.mark.parametrize("how", ["auto", "all_gather"])
 def test_summon_window_holds_two_buckets_at_most(dist_run, how):
     dist_run(2, rank_summon_window_holds_two_buckets_at_most, how)
+
+
+def rank_one_unit_takes_one_collective():
+    """[Note: one unit, one collective]: on the all-gather path a per-unit summon gathers its unit in one
+    collective, as FSDP2's unshard() does, unless a bucket size is chosen; a summon of several units keeps
+    the cap. The units here are larger than the default cap (4 MiB)."""
+    import torch.nn as nn
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import fully_shard
+
+    import fsdp_shim
+    from _faults import inject
+    from _helpers import patched
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1280), nn.LayerNorm(1280)) for _ in range(2)])
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1280), nn.LayerNorm(1280)) for _ in range(2)])
+    model.load_state_dict(ref.state_dict())
+    mesh = mesh1d()
+    for unit in model:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    unit_bytes = sum(p.numel() * 4 for p in ref[0].parameters())
+    assert unit_bytes > DEFAULT_BUCKET_MB * 2**20
+    never = 10**9
+
+    def collectives(summon) -> int:
+        with inject("all_gather", after=never) as gathers:
+            summon()
+        return gathers[0]
+
+    def check(module, reference, **kwargs):
+        def summon():
+            with fsdp_shim.summon_full_params(module, writeback=False, **kwargs):
+                for (name, full), want in zip(module.named_parameters(), reference.parameters()):
+                    assert not isinstance(full, DTensor) and torch.equal(full, want), name
+        return summon
+
+    with patched(), transport("all_gather"):
+        assert collectives(check(model[0], ref[0], recurse=False)) == 1
+        assert collectives(check(model[0], ref[0], recurse=False, bucket_mb=1)) > 1  # chosen: the cap holds
+        assert collectives(check(model, ref)) > 2  # several units: capped, more than one a unit
+        with FSDP.summon_full_params(model[1], recurse=False, writeback=False):  # the patched call site too
+            assert torch.equal(model[1][0].weight, ref[1][0].weight)
+
+
+def test_one_unit_takes_one_collective(dist_run):
+    dist_run(2, rank_one_unit_takes_one_collective)
