@@ -235,6 +235,11 @@ def gathered_dtype(tensor: torch.Tensor, cast_to: torch.dtype | None) -> torch.d
     return tensor.dtype
 
 
+def fills_padding(bucket: Sequence[BucketEntry]) -> bool:
+    """Whether every shard of ``bucket`` on this rank fills its padded size (nothing to zero on copy-in)."""
+    return all(b.layout.local_rows == b.layout.chunk_rows for b in bucket)
+
+
 class BucketShape(NamedTuple):
     """What staging one planned bucket needs, worked out with its plan rather than per call."""
 
@@ -285,7 +290,7 @@ def plan_gather(
     shapes = [
         BucketShape([b.layout.padded_numel for b in bucket], gathered_dtype(bucket[0].dtensor, cast_to),
                     moves_point_to_point(bucket[0].layout.group),
-                    all(b.layout.local_rows == b.layout.chunk_rows for b in bucket))
+                    fills_padding(bucket))
         for bucket in buckets
     ]
     return GatherPlan(key, [[(b.position, b.layout) for b in bucket] for bucket in buckets], fallback,

@@ -141,9 +141,14 @@ class SummonPlan:
 _PLANS_ATTR = "_fsdp_shim_summon_plans"
 
 
+def _unit_state(module: nn.Module) -> fsdp2.FSDPState | None:
+    """The FSDP2 state of ``module`` if it is a unit: where its plans are kept."""
+    return fsdp2.fsdp_state_of(module) if fsdp2.is_fsdp2_module(module) else None
+
+
 def cached_plan(module: nn.Module, recurse: bool) -> SummonPlan | None:
     """The plan of an earlier summon of ``module`` that still matches its tree, else None."""
-    state = fsdp2.fsdp_state_of(module) if fsdp2.is_fsdp2_module(module) else None
+    state = _unit_state(module)
     if state is None:
         return None
     plan = state.__dict__.get(_PLANS_ATTR, {}).get((id(module), recurse))
@@ -155,7 +160,7 @@ def plan_summon(module: nn.Module, recurse: bool, modules: list[nn.Module] | Non
     just the scope where the plan cannot be kept (see [Note: summon plans])."""
     if modules is None:
         modules = scope_modules(module, recurse)
-    state = fsdp2.fsdp_state_of(module) if fsdp2.is_fsdp2_module(module) else None
+    state = _unit_state(module)
     held: list[object] = []
     for m in modules:
         held.extend(m._buffers.values())

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_shim._host_buffers import FullBuffers
-from fsdp_shim._layout import BucketEntry
+from fsdp_shim._layout import BucketEntry, fills_padding
 
 
 class Waitable(Protocol):
@@ -116,8 +116,8 @@ def copy_in(
     if block is None:  # a sender only: a buffer of its own, kept alive until its messages are out
         block = send_buffer = torch.empty(per_rank, dtype=dtype, device=device)
     sources = [t.view(-1) if t.is_contiguous() else t.reshape(-1) for t in (b.dtensor._local_tensor for b in bucket)]
-    if unpadded is None:  # not planned: every shard of this rank fills its padded size?
-        unpadded = all(b.layout.local_rows == b.layout.chunk_rows for b in bucket)
+    if unpadded is None:  # not planned
+        unpadded = fills_padding(bucket)
     if unpadded and sources[0].device == device:
         # no padding, no move (a bucket holds one device): one cat, casting too
         torch.cat(sources, out=block)
