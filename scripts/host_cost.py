@@ -12,8 +12,13 @@ weight-sync loop is decided by host cost: Python, allocations, copies. The
 this times is that host cost, at any world size, on the CPU (the shim takes
 its all-gather path there, as on NCCL). Each configuration runs in a fresh
 process (``--runs N``: N processes, and the ratio is the median of their
-medians). Contenders are interleaved within each repetition (the order
-rotates); the table gives the median ms per unit, each contender's ratio to
+medians). Contenders are interleaved within each repetition, in a new
+shuffled order each time (seeded: every run shuffles alike), so that no
+contender keeps the same predecessor: a contender's cost depends on the
+allocator state the one before it leaves. (Until 0.7.1 the order rotated,
+which keeps every predecessor: the per-unit summon always ran right after
+the ``full_tensor()`` loop, and ``unshard()`` after the ``rank0_only``
+summon.) The table gives the median ms per unit, each contender's ratio to
 FSDP2's own ``unshard()``/``reshard()`` loop (median of per-repetition
 ratios, with the first run's IQR, and each run's median), and Python calls
 per unit (cProfile, one pass).
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -133,10 +139,11 @@ def _one(world: str, model_name: str, reps: int, device: str) -> dict:
         profile.disable()
         calls[name] = pstats.Stats(profile).total_calls / len(units)  # type: ignore[attr-defined]
     samples: dict[str, list[float]] = {name: [] for name in runs}
-    order = list(runs)
+    shuffle = random.Random(0)
     for rep in range(reps):
-        order = order[1:] + order[:1]  # rotate: no contender always runs after the same one
+        order = shuffle.sample(list(runs), len(runs))  # a rotation would keep each one's predecessor
         for name in order:
+            runs[name]()  # untimed: what the last contender left in the allocator is not this one's cost
             sync()
             start = time.perf_counter()
             runs[name]()
