@@ -117,11 +117,8 @@ def _stage_bucket(
     split_sizes, dtype = shape.split_sizes, shape.dtype
     comm_device = _comm_device(first.dtensor)
     buffers = buffers or FRESH_BUFFERS
-    if receiver != "all":
-        global_ranks = dist.get_process_group_ranks(group)  # by group rank
-        root = 0 if receiver == "global_rank0" else global_ranks[0]
-        if root not in global_ranks:
-            return Landed(bucket, split_sizes)  # nobody here receives: nothing to move
+    if receiver == "global_rank0" and 0 not in dist.get_process_group_ranks(group):
+        return Landed(bucket, split_sizes)  # nobody here receives: nothing to move (a group's rank 0 always is)
     if world_size == 1:
         return _start_alone(bucket, split_sizes, dtype, comm_device, buffers)
     if shape.point_to_point:

@@ -45,24 +45,34 @@ class _RefuseBackward(torch.autograd.Function):
         raise RuntimeError(ctx.message)
 
 
-def _raise_on_backward(message: str) -> Callable[..., Any]:
+class _RaiseOnBackward:
     """A forward hook that makes any backward through the unit's outputs fail clearly.
 
     FSDP2's post-backward would reduce-scatter gradients of unsharded
     parameters that a summoned unit never had, and fail deep inside. The
     outputs FSDP2 returns are wrapped once more, so the refusal comes before
-    FSDP2's own pre-backward hooks and leaves its state untouched.
+    FSDP2's own pre-backward hooks and leaves its state untouched. The
+    message is written when a forward needs it: every summon of a unit
+    installs this hook, and few run a forward inside.
     """
 
-    def refuse(leaf: Any) -> Any:
-        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-            return _RefuseBackward.apply(leaf, message)
-        return leaf
+    __slots__ = ("_modules",)
 
-    def hook(module: nn.Module, args: Any, output: Any) -> Any:
-        return tree_map(refuse, output) if torch.is_grad_enabled() else None
+    def __init__(self, modules: tuple[nn.Module, ...]) -> None:
+        self._modules = modules
 
-    return hook
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return None
+        message = (f"backward through outputs of FSDP unit {', '.join(module_label(m) for m in self._modules)} "
+                   "computed inside summon_full_params is not supported (FSDP1 forbids it too)")
+
+        def refuse(leaf: Any) -> Any:
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                return _RefuseBackward.apply(leaf, message)
+            return leaf
+
+        return tree_map(refuse, output)
 
 
 class _ForwardInParamDtype:
@@ -153,10 +163,7 @@ def install_forward_hooks(swap: _Swap, rank0_only: bool, keep: bool) -> None:
             )
             _refuse_forwards(swap, [*modules, *roots], message)
             continue
-        no_backward = _raise_on_backward(
-            f"backward through outputs of FSDP unit {', '.join(module_label(m) for m in modules)} "
-            "computed inside summon_full_params is not supported (FSDP1 forbids it too)"
-        )
+        no_backward = _RaiseOnBackward(modules)
         for module in modules:
             swap.hooks.append(module.register_forward_hook(no_backward))
         if group in by_group:

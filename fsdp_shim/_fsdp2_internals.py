@@ -153,26 +153,33 @@ def unsharded_param_if_any(fsdp_param: FSDPParam) -> nn.Parameter | None:
 def busy_training_state(states: list[FSDPState], groups: list[FSDPParamGroup]) -> str | None:
     """Why summoning now would race FSDP2, or None: forward or backward in progress.
 
-    Like FSDP1, this refuses during any forward or backward of the model a
-    unit belongs to, not only of the unit itself: after lazy init all states
-    of one root share ``_state_ctx.all_states``, and the root's state stays
-    FORWARD for the whole forward. Any running autograd graph counts as a
-    backward (FSDP2's own ``is_bw()`` test).
+    Refuses during a forward or backward of the unit itself, and during any
+    forward or backward that runs through its root, as the root's state
+    stays FORWARD for the whole forward (so a summon from a hook inside the
+    forward of another unit is refused). Any running autograd graph counts as
+    a backward (FSDP2's own ``is_bw()`` test).
+
+    The root is the first state of the context all states of one root share
+    after lazy init (FSDP2 lists them in ``modules()`` order): checking it is
+    O(1), where scanning every state was O(units) on each summon of a
+    per-unit loop. A context whose first state is not a root is scanned.
     """
     if torch._C._current_graph_task_id() != -1:
         return "BACKWARD (autograd is running)"
     idle = TrainingState.IDLE
-    contexts: set[int] = set()
-    for state in states:  # every summon runs this: each shared context scanned once
+    for state in states:
         if state._training_state != idle:
             return state._training_state.name
-        context = state._state_ctx
-        if id(context) in contexts:
-            continue
-        contexts.add(id(context))
-        all_states = getattr(context, "all_states", ())
-        if [s._training_state for s in all_states].count(idle) != len(all_states):
-            return next(s._training_state.name for s in all_states if s._training_state != idle)
+        all_states = getattr(state._state_ctx, "all_states", None)
+        if not all_states:
+            continue  # not initialised yet: no forward ran, nothing shares its state
+        root = all_states[0]
+        if root._training_state != idle:
+            return root._training_state.name
+        if not root._is_root:
+            busy = next((s._training_state.name for s in all_states if s._training_state != idle), None)
+            if busy is not None:
+                return busy
     for group in groups:
         if group._training_state != idle:
             return group._training_state.name
@@ -311,14 +318,14 @@ def suspend_load_post_hooks(fsdp_params: list[FSDPParam], suspended: SuspendedHo
             suspended.suspend(fsdp_param._module_info.module, "_load_state_dict_post_hooks", handle.id)
 
 
-@dataclass
+@dataclass(slots=True)
 class GroupMark:
-    """What ``mark_summoned`` changed on one group, to undo it exactly."""
+    """What ``mark_summoned`` changed on one group's state, to undo it exactly (its hooks are
+    in the caller's ``SuspendedHooks``, resumed by the caller)."""
 
     group: FSDPParamGroup
     sharded_state: ShardedState
     post_forward_mesh_info: Any
-    hooks: SuspendedHooks = field(default_factory=SuspendedHooks)
     lent_unsharded: list[FSDPParam] = field(default_factory=list)
 
     def unmark(self) -> None:
@@ -328,13 +335,14 @@ class GroupMark:
         for fsdp_param in self.lent_unsharded:
             del fsdp_param._unsharded_param
         self.lent_unsharded.clear()
-        self.hooks.resume()
 
 
-def mark_summoned(group: FSDPParamGroup) -> GroupMark:
+def mark_summoned(group: FSDPParamGroup, suspended: SuspendedHooks) -> GroupMark:
     """Make FSDP2 leave the group's module attributes alone. See [Note: summoned groups].
 
     Called once every parameter of the group holds its summoned full parameter.
+    The group's state-dict pre-hooks go into ``suspended``: one per context,
+    not one per group, as every summon of a unit makes one.
     """
     mark = GroupMark(group, group._sharded_state, group.post_forward_mesh_info)
     for attr, handles in (
@@ -342,9 +350,9 @@ def mark_summoned(group: FSDPParamGroup) -> GroupMark:
         ("_load_state_dict_pre_hooks", getattr(group, "_module_to_pre_load_state_dict_hook_handle", {})),
     ):
         for module, handle in handles.items():
-            mark.hooks.suspend(module, attr, handle.id)
+            suspended.suspend(module, attr, handle.id)
     for fsdp_param in group.fsdp_params:
-        if unsharded_param_if_any(fsdp_param) is None:  # torch >= 2.14 reads it in pre_forward
+        if getattr(fsdp_param, "_unsharded_param", None) is None:  # torch >= 2.14 reads it in pre_forward
             info = fsdp_param._module_info
             fsdp_param._unsharded_param = info.module._parameters[info.param_name]  # type: ignore[assignment]
             mark.lent_unsharded.append(fsdp_param)

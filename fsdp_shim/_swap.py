@@ -161,7 +161,7 @@ def _slot_fqn(root: nn.Module, slot: tuple[nn.Module, str]) -> str:
     return f"<{module_label(module)} outside {module_label(root)}>.{name}"
 
 
-@dataclass
+@dataclass(slots=True)
 class _SwappedParam:
     """One scoped parameter (or DTensor buffer) while summoned."""
 
@@ -236,7 +236,7 @@ class _Swap:
     def mark_groups(self) -> None:
         for group, fully_summoned in self.scope.groups.items():
             if fully_summoned:
-                self.marks.append(fsdp2.mark_summoned(group))
+                self.marks.append(fsdp2.mark_summoned(group, self.suspended))
         fsdp_params = [item.entry.fsdp_param for item in self.swapped if item.entry.fsdp_param is not None]
         fsdp2.suspend_load_post_hooks(fsdp_params, self.suspended)
 
@@ -460,7 +460,8 @@ def _refuse_before_anything(
                         f"summon_full_params({module_label(module)}) refused: {_slot_fqn(module, slot)!r} is "
                         "summoned by a context in another thread. Use one thread per rank for collectives."
                     )
-    shardeds: list[DTensor] = [entry.sharded() for entry in scope.params]  # type: ignore[misc]
+    shardeds: list[DTensor] = [  # type: ignore[misc]
+        entry.sharded() if entry.fsdp_param is None else entry.fsdp_param.sharded_param for entry in scope.params]
     specs = []
     for entry, sharded in zip(scope.params, shardeds):
         if sharded._local_tensor.is_meta:  # FSDP2's lazy init would fail half way and leave its state broken
