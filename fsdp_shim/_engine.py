@@ -182,7 +182,7 @@ def _finish_bucket(flight: InFlight, keep: bool, out_device: torch.device | None
 def _unpadded(padded: torch.Tensor, layout: Dim0Layout) -> torch.Tensor:
     """The full tensor in ``padded`` (its rows padded past ``n``): its first rows, itself if there is no padding."""
     rows = layout.shape[0]
-    return padded if padded.shape[0] == rows else padded.narrow(0, 0, rows)
+    return padded if padded.shape[0] == rows else padded[:rows]  # a slice: cheaper than narrow() on the host
 
 
 def _copy_out(output: torch.Tensor, flight: Flat) -> list[torch.Tensor]:
@@ -200,7 +200,8 @@ def _copy_out(output: torch.Tensor, flight: Flat) -> list[torch.Tensor]:
         padded = [output.new_empty((blocks * b.layout.chunk_rows, *b.layout.shape[1:])) for b in flight.bucket]
     sizes = flight.split_sizes  # explicit view sizes, never -1: a tensor may have no elements
     out = [buf.view(blocks, n) for buf, n in zip(padded, sizes)]
-    torch.split_with_sizes_copy(output.view(world_size, sum(sizes))[:blocks], sizes, dim=1, out=out)
+    blocked = output.view(world_size, sum(sizes))
+    torch.split_with_sizes_copy(blocked if blocks == world_size else blocked[:blocks], sizes, dim=1, out=out)
     return [_unpadded(buf, b.layout) for buf, b in zip(padded, flight.bucket)]
 
 

@@ -25,11 +25,16 @@ if TYPE_CHECKING:
     from fsdp_shim._swap import _Swap, _SwappedParam
 
 
-def _raise_on_forward(message: str) -> Callable[..., None]:
-    def hook(module: nn.Module, args: Any) -> None:
-        raise RuntimeError(message)
+class _RaiseOnForward:
+    """A forward pre-hook that refuses the forward; its message is written when it does."""
 
-    return hook
+    __slots__ = ("_message",)
+
+    def __init__(self, message: Callable[[], str]) -> None:
+        self._message = message
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        raise RuntimeError(self._message())
 
 
 class _RefuseBackward(torch.autograd.Function):
@@ -117,15 +122,16 @@ class _ForwardInParamDtype:
                 module._parameters[name] = param  # type: ignore[assignment]
 
 
-def _refuse_forwards(swap: _Swap, modules: list[nn.Module], message: str) -> None:
+def _refuse_forwards(swap: _Swap, modules: list[nn.Module], message: Callable[[], str]) -> None:
     """Make a forward through any of ``modules`` raise before FSDP2's own hooks run.
 
     The FSDP2 root is among them, so a forward through the whole model is
     refused before the root's pre-forward changes any state.
     """
+    hook = _RaiseOnForward(message)
     unique = {id(m): m for m in modules}
     for module in unique.values():
-        swap.hooks.append(module.register_forward_pre_hook(_raise_on_forward(message), prepend=True))
+        swap.hooks.append(module.register_forward_pre_hook(hook, prepend=True))
 
 
 def install_forward_hooks(swap: _Swap, rank0_only: bool, keep: bool) -> None:
@@ -135,12 +141,12 @@ def install_forward_hooks(swap: _Swap, rank0_only: bool, keep: bool) -> None:
     if rank0_only:
         # Ranks would disagree on which units need an all-gather: refuse on
         # every rank, before FSDP2's own pre-forward runs.
-        message = (
-            f"forward inside summon_full_params({module_label(scope.root)}, rank0_only=True) "
+        root = scope.root
+        guarded = [*(m for g in scope.groups for m in fsdp2.group_modules(g)), root, *roots]
+        _refuse_forwards(swap, guarded, lambda: (
+            f"forward inside summon_full_params({module_label(root)}, rank0_only=True) "
             "is not supported: only rank 0 (of each FSDP shard group) holds full parameters"
-        )
-        guarded = [*(m for g in scope.groups for m in fsdp2.group_modules(g)), scope.root, *roots]
-        _refuse_forwards(swap, guarded, message)
+        ))
         return
     if not keep:
         return
@@ -157,11 +163,10 @@ def install_forward_hooks(swap: _Swap, rank0_only: bool, keep: bool) -> None:
     for group, fully_summoned in scope.groups.items():
         modules = fsdp2.group_modules(group)
         if not fully_summoned:
-            message = (
+            _refuse_forwards(swap, [*modules, *roots], lambda modules=modules: (
                 f"forward through FSDP unit {', '.join(module_label(m) for m in modules)} while only some "
                 "of its parameters are summoned is not supported: summon the unit itself"
-            )
-            _refuse_forwards(swap, [*modules, *roots], message)
+            ))
             continue
         no_backward = _RaiseOnBackward(modules)
         for module in modules:

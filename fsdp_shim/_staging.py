@@ -115,7 +115,7 @@ def copy_in(
     send_buffer = None
     if block is None:  # a sender only: a buffer of its own, kept alive until its messages are out
         block = send_buffer = torch.empty(per_rank, dtype=dtype, device=device)
-    sources = [t.view(-1) if t.is_contiguous() else t.reshape(-1) for t in (b.dtensor._local_tensor for b in bucket)]
+    sources = [b.dtensor._local_tensor.reshape(-1) for b in bucket]  # a view where it can be
     if unpadded is None:  # not planned
         unpadded = fills_padding(bucket)
     if unpadded and sources[0].device == device:

@@ -184,7 +184,7 @@ class _SwappedParam:
         return self.full._version != self.full_version
 
 
-@dataclass
+@dataclass(slots=True)
 class _Swap:
     scope: Scope
     writeback: bool
