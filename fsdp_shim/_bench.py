@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import platform
+import random
 import resource
 import statistics
 import time
@@ -269,14 +270,21 @@ def _setup(cfg: BenchConfig) -> tuple[torch.device, LMConfig, dict[str, Callable
 
 
 def time_on_rank(cfg: BenchConfig) -> dict[str, object]:
-    """The timing run: every contender once per repetition, in the same order."""
+    """The timing run: every contender once per repetition, in an order shuffled anew each repetition.
+
+    The shuffle is seeded, so every rank draws the same order (contenders
+    are collectives). A fixed order would give each contender the same
+    predecessor every time, and with it the allocator state that one leaves.
+    """
     device, model_cfg, contenders = _setup(cfg)
     times: dict[str, list[float]] = {name: [] for name in contenders}
     faults: dict[str, list[int]] = {name: [] for name in contenders}
+    shuffle = random.Random(0)
     for rep in range(cfg.warmup + cfg.reps):
         label = f"warm-up {rep + 1}/{cfg.warmup}" if rep < cfg.warmup else f"rep {rep - cfg.warmup + 1}/{cfg.reps}"
         report_progress(f"fsdp-shim bench: {label}")
-        for name, run in contenders.items():
+        for name in shuffle.sample(list(contenders), len(contenders)):
+            run = contenders[name]
             dist.barrier()
             _sync(device)
             faulted = _minor_faults()
