@@ -154,10 +154,11 @@ def busy_training_state(states: list[FSDPState], groups: list[FSDPParamGroup]) -
     """Why summoning now would race FSDP2, or None: forward or backward in progress.
 
     Refuses during a forward or backward of the unit itself, and during any
-    forward or backward that runs through its root, as the root's state
-    stays FORWARD for the whole forward (so a summon from a hook inside the
-    forward of another unit is refused). Any running autograd graph counts as
-    a backward (FSDP2's own ``is_bw()`` test).
+    forward that runs through its root, as the root's state stays FORWARD
+    for the whole forward: a summon from a hook inside another unit's
+    forward is refused when that forward is part of the model's. Any running
+    autograd graph counts as a backward (FSDP2's own ``is_bw()`` test).
+    FSDP1 checks only the states it gathers; this is stricter.
 
     The root is the first state of the context all states of one root share
     after lazy init (FSDP2 lists them in ``modules()`` order): checking it is

@@ -18,7 +18,11 @@ contender keeps the same predecessor: a contender's cost depends on the
 allocator state the one before it leaves. (Until 0.7.1 the order rotated,
 which keeps every predecessor: the per-unit summon always ran right after
 the ``full_tensor()`` loop, and ``unshard()`` after the ``rank0_only``
-summon.) The table gives the median ms per unit, each contender's ratio to
+summon.) Each timed pass follows an untimed one of the same contender, so
+that what is timed is that contender's own steady state. With the default
+11 repetitions a run's median ratio moves by about +-0.05 on a small
+machine; with ``--reps 21``, by about +-0.03 (0.7.1's table in ``docs/host-cost.md``
+ran ``--runs 3 --reps 21``). The table gives the median ms per unit, each contender's ratio to
 FSDP2's own ``unshard()``/``reshard()`` loop (median of per-repetition
 ratios, with the first run's IQR, and each run's median), and Python calls
 per unit (cProfile, one pass).
