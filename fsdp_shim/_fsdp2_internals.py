@@ -353,7 +353,7 @@ def mark_summoned(group: FSDPParamGroup, suspended: SuspendedHooks) -> GroupMark
         for module, handle in handles.items():
             suspended.suspend(module, attr, handle.id)
     for fsdp_param in group.fsdp_params:
-        if getattr(fsdp_param, "_unsharded_param", None) is None:  # torch >= 2.14 reads it in pre_forward
+        if unsharded_param_if_any(fsdp_param) is None:  # torch >= 2.14 reads it in pre_forward
             info = fsdp_param._module_info
             fsdp_param._unsharded_param = info.module._parameters[info.param_name]  # type: ignore[assignment]
             mark.lent_unsharded.append(fsdp_param)

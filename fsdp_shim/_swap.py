@@ -460,8 +460,7 @@ def _refuse_before_anything(
                         f"summon_full_params({module_label(module)}) refused: {_slot_fqn(module, slot)!r} is "
                         "summoned by a context in another thread. Use one thread per rank for collectives."
                     )
-    shardeds: list[DTensor] = [  # type: ignore[misc]
-        entry.sharded() if entry.fsdp_param is None else entry.fsdp_param.sharded_param for entry in scope.params]
+    shardeds: list[DTensor] = [entry.sharded() for entry in scope.params]  # type: ignore[misc]
     specs = []
     for entry, sharded in zip(scope.params, shardeds):
         if sharded._local_tensor.is_meta:  # FSDP2's lazy init would fail half way and leave its state broken
