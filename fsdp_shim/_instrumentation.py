@@ -1,156 +1,28 @@
-"""Client instrumentations: adapt known FSDP1-era call sites when their module is imported.
+"""The instrumentations ``patch()`` installs, and the client ones.
 
-The patch reaches every ``FullyShardedDataParallel.summon_full_params`` call,
-but some clients never make the call on FSDP2: they gate it behind
-``isinstance(m, FullyShardedDataParallel)``, or they look up names of
-parameter objects in a map built before the context. An instrumentation
-fixes exactly that, in one named module, in the manner of OpenTelemetry's
-instrumentors:
-
-- it names the module, the functions and the upstream revision it was read at;
-- it waits for the module with ``wrapt.when_imported`` (applied at once if
-  already imported);
-- it checks that the module looks as read, and otherwise logs and changes
-  nothing;
-- ``uninstrument`` (from ``fsdp_shim.unpatch()``) undoes it by handle;
-- its own environment variable switches it off.
-
-[Note: adding an instrumentation]
-Subclass ``Instrumentation`` with ``name``, ``module``, ``upstream``,
-``expects`` (module attributes that must exist) and ``_apply``/``_undo``
-mirroring each other, then add an instance to ``INSTRUMENTATIONS``. Change
-only what blocks FSDP2, and only inside that module.
+Client instrumentations adapt FSDP1-era call sites that never reach
+``FullyShardedDataParallel.summon_full_params`` on FSDP2: they gate it
+behind ``isinstance(m, FullyShardedDataParallel)``, or they look up names of
+parameter objects in a map built before the context. The forward-I/O ones
+(``_forward_io``) mend how FSDP2 walks forward inputs and outputs. The
+mechanism, and how to add one, is in ``_instrumentor``.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
-import threading
 from types import ModuleType
-from typing import Any, ClassVar
+from typing import Any
 
 import torch.nn as nn
 import wrapt
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
-from fsdp_shim import _diagnostics, _versions
+from fsdp_shim._forward_io import FSDP2ForwardCast, ModelOutputFlatten
+from fsdp_shim._instrumentor import Instrumentation
 from fsdp_shim._swap import original_params
 
 logger = logging.getLogger("fsdp_shim")
-
-
-class Instrumentation:
-    """One client module's adaptation. Subclasses fill in the class attributes and ``_apply``/``_undo``.
-
-    ``binders`` names modules that bind one of the instrumented module's
-    names by ``from ... import name`` (a copy of the reference, taken at
-    their import): ``_rebind`` is offered each of them, imported before the
-    instrumentation or after, while it is applied.
-    """
-
-    name: ClassVar[str]
-    module: ClassVar[str]
-    upstream: ClassVar[str]
-    expects: ClassVar[tuple[str, ...]] = ()
-    binders: ClassVar[tuple[str, ...]] = ()
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()
-        self._wanted = False
-        self._pending: set[str] = set()  # module names with a post-import hook registered and not yet fired
-        self._applied_to: ModuleType | None = None
-        self.status = "not instrumented"
-
-    @property
-    def env(self) -> str:
-        """The variable that switches this instrumentation off."""
-        return f"FSDP_SHIM_DISABLE_{self.name.upper()}"
-
-    def instrument(self) -> None:
-        with self._lock:
-            if _versions.env_flag(self.env):
-                self.status = f"off ({self.env} is set)"
-                return
-            self._wanted = True
-            if self._applied_to is None:
-                self.status = f"waiting for import of {self.module}"
-        self._watch(self.module, self._on_import)
-        for binder in self.binders:
-            self._watch(binder, self._on_binder_import)
-
-    def _watch(self, name: str, callback: Any) -> None:
-        """Call ``callback(module)`` now if ``name`` is imported, else when it is.
-
-        wrapt fires a post-import hook once and forgets it, so a hook is
-        registered whenever none is pending: a module imported again (after
-        ``sys.modules`` lost it) is seen again. A hook that fires for nothing
-        (not wanted any more, or already applied) returns at once.
-        """
-        with self._lock:
-            if name in self._pending:
-                return  # no-op: a hook is waiting for this import already
-            self._pending.add(name)
-
-        def fired(module: ModuleType) -> None:
-            with self._lock:
-                self._pending.discard(name)
-            callback(module)
-
-        wrapt.when_imported(name)(fired)
-
-    def uninstrument(self) -> None:
-        with self._lock:
-            self._wanted = False
-            module, self._applied_to = self._applied_to, None
-            if module is not None:
-                self._undo(module)
-                logger.debug("uninstrumented %s", self.module)
-            self.status = "not instrumented"
-
-    def _on_import(self, module: ModuleType) -> None:
-        with self._lock:
-            if not self._wanted or self._applied_to is not None:
-                return
-            problem = self._mismatch(module)
-            if problem is not None:
-                self.status = f"skipped: {problem}"
-                _diagnostics.log_warning("fsdp_shim: not instrumenting %s: %s", self.module, problem)
-                return
-            unneeded = self._not_needed(module)
-            if unneeded is not None:
-                self.status = f"not needed: {unneeded}"
-                logger.debug("not instrumenting %s: %s", self.module, unneeded)
-                return
-            self._apply(module)
-            self._applied_to = module
-            for binder in self.binders:
-                if binder in sys.modules:
-                    self._rebind(sys.modules[binder])
-            self.status = f"instrumented ({self.upstream})"
-            logger.debug("instrumented %s", self.module)
-
-    def _on_binder_import(self, binder: ModuleType) -> None:
-        with self._lock:
-            if self._applied_to is not None:
-                self._rebind(binder)
-
-    def _mismatch(self, module: ModuleType) -> str | None:
-        missing = [name for name in self.expects if not hasattr(module, name)]
-        return f"it has no {', '.join(missing)}" if missing else None
-
-    def _not_needed(self, module: ModuleType) -> str | None:
-        """Why the installed module needs no adaptation (it already serves FSDP2), or None."""
-        return None
-
-    def _apply(self, module: ModuleType) -> None:
-        raise NotImplementedError
-
-    def _undo(self, module: ModuleType) -> None:
-        raise NotImplementedError
-
-    def _rebind(self, binder: ModuleType) -> None:
-        """Point ``binder``'s copies of instrumented names at the adapted ones (called under the lock)."""
 
 
 class FSDPUnitGate(wrapt.ObjectProxy):  # type: ignore[misc]
@@ -312,7 +184,9 @@ class ComposerFSDPGate(Instrumentation):
         wrapt.unwrap_object(module, self._GATE, self._handle, missing_ok=True)
 
 
-INSTRUMENTATIONS: tuple[Instrumentation, ...] = (ComposeRLWeightSync(), ComposerFSDPGate())
+INSTRUMENTATIONS: tuple[Instrumentation, ...] = (
+    ComposeRLWeightSync(), ComposerFSDPGate(), ModelOutputFlatten(), FSDP2ForwardCast(),
+)
 
 
 def instrument_all() -> None:

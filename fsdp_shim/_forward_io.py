@@ -1,0 +1,209 @@
+"""How FSDP2 walks a unit's forward inputs and outputs: two mends, installed by ``patch()``.
+
+Neither is a summon; both stop RL code on FSDP2 that ran on FSDP1, which
+walks inputs and outputs without torch's pytree.
+
+- ``FSDP2ForwardCast``: FSDP2 casts every unit's forward inputs (and, with
+  ``output_dtype``, its outputs) whenever ``MixedPrecisionPolicy.param_dtype``
+  is set, even when no dtype changes. The walk rebuilds what it passes
+  through. torch 2.7 walks with pytree, whose registered nodes include
+  transformers' (4.5x) ``DynamicCache``: each decoder unit then updates a
+  *copy* of the KV cache, and ``generate(use_cache=True)`` samples from
+  wrong logits without an error. The mend walks as torch's own
+  ``_apply_to_tensors`` does (tensors, dataclasses, dicts, named tuples,
+  lists, tuples, sets; anything else is left as it is), and returns every
+  object whose contents no cast changed *as the same object*. A cast that
+  changes no dtype therefore leaves the inputs exactly as passed, on every
+  torch; a cast that changes one rebuilds only the containers on its way.
+- ``ModelOutputFlatten``: transformers flattens a ``ModelOutput`` for pytree
+  with ``output.values()`` and ``output.keys()``. A subclass with a field
+  named like a ``dict`` method (compose-rl's actor-critic output has
+  ``values``) shadows the method with a tensor, and the flatten raises
+  ``TypeError: 'Tensor' object is not callable``. FSDP2's root post-forward
+  flattens the output whenever grad is on (torch 2.7 to 2.12), so a PPO
+  step fails. The mend gives exactly those subclasses a flatten that reads
+  the mapping through ``dict`` itself; every other class keeps
+  transformers' own.
+
+[Note: where the cast is reached]
+In every torch from 2.7 to 2.15, ``torch.distributed.fsdp._fully_shard._fsdp_state``
+casts through one module global, called with
+``functools.partial(_cast_fp_tensor, dtype)``: ``tree_map`` (2.7) or
+``_apply_to_tensors`` (2.8 and later; 2.13 moved the call into
+``FSDPState._cast_forward_inputs``). The mend wraps that global (wrapt) and
+takes over only calls whose function is that partial; any other use of the
+name (2.13's functorch path) reaches torch's own.
+
+[Note: why every shadowing ModelOutput subclass]
+The fault is transformers' flatten, shared by every ``ModelOutput``
+subclass, not compose-rl's class: any output with a ``values``, ``keys`` or
+``items`` field breaks the same way, and a fix for one class leaves the
+next one broken. For a class without such a field, ``dict.values(o)`` is
+``o.values()``, so the mend changes nothing there and is not applied there.
+Classes defined before the mend are found by walking ``ModelOutput``'s
+subclasses; later ones through ``ModelOutput.__init_subclass__``, which
+transformers uses to register them. Only the Python pytree's entry is
+replaced (FSDP2 and transformers use that one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections import OrderedDict
+from types import ModuleType
+from typing import Any
+
+import torch
+import wrapt
+from torch.nn.utils.rnn import PackedSequence
+from torch.utils import _pytree
+
+from fsdp_shim._instrumentor import Instrumentation
+
+logger = logging.getLogger("fsdp_shim")
+
+_CAST_WALKS = ("tree_map", "_apply_to_tensors")  # see [Note: where the cast is reached]
+
+
+def _is_namedtuple(x: Any) -> bool:
+    return isinstance(x, tuple) and hasattr(type(x), "_fields") and hasattr(x, "_asdict")
+
+
+def cast_keeping_identity(cast: Any, x: Any) -> Any:
+    """``cast`` applied to every tensor in ``x``, walked as torch's ``_apply_to_tensors``.
+
+    Invariant: an object none of whose tensors the cast replaced is returned
+    itself, not a rebuilt copy; an object of a type the walk does not know is
+    a leaf, returned as it is.
+    """
+    if isinstance(x, torch.Tensor):
+        return cast(x)
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        changes = {}
+        for f in dataclasses.fields(x):
+            if f.init:
+                value = getattr(x, f.name)
+                new = cast_keeping_identity(cast, value)
+                if new is not value:
+                    changes[f.name] = new
+        return dataclasses.replace(x, **changes) if changes else x
+    if isinstance(x, PackedSequence):
+        return x  # torch's walk casts a copy of .data and returns the sequence itself
+    if isinstance(x, dict):
+        items = [(k, v, cast_keeping_identity(cast, v)) for k, v in x.items()]
+        if all(new is v for _, v, new in items):
+            return x
+        rebuilt = x.__class__() if isinstance(x, OrderedDict) else {}
+        for k, _, new in items:
+            rebuilt[k] = new
+        return rebuilt
+    if isinstance(x, (list, tuple, set)):
+        old = list(x)
+        new = [cast_keeping_identity(cast, v) for v in old]
+        if all(n is o for n, o in zip(new, old)):
+            return x
+        return type(x)(*new) if _is_namedtuple(x) else type(x)(new)
+    return x
+
+
+class FSDP2ForwardCast(Instrumentation):
+    """FSDP2's forward-input and output cast, keeping what it does not change. See the module docstring."""
+
+    name = "fsdp2_cast"
+    module = "torch.distributed.fsdp._fully_shard._fsdp_state"
+    upstream = "torch 2.7.0 to 2.15.0: FSDPState's cast through tree_map (2.7) or _apply_to_tensors (2.8+)"
+    expects = ("_cast_fp_tensor",)
+
+    def _mismatch(self, module: ModuleType) -> str | None:
+        problem = super()._mismatch(module)
+        if problem is None and not any(callable(getattr(module, n, None)) for n in _CAST_WALKS):
+            problem = f"it has neither {' nor '.join(_CAST_WALKS)}"
+        return problem
+
+    def _apply(self, module: ModuleType) -> None:
+        cast_fn = module._cast_fp_tensor
+
+        def walk(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if len(args) == 2 and not kwargs and isinstance(args[0], functools.partial) \
+                    and args[0].func is cast_fn:
+                return cast_keeping_identity(args[0], args[1])
+            return wrapped(*args, **kwargs)
+
+        self._handles = {name: wrapt.wrap_function_wrapper(module, name, walk)
+                         for name in _CAST_WALKS if callable(getattr(module, name, None))}
+
+    def _undo(self, module: ModuleType) -> None:
+        for name, handle in self._handles.items():
+            wrapt.unwrap_object(module, name, handle, missing_ok=True)
+        self._handles = {}
+
+
+def _dict_flatten(output: Any) -> tuple[list[Any], list[Any]]:
+    return list(dict.values(output)), list(dict.keys(output))
+
+
+def _dict_flatten_with_keys(output: Any) -> tuple[list[tuple[Any, Any]], list[Any]]:
+    return [(_pytree.MappingKey(k), v) for k, v in dict.items(output)], list(dict.keys(output))
+
+
+_DICT_METHODS = frozenset(name for name in dir(dict) if not name.startswith("_"))
+
+
+def shadowed_dict_methods(cls: type) -> set[str]:
+    """The ``dict`` methods that fields of ``cls`` shadow (annotations: they exist before ``@dataclass`` runs)."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        names.update(vars(klass).get("__annotations__", {}))
+    return names & _DICT_METHODS
+
+
+class ModelOutputFlatten(Instrumentation):
+    """pytree's flatten of ``ModelOutput`` subclasses whose fields shadow a ``dict`` method. See the module docstring."""
+
+    name = "model_output"
+    module = "transformers.utils.generic"
+    upstream = ("transformers 4.51.3 and 5.24: ModelOutput.__init_subclass__ registers _model_output_flatten; "
+                "compose-rl ae56991's CausalLMOutputWithPastAndValues has a values field")
+    expects = ("ModelOutput",)
+
+    def _apply(self, module: ModuleType) -> None:
+        self._originals: dict[type, Any] = {}
+        base = module.ModelOutput
+        pending = [base]
+        while pending:
+            cls = pending.pop()
+            pending.extend(cls.__subclasses__())
+            self._mend(cls)
+
+        def registered(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            result = wrapped(*args, **kwargs)
+            if isinstance(instance, type):
+                self._mend(instance)
+            return result
+
+        self._hook = wrapt.wrap_function_wrapper(base, "__init_subclass__", registered)
+        self._base = base
+
+    def _mend(self, cls: type) -> None:
+        if not shadowed_dict_methods(cls):
+            return
+        with _pytree._NODE_REGISTRY_LOCK:
+            node = _pytree.SUPPORTED_NODES.get(cls)
+            if node is None or cls in self._originals:
+                return  # not registered by transformers (or already mended): nothing to correct
+            with_keys = _dict_flatten_with_keys if node.flatten_with_keys_fn is not None else None
+            _pytree.SUPPORTED_NODES[cls] = node._replace(flatten_fn=_dict_flatten, flatten_with_keys_fn=with_keys)
+            self._originals[cls] = node
+        logger.debug("pytree flatten of %s.%s reads the dict itself (fields shadow %s)",
+                     cls.__module__, cls.__qualname__, ", ".join(sorted(shadowed_dict_methods(cls))))
+
+    def _undo(self, module: ModuleType) -> None:
+        wrapt.unwrap_object(self._base, "__init_subclass__", self._hook, missing_ok=True)
+        with _pytree._NODE_REGISTRY_LOCK:
+            for cls, node in self._originals.items():
+                current = _pytree.SUPPORTED_NODES.get(cls)
+                if current is not None and current.flatten_fn is _dict_flatten:
+                    _pytree.SUPPORTED_NODES[cls] = node
+        self._originals = {}

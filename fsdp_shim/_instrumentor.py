@@ -1,0 +1,148 @@
+"""The instrumentation mechanism: adapt one named module when it is imported.
+
+In the manner of OpenTelemetry's instrumentors, an ``Instrumentation``:
+
+- names the module, the attributes it expects and the upstream revision it
+  was read at;
+- waits for the module with ``wrapt.when_imported`` (applied at once if
+  already imported);
+- checks that the module looks as read, and otherwise logs and changes
+  nothing;
+- is undone by ``uninstrument`` (from ``fsdp_shim.unpatch()``), by handle;
+- is switched off by its own environment variable, ``FSDP_SHIM_DISABLE_<NAME>``.
+
+[Note: adding an instrumentation]
+Subclass ``Instrumentation`` with ``name``, ``module``, ``upstream``,
+``expects`` (module attributes that must exist) and ``_apply``/``_undo``
+mirroring each other, then add an instance to
+``_instrumentation.INSTRUMENTATIONS``. Change only what blocks FSDP2 (or
+makes it wrong), reached through that module, and leave everything else as
+the module left it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from types import ModuleType
+from typing import Any, ClassVar
+
+import wrapt
+
+from fsdp_shim import _diagnostics, _versions
+
+logger = logging.getLogger("fsdp_shim")
+
+
+class Instrumentation:
+    """One client module's adaptation. Subclasses fill in the class attributes and ``_apply``/``_undo``.
+
+    ``binders`` names modules that bind one of the instrumented module's
+    names by ``from ... import name`` (a copy of the reference, taken at
+    their import): ``_rebind`` is offered each of them, imported before the
+    instrumentation or after, while it is applied.
+    """
+
+    name: ClassVar[str]
+    module: ClassVar[str]
+    upstream: ClassVar[str]
+    expects: ClassVar[tuple[str, ...]] = ()
+    binders: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._wanted = False
+        self._pending: set[str] = set()  # module names with a post-import hook registered and not yet fired
+        self._applied_to: ModuleType | None = None
+        self.status = "not instrumented"
+
+    @property
+    def env(self) -> str:
+        """The variable that switches this instrumentation off."""
+        return f"FSDP_SHIM_DISABLE_{self.name.upper()}"
+
+    def instrument(self) -> None:
+        with self._lock:
+            if _versions.env_flag(self.env):
+                self.status = f"off ({self.env} is set)"
+                return
+            self._wanted = True
+            if self._applied_to is None:
+                self.status = f"waiting for import of {self.module}"
+        self._watch(self.module, self._on_import)
+        for binder in self.binders:
+            self._watch(binder, self._on_binder_import)
+
+    def _watch(self, name: str, callback: Any) -> None:
+        """Call ``callback(module)`` now if ``name`` is imported, else when it is.
+
+        wrapt fires a post-import hook once and forgets it, so a hook is
+        registered whenever none is pending: a module imported again (after
+        ``sys.modules`` lost it) is seen again. A hook that fires for nothing
+        (not wanted any more, or already applied) returns at once.
+        """
+        with self._lock:
+            if name in self._pending:
+                return  # no-op: a hook is waiting for this import already
+            self._pending.add(name)
+
+        def fired(module: ModuleType) -> None:
+            with self._lock:
+                self._pending.discard(name)
+            callback(module)
+
+        wrapt.when_imported(name)(fired)
+
+    def uninstrument(self) -> None:
+        with self._lock:
+            self._wanted = False
+            module, self._applied_to = self._applied_to, None
+            if module is not None:
+                self._undo(module)
+                logger.debug("uninstrumented %s", self.module)
+            self.status = "not instrumented"
+
+    def _on_import(self, module: ModuleType) -> None:
+        with self._lock:
+            if not self._wanted or self._applied_to is not None:
+                return
+            problem = self._mismatch(module)
+            if problem is not None:
+                self.status = f"skipped: {problem}"
+                _diagnostics.log_warning("fsdp_shim: not instrumenting %s: %s", self.module, problem)
+                return
+            unneeded = self._not_needed(module)
+            if unneeded is not None:
+                self.status = f"not needed: {unneeded}"
+                logger.debug("not instrumenting %s: %s", self.module, unneeded)
+                return
+            self._apply(module)
+            self._applied_to = module
+            for binder in self.binders:
+                if binder in sys.modules:
+                    self._rebind(sys.modules[binder])
+            self.status = f"instrumented ({self.upstream})"
+            logger.debug("instrumented %s", self.module)
+
+    def _on_binder_import(self, binder: ModuleType) -> None:
+        with self._lock:
+            if self._applied_to is not None:
+                self._rebind(binder)
+
+    def _mismatch(self, module: ModuleType) -> str | None:
+        missing = [name for name in self.expects if not hasattr(module, name)]
+        return f"it has no {', '.join(missing)}" if missing else None
+
+    def _not_needed(self, module: ModuleType) -> str | None:
+        """Why the installed module needs no adaptation (it already serves FSDP2), or None."""
+        return None
+
+    def _apply(self, module: ModuleType) -> None:
+        raise NotImplementedError
+
+    def _undo(self, module: ModuleType) -> None:
+        raise NotImplementedError
+
+    def _rebind(self, binder: ModuleType) -> None:
+        """Point ``binder``'s copies of instrumented names at the adapted ones (called under the lock)."""
