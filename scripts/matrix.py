@@ -9,7 +9,8 @@
 
 One virtual environment per release under ``--cache`` (default
 ``~/.cache/fsdp-shim-matrix``), reused while it holds that exact release; the
-project is reinstalled (editable, with its test extras) into it every run.
+project is reinstalled (editable, with its test extras and the release's
+``CLIENT_PINS``: the real Composer on compose-rl's torch) into it every run.
 Torch wheels are downloaded once into ``CACHE/wheels`` and installed from
 there, so a second run on the same machine downloads nothing. Registry builds
 of torch are CUDA builds: they import and run on the CPU once their
@@ -121,6 +122,10 @@ def _venv_name(version: str, python_version: str) -> str:
     return f"torch-{version}" if same else f"torch-{version}-py{python_version}"
 
 
+#: Client packages a row installs beside the project, resolved together with its test extras: on
+#: compose-rl's torch, the releases compose-rl pins (tests/test_composer_real.py runs the real Composer).
+CLIENT_PINS: dict[str, tuple[str, ...]] = {"2.7.0": ("mosaicml==0.32.1", "transformers==4.51.3")}
+
 #: pip's global constraint file, if any, lifted for the torch steps (see the module docstring).
 _UNCAPPED = {"PIP_CONSTRAINT": os.devnull}
 
@@ -165,7 +170,9 @@ def run_release(version: str, cache: Path, logs: Path, pytest_args: list[str], t
                 if code != 0:
                     row.pytest = row.check = f"install failed (exit {code})"
                     return row
-        code, _ = _run([str(python), "-m", "pip", "install", "--quiet", "-e", ".[test]"], log, {**env, **_UNCAPPED})
+        pins = CLIENT_PINS.get(version, ())
+        code, _ = _run([str(python), "-m", "pip", "install", "--quiet", "-e", ".[test]", *pins], log,
+                       {**env, **_UNCAPPED})
         if code != 0:
             row.pytest = row.check = f"project install failed (exit {code})"
             return row
