@@ -80,46 +80,59 @@ class _RaiseOnBackward:
         return tree_map(refuse, output)
 
 
+_ABSENT = object()  # a slot the body deleted
+
+
 class _ForwardInParamDtype:
     """Runs a summoned unit's forward in FSDP2's ``param_dtype``, as FSDP2 would.
 
-    Inside the context the unit's attributes are the full parameters in their
-    stored dtype (fp32 master weights). FSDP2 casts the unit's inputs to
-    ``param_dtype``, so for the forward the slots hold a cast of the current
-    full values (cached until the full parameter is modified), and the full
-    parameters go back afterwards, also when the forward raised.
+    Inside the context the unit's slots hold the full parameters in their
+    stored dtype (fp32 master weights), or whatever the body put there. FSDP2
+    casts the unit's inputs to ``param_dtype``, so for the forward each slot
+    holds a cast of what it holds now, and afterwards exactly what it held
+    before, also when the forward raised: a parameter replaced inside the
+    context is the one the forward uses and the one exit writes back.
+
+    The cast is made afresh for every forward, never cached: an edit through
+    ``.data`` (``p.data.copy_(new)``, the weight loaders' idiom) moves no
+    version counter and no data pointer, so no cache of a cast can be proven
+    valid. FSDP2's own forward casts on every all-gather too.
     """
 
-    def __init__(self, items: list[tuple[_SwappedParam, torch.dtype]]):
-        self._items = items
-        self._depth = 0
-        self._cache: dict[int, tuple[int, nn.Parameter]] = {}
+    __slots__ = ("_slots", "_depth", "_held")
 
-    def _cast(self, full: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
-        version = None if full.is_inference() else full._version  # no counter: cast afresh every forward
-        cached = self._cache.get(id(full))
-        if cached is None or version is None or cached[0] != version:
-            with torch.no_grad():
-                cast = nn.Parameter(full.detach().to(dtype), requires_grad=full.requires_grad)
-            cached = (version, cast)
-            self._cache[id(full)] = cached
-        return cached[1]
+    def __init__(self, items: list[tuple[_SwappedParam, torch.dtype]]):
+        self._slots = [(module, name, dtype) for item, dtype in items for module, name in item.entry.slots]
+        self._depth = 0
+        self._held: list[Any] = []
 
     def pre_forward(self, module: nn.Module, args: Any) -> None:
         self._depth += 1
-        if self._depth == 1:
-            self._place(lambda item, dtype: self._cast(item.full, dtype))
+        if self._depth != 1:
+            return
+        self._held = held = []
+        casts: dict[int, nn.Parameter] = {}  # one cast per object: a tie stays one parameter
+        for slot_module, name, dtype in self._slots:
+            current = slot_module._parameters.get(name, _ABSENT)
+            held.append(current)
+            if not isinstance(current, torch.Tensor) or not current.is_floating_point() or current.dtype == dtype:
+                continue
+            cast = casts.get(id(current))
+            if cast is None:
+                with torch.no_grad():
+                    cast = casts[id(current)] = nn.Parameter(current.detach().to(dtype),
+                                                             requires_grad=current.requires_grad)
+            slot_module._parameters[name] = cast
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         self._depth -= 1
         if self._depth == 0:
-            self._place(lambda item, dtype: item.full)
-
-    def _place(self, value: Callable[[_SwappedParam, torch.dtype], torch.Tensor]) -> None:
-        for item, dtype in self._items:
-            param = value(item, dtype)
-            for module, name in item.entry.slots:
-                module._parameters[name] = param  # type: ignore[assignment]
+            for (slot_module, name, _), held in zip(self._slots, self._held):
+                if held is _ABSENT:  # deleted inside the context: stays deleted
+                    slot_module._parameters.pop(name, None)
+                else:
+                    slot_module._parameters[name] = held
+            self._held = []
 
 
 def _refuse_forwards(swap: _Swap, modules: list[nn.Module], message: Callable[[], str]) -> None:
