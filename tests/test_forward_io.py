@@ -10,7 +10,10 @@ test also shows it with the instrumentation switched off.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -35,6 +38,17 @@ FSDP2_FLATTENS_OUTPUT = "tree_flatten" in vars(_fsdp_state)
 FSDP2_CASTS_WITH_PYTREE = "tree_map" in vars(_fsdp_state)
 #: transformers up to the 4.5x line registers DynamicCache as a pytree node that unflattens to a new object.
 CACHE_IS_PYTREE_NODE = transformers.DynamicCache in _pytree.SUPPORTED_NODES
+
+
+@contextlib.contextmanager
+def instrumentation_switched(env: str, on: bool) -> Iterator[None]:
+    """Patched afresh with the instrumentation behind ``env`` on or off; the patch as found afterwards."""
+    with patch_state_restored(env):
+        if not on:
+            os.environ[env] = "1"
+        fsdp_shim.unpatch()
+        fsdp_shim.patch()
+        yield
 
 
 def _actor_critic_output_class():
@@ -128,14 +142,7 @@ def _step(model: nn.Module) -> tuple[float, dict[str, torch.Tensor]]:
 
 
 def rank_actor_critic_step(instrumented: bool):
-    env = "FSDP_SHIM_DISABLE_MODEL_OUTPUT"
-    with patch_state_restored(env):
-        import os  # noqa: PLC0415
-
-        if not instrumented:
-            os.environ[env] = "1"
-        fsdp_shim.unpatch()
-        fsdp_shim.patch()
+    with instrumentation_switched("FSDP_SHIM_DISABLE_MODEL_OUTPUT", instrumented):
         loss1, grads1 = _step(_sharded("fsdp1"))
         try:
             loss2, grads2 = _step(_sharded("fsdp2"))
@@ -192,15 +199,8 @@ def _generate(model: nn.Module, sampled: bool) -> tuple[torch.Tensor, list[torch
 
 
 def rank_generate_keeps_the_cache(shape: str, instrumented: bool) -> list[str]:
-    env = "FSDP_SHIM_DISABLE_FSDP2_CAST"
     mismatches = []
-    with patch_state_restored(env):
-        import os  # noqa: PLC0415
-
-        if not instrumented:
-            os.environ[env] = "1"
-        fsdp_shim.unpatch()
-        fsdp_shim.patch()
+    with instrumentation_switched("FSDP_SHIM_DISABLE_FSDP2_CAST", instrumented):
         reference, fsdp1, fsdp2 = _llama(), _shard_llama("fsdp1", shape), _shard_llama("fsdp2", shape)
         for sampled in (False, True):
             want = _generate(reference, sampled)
@@ -249,14 +249,7 @@ class Recorder(nn.Module):
 
 
 def rank_cast_keeps_identity(instrumented: bool) -> str:
-    env = "FSDP_SHIM_DISABLE_FSDP2_CAST"
-    with patch_state_restored(env):
-        import os  # noqa: PLC0415
-
-        if not instrumented:
-            os.environ[env] = "1"
-        fsdp_shim.unpatch()
-        fsdp_shim.patch()
+    with instrumentation_switched("FSDP_SHIM_DISABLE_FSDP2_CAST", instrumented):
         unit = fully_shard(Recorder(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
         cache = transformers.DynamicCache()
         x, box, table = torch.ones(2, 4, dtype=torch.bfloat16), [], {"k": torch.ones(1, dtype=torch.bfloat16)}
