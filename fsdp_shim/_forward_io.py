@@ -160,7 +160,10 @@ def shadowed_dict_methods(cls: type) -> set[str]:
 
 
 class ModelOutputFlatten(Instrumentation):
-    """pytree's flatten of ``ModelOutput`` subclasses whose fields shadow a ``dict`` method. See the module docstring."""
+    """pytree's flatten of ``ModelOutput`` subclasses whose fields shadow a ``dict`` method.
+
+    See the module docstring.
+    """
 
     name = "model_output"
     module = "transformers.utils.generic"

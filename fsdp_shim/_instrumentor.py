@@ -36,7 +36,9 @@ logger = logging.getLogger("fsdp_shim")
 
 
 class Instrumentation:
-    """One client module's adaptation. Subclasses fill in the class attributes and ``_apply``/``_undo``.
+    """One module's adaptation: a client's, or how FSDP2 walks forward I/O.
+
+    Subclasses fill in the class attributes and ``_apply``/``_undo``.
 
     ``binders`` names modules that bind one of the instrumented module's
     names by ``from ... import name`` (a copy of the reference, taken at
