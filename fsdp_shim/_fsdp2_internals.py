@@ -93,6 +93,7 @@ __all__ = [
     "SuspendedHooks",
     "suspend_load_post_hooks",
     "unsharded_param_if_any",
+    "holds_fsdp2_form",
     "param_dtype_for_forward",
     "param_groups",
     "param_slots",
@@ -143,6 +144,23 @@ def param_slots(fsdp_param: FSDPParam) -> list[Slot]:
 def sharded_param(fsdp_param: FSDPParam) -> nn.Parameter:
     """The DTensor parameter FSDP2, and every optimizer, hold for this slot."""
     return fsdp_param.sharded_param
+
+
+def holds_fsdp2_form(fsdp_param: FSDPParam, group: FSDPParamGroup, value: object) -> bool:
+    """Whether ``value``, what a slot FSDP2 manages holds now, is FSDP2's own parameter for it.
+
+    FSDP2's forms are the sharded parameter (what the optimizer steps), the
+    unsharded one (a forward left the unit unsharded) and the post-forward
+    one (a partial reshard, ``reshard_after_forward=<int>``): behind all
+    three stands ``sharded_param``. Until FSDP2 adopts the module attributes
+    (its lazy init, or a summon's entry: ``adopt_module_params``) whatever a
+    slot holds is what FSDP2 will adopt, so it counts as FSDP2's. Anything
+    else was assigned after adoption, and FSDP2 does not track it.
+    """
+    if not group._reset_sharded_params:
+        return True
+    return (value is fsdp_param.sharded_param or value is getattr(fsdp_param, "_unsharded_param", None)
+            or value is getattr(fsdp_param, "_sharded_post_forward_param", None))
 
 
 def unsharded_param_if_any(fsdp_param: FSDPParam) -> nn.Parameter | None:
@@ -447,7 +465,8 @@ _FIELDS: dict[type, tuple[str | tuple[str, ...], ...]] = {
     FSDPState: ("_modules", "_training_state", "_state_ctx", "_is_root", ("_fsdp_param_groups", "_fsdp_param_group")),
     FSDPParamGroup: ("fsdp_params", "_sharded_state", "post_forward_mesh_info", "_training_state",
                      "_reset_sharded_params", "modules", "mesh_info"),
-    FSDPParam: ("sharded_param", "_module_info", "_unsharded_param", ("param_dtype", "mp_policy")),
+    FSDPParam: ("sharded_param", "_module_info", "_unsharded_param", "_sharded_post_forward_param",
+                ("param_dtype", "mp_policy")),
     ParamModuleInfo: ("module", "param_name", "shared_modules", "shared_param_names"),
 }
 #: Everything probed, for ``fsdp-shim check -v``.

@@ -211,6 +211,35 @@ def fsdp_slot_owners(states: Iterable[fsdp2.FSDPState]) -> _Owners:
     return owners
 
 
+def untracked_parameter(fqn: str) -> RuntimeError:
+    """The refusal for a slot FSDP2 manages that holds a parameter FSDP2 does not track."""
+    return RuntimeError(
+        f"{fqn!r} holds a parameter assigned after fully_shard (or a tie made or undone since): FSDP2 does "
+        "not track it, and its forward, its optimizer and every gather keep using the parameter fully_shard "
+        "registered, so neither summon_full_params nor iter_full_params can serve it. Assign parameters "
+        "and ties before fully_shard, or copy new values into the existing parameter (under torch.no_grad(): "
+        "param.copy_(new), or inside summon_full_params(writeback=True)). Nothing was gathered."
+    )
+
+
+def first_untracked_slot(entries: Iterable[ScopedParam]) -> tuple[nn.Module, str] | None:
+    """The first slot of ``entries`` holding what FSDP2 does not track (``holds_fsdp2_form``), or None.
+
+    The one test of "is this slot still FSDP2's" for the summon and the stream:
+    both gather FSDP2's sharded parameter behind a slot, and both refuse
+    where the slot holds something else.
+    """
+    holds = fsdp2.holds_fsdp2_form
+    for entry in entries:
+        fsdp_param = entry.fsdp_param
+        if fsdp_param is None:
+            continue
+        for module, name in entry.slots:
+            if not holds(fsdp_param, entry.group, module._parameters.get(name)):  # type: ignore[arg-type]
+                return module, name
+    return None
+
+
 def has_distributed_params(modules: list[nn.Module]) -> bool:
     """Whether ``collect_scope`` over ``modules`` (a ``scope_modules`` list) could find anything to gather."""
     if any(isinstance(p, DTensor) for m in modules for p in (*m._parameters.values(), *m._buffers.values())):

@@ -57,10 +57,11 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
 from fsdp_shim import _fsdp2_internals as fsdp2
+from fsdp_shim import _registry as registry
 from fsdp_shim._engine import BucketGather, start_gather
 from fsdp_shim._host_buffers import RecycledBuffers
 from fsdp_shim._layout import Receiver, bucket_bytes_from_env, gathered_dtype
-from fsdp_shim._scope import fsdp_slot_owners, slot_key
+from fsdp_shim._scope import fsdp_slot_owners, slot_key, untracked_parameter
 
 logger = logging.getLogger("fsdp_shim")
 
@@ -122,14 +123,17 @@ def _distinct_params(model: nn.Module) -> list[_Distinct]:
             if value is None:
                 continue
             fqn = f"{prefix}.{name}" if prefix else name
-            owner = owners.get(slot_key(module, name))
+            key = slot_key(module, name)
+            owner = owners.get(key)
+            if owner is not None and not fsdp2.holds_fsdp2_form(owner[0], owner[1], value) \
+                    and registry.owner_of(key) is None:  # a live context's full parameter is FSDP2's too
+                raise untracked_parameter(fqn)
             identity: object = owner[0] if owner is not None else value
             if id(identity) in found:
                 found[id(identity)].names.append(fqn)  # a tie: named by its first name
                 continue
-            tensor: torch.Tensor = value
-            if owner is not None and not isinstance(value, DTensor):
-                tensor = fsdp2.sharded_param(owner[0])  # a forward left the unit unsharded
+            # FSDP2's sharded parameter, whatever form the slot holds: resharded, unsharded or post-forward
+            tensor: torch.Tensor = fsdp2.sharded_param(owner[0]) if owner is not None else value
             found[id(identity)] = _Distinct([fqn], tensor, owner[1] if owner is not None else None)
     return list(found.values())
 

@@ -130,10 +130,12 @@ from fsdp_shim._scope import (
     SummonPlan,
     cached_plan,
     collect_scope,
+    first_untracked_slot,
     module_label,
     plan_summon,
     slot_key,
     states_of,
+    untracked_parameter,
 )
 
 logger = logging.getLogger("fsdp_shim")
@@ -451,6 +453,9 @@ def _refuse_before_anything(
             f"{FORWARD_BACKWARD_ERROR}: summon_full_params({module_label(module)}) during FSDP2 "
             f"forward/backward (training state {busy})"
         )
+    untracked = first_untracked_slot(scope.params)
+    if untracked is not None:
+        raise untracked_parameter(_slot_fqn(module, untracked))
     if registry.has_live_slots():  # a context open in any thread: are any of ours in another one's?
         for entry in scope.params:
             for slot in entry.slots:

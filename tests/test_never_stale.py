@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 
-from _helpers import LMConfig, build_lm, full_state, patched, shard_lm, tokens_for
+import fsdp_shim
+from _helpers import LMConfig, assert_unchanged, build_lm, full_state, patched, shard_lm, snapshot, tokens_for
 
 IDIOMS = ["data.zero_", "data.copy_", "data ="]
 POLICIES = {"bf16-policy": torch.bfloat16, "no-policy": None}
@@ -85,3 +88,79 @@ def rank_a_parameter_replaced_inside_is_used_and_written_back(policy: str) -> No
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_a_parameter_replaced_inside_is_used_by_the_forward_and_written_back(dist_run, policy):
     dist_run(2, rank_a_parameter_replaced_inside_is_used_and_written_back, policy)
+
+
+# the stream reads the shards, whatever a forward left in the slots ----------------
+def rank_the_stream_reads_the_shards_after_a_partial_reshard() -> None:
+    reference, model, tokens = build_lm(), shard_lm(build_lm(), reshard_after_forward=2), tokens_for(LMConfig())
+    sharded = list(model.parameters())  # FSDP2's (and an optimizer's) objects, before any forward
+    with torch.no_grad():
+        model(tokens)  # 4 ranks, reshard_after_forward=2: the blocks keep post-forward DTensors
+    post_forward = [p for p in model.blocks[0].parameters() if not any(p is s for s in sharded)]
+    assert post_forward and all(isinstance(p, DTensor) for p in post_forward), "no partial reshard to test"
+    with torch.no_grad():  # an optimizer step on the real shards, after that forward
+        for p in (*sharded, *reference.parameters()):
+            p.add_(1.0)
+    want = dict(reference.named_parameters())
+    streamed = dict(fsdp_shim.iter_full_params(model, rank0_only=False))
+    assert streamed.keys() <= want.keys() and len(streamed) == len(want)
+    for name, tensor in streamed.items():
+        assert torch.equal(tensor, want[name]), name
+    with patched(), FSDP.summon_full_params(model, writeback=False):  # the summon says the same
+        for name, p in model.named_parameters():
+            assert torch.equal(p, want[name]), name
+
+
+def test_the_stream_reads_the_shards_after_a_partial_reshard(dist_run):
+    dist_run(4, rank_the_stream_reads_the_shards_after_a_partial_reshard)
+
+
+# a slot FSDP2 manages, replaced after fully_shard: both APIs refuse alike ---------
+REPLACEMENTS = ["new parameter, same shape", "new parameter, other shape", "tie made", "tie undone"]
+
+
+def _replace(model: nn.Module, how: str) -> str:
+    """Assign after FSDP2 adopted the attributes (a forward ran); returns the slot's name."""
+    block = model.blocks[0]
+    if how == "new parameter, same shape":
+        block.fc1.weight = nn.Parameter(torch.zeros(4 * 32, 32))
+        return "blocks.0.fc1.weight"
+    if how == "new parameter, other shape":
+        block.fc1.weight = nn.Parameter(torch.zeros(16, 32))
+        return "blocks.0.fc1.weight"
+    if how == "tie made":
+        model.lm_head.weight = model.embed.weight
+        return "lm_head.weight"
+    model.lm_head.weight = nn.Parameter(torch.zeros(97, 32))  # the model was built tied
+    return "lm_head.weight"
+
+
+def rank_replaced_after_fully_shard_is_refused(how: str) -> list[str]:
+    tie = how != "tie made"
+    model, tokens = shard_lm(build_lm(LMConfig(tie=tie))), tokens_for(LMConfig())
+    model(tokens)  # FSDP2 has adopted its parameters
+    name = _replace(model, how)
+    before = snapshot(model)
+    said = []
+    for api in ("summon", "stream"):
+        with pytest.raises(RuntimeError, match="assigned after fully_shard") as caught:
+            if api == "summon":
+                with patched(), FSDP.summon_full_params(model, writeback=False):
+                    pass
+            else:
+                list(fsdp_shim.iter_full_params(model))
+        message = str(caught.value)
+        assert repr(name) in message and "copy new values into the existing parameter" in message
+        said.append(message)
+        assert_unchanged(model, before)
+        total = torch.ones(1)
+        dist.all_reduce(total)  # no collective was started: the ranks are still in step
+        assert total.item() == dist.get_world_size()
+    assert said[0] == said[1]  # the two APIs say the same thing
+    return said
+
+
+@pytest.mark.parametrize("how", REPLACEMENTS)
+def test_a_parameter_assigned_after_fully_shard_is_refused_by_both_apis(dist_run, how):
+    said = dist_run(2, rank_replaced_after_fully_shard_is_refused, how)
+    assert said[0] == said[1]  # on every rank, alike
