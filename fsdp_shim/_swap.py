@@ -67,6 +67,14 @@ refused, with nothing written and every parameter named, for a deleted slot,
 or for a parameter changed both as a full tensor and in its shard (say an
 optimizer step on the sharded parameter): one of the two changes would be
 lost. A shard changed while its full tensor was not is left as it is.
+"Changed" is decided by version counters *and* by value: under
+``writeback=True`` entry keeps a copy of each local shard, and exit compares
+both the shard and this rank's slice of the full tensor with it, bit for
+bit, because an edit through ``.data`` (``p.data.copy_(new)``, optimizers
+that step ``p.data``) moves no counter. A full tensor whose slice still
+holds the shard's bits is not written (the write would change nothing). The
+decision is per rank, like the writeback itself: an edit that reaches only
+some ranks' slices is judged on each rank by what reached it.
 
 [Note: inference mode]
 A summon entered under ``torch.inference_mode()`` (generation code often is)
@@ -121,7 +129,7 @@ from fsdp_shim._layout import (
     require_live_groups,
     require_live_groups_of,
 )
-from fsdp_shim._writeback import write_back_locals
+from fsdp_shim._writeback import local_value, same_bits, write_back_locals
 from fsdp_shim._forward_hooks import install_forward_hooks
 from fsdp_shim._scope import (
     Scope,
@@ -175,6 +183,9 @@ class _SwappedParam:
     full_version: int | None = 0
     #: See shard_state; recorded only under writeback, the one reader of it and of ``shard_changed``.
     shard_versions: tuple[int, int, int] = (0, 0, 0)
+    #: The local shard's values at entry, under writeback only: an edit through ``.data`` moves no
+    #: version counter, so exit compares values too. See [Note: exit checks].
+    shard_copy: torch.Tensor | None = None
     #: What the slots held at exit: ``full``, a replacement, or _MISSING. See [Note: exit checks].
     current: Any = None
     shard_changed: bool = False  # by someone else, inside the context (set at exit, before any replay)
@@ -226,7 +237,8 @@ class _Swap:
                     value.grad = grads[index]
             swapped = _SwappedParam(entry, sharded, value, layout,
                                     None if value.is_inference() else value._version,  # its values are in
-                                    shard_state(sharded) if writeback else (0, 0, 0))
+                                    shard_state(sharded) if writeback else (0, 0, 0),
+                                    sharded._local_tensor.clone() if writeback else None)
             self.swapped.append(swapped)
             for module, name in entry.slots:
                 tensors = module._buffers if entry.is_buffer else module._parameters
@@ -281,7 +293,8 @@ class _Swap:
         """Record what each summoned tensor's slots hold now. See [Note: exit checks]."""
         for item in self.swapped:
             if self.writeback:
-                item.shard_changed = shard_state(item.sharded) != item.shard_versions
+                item.shard_changed = (shard_state(item.sharded) != item.shard_versions
+                                      or not same_bits(item.sharded._local_tensor, item.shard_copy))
             slots = item.entry.slots
             if len(slots) == 1:  # the common case, and every summon's: one slot still holding the full tensor
                 module, name = slots[0]
@@ -348,14 +361,24 @@ class _Swap:
                 problems.append(f"{self.name(item)}: deleted (or tied slots replaced by different tensors) "
                                 "inside the context, so there is no value to write back")
                 continue
+            changed_full = item.changed_full()
+            # A Partial shard holds one of many values with the same reduction: only writing it says more.
+            partial = any(p.is_partial() for p in item.sharded.placements)
+            if not changed_full and not partial:  # an edit no counter saw?
+                if item.current.shape != item.sharded.shape:
+                    changed_full = True  # ``p.data = other_shape``: writeback refuses it below
+                else:
+                    value = local_value(item.sharded, item.current.detach(), item.layout)
+                    changed_full = value is not None and not same_bits(value, item.shard_copy)
             if item.shard_changed:
-                if item.changed_full():
+                if changed_full:
                     problems.append(
                         f"{self.name(item)}: changed inside the context and, separately, in its shard "
                         "(an optimizer step on the sharded parameter?); writeback would overwrite one of them"
                     )
                 continue  # the shard's own change stands; the full tensor holds nothing new
-            items.append((item.sharded, item.current.detach(), item.layout))
+            if changed_full or partial:  # else this rank's slice holds the shard's own bits: nothing to write
+                items.append((item.sharded, item.current.detach(), item.layout))
         if problems:
             raise RuntimeError("summon_full_params writeback refused, nothing written:\n  " + "\n  ".join(problems))
         write_back_locals(items)

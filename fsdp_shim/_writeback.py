@@ -46,17 +46,38 @@ def write_back_locals(items: Sequence[tuple[DTensor, torch.Tensor, Dim0Layout | 
     destinations: list[torch.Tensor] = []
     sources: list[torch.Tensor] = []
     for dtensor, full, layout in items:  # every source is computed before anything is written
-        local = dtensor._local_tensor
-        if layout is None:
-            layout = dim0_layout(dtensor)
-        if layout is None:
-            destinations.append(local)
-            sources.append(_local_value(dtensor, full))
-        elif layout.local_rows:
-            destinations.append(local)
-            sources.append(full.narrow(0, layout.row_offset, layout.local_rows).to(local.device, local.dtype))
+        source = local_value(dtensor, full, layout)
+        if source is not None:
+            destinations.append(dtensor._local_tensor)
+            sources.append(source)
     if destinations:
         torch._foreach_copy_(destinations, sources)
+
+
+def local_value(dtensor: DTensor, full: torch.Tensor, layout: Dim0Layout | None = None) -> torch.Tensor | None:
+    """What this rank's shard of ``dtensor`` would hold for ``full``; None for an empty dim-0 shard.
+
+    The value writeback copies in, and the one exit compares with the shard
+    as it was at entry to tell an edit of the full tensor that no version
+    counter saw (``p.data.copy_(new)``).
+    """
+    local = dtensor._local_tensor
+    if layout is None:
+        layout = dim0_layout(dtensor)
+    if layout is None:
+        return _local_value(dtensor, full)
+    if not layout.local_rows:
+        return None
+    return full.narrow(0, layout.row_offset, layout.local_rows).to(local.device, local.dtype)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the very same bytes: a NaN equals itself, -0.0 differs from 0.0."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.dtype.is_floating_point or a.dtype.is_complex:
+        return torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
+    return torch.equal(a, b)
 
 
 def _local_value(dtensor: DTensor, full: torch.Tensor) -> torch.Tensor:

@@ -164,3 +164,31 @@ def rank_replaced_after_fully_shard_is_refused(how: str) -> list[str]:
 def test_a_parameter_assigned_after_fully_shard_is_refused_by_both_apis(dist_run, how):
     said = dist_run(2, rank_replaced_after_fully_shard_is_refused, how)
     assert said[0] == said[1]  # on every rank, alike
+
+
+# writeback against shards edited through .data --------------------------------
+def rank_writeback_sees_edits_through_data(case: str) -> None:
+    model = shard_lm(build_lm())
+    weight = model.blocks[0].fc1.weight  # FSDP2's sharded parameter, as an optimizer holds it
+    start = weight.full_tensor()
+    with patched(), torch.no_grad():
+        if case == "shard only":  # an optimizer that steps p.data, inside the context
+            with FSDP.summon_full_params(model, writeback=True):
+                fsdp_shim.sharded_param(model.blocks[0].fc1.weight).data.add_(1.0)
+            assert torch.equal(weight.full_tensor(), start + 1.0)  # the shard's change stands
+        elif case == "full only":
+            with FSDP.summon_full_params(model, writeback=True):
+                model.blocks[0].fc1.weight.data.copy_(torch.full_like(start, 3.0))
+            assert torch.equal(weight.full_tensor(), torch.full_like(start, 3.0))
+        else:  # both, each through .data: one change would be lost, so nothing is written
+            with pytest.raises(RuntimeError, match="blocks.0.fc1.weight.*separately, in its shard"):
+                with FSDP.summon_full_params(model, writeback=True):
+                    fsdp_shim.sharded_param(model.blocks[0].fc1.weight).data.add_(1.0)
+                    model.blocks[0].fc1.weight.data.copy_(torch.full_like(start, 3.0))
+            assert torch.equal(weight.full_tensor(), start + 1.0)
+    assert model.blocks[0].fc1.weight is weight
+
+
+@pytest.mark.parametrize("case", ["shard only", "full only", "both"])
+def test_writeback_sees_edits_through_data(dist_run, case):
+    dist_run(2, rank_writeback_sees_edits_through_data, case)
