@@ -125,15 +125,17 @@ def _distinct_params(model: nn.Module) -> list[_Distinct]:
             fqn = f"{prefix}.{name}" if prefix else name
             key = slot_key(module, name)
             owner = owners.get(key)
-            if owner is not None and not fsdp2.holds_fsdp2_form(owner[0], owner[1], value) \
-                    and registry.owner_of(key) is None:  # a live context's full parameter is FSDP2's too
-                raise untracked_parameter(fqn)
+            tensor: torch.Tensor = value
+            if owner is not None:
+                # FSDP2's sharded parameter, whatever form the slot holds: resharded, unsharded or post-forward
+                tensor = fsdp2.sharded_param(owner[0])
+                if value is not tensor and not fsdp2.holds_fsdp2_form(owner[0], owner[1], value) \
+                        and registry.owner_of(key) is None:  # a live context's full parameter is FSDP2's too
+                    raise untracked_parameter(fqn)
             identity: object = owner[0] if owner is not None else value
             if id(identity) in found:
                 found[id(identity)].names.append(fqn)  # a tie: named by its first name
                 continue
-            # FSDP2's sharded parameter, whatever form the slot holds: resharded, unsharded or post-forward
-            tensor: torch.Tensor = fsdp2.sharded_param(owner[0]) if owner is not None else value
             found[id(identity)] = _Distinct([fqn], tensor, owner[1] if owner is not None else None)
     return list(found.values())
 

@@ -292,9 +292,8 @@ class _Swap:
     def inspect(self) -> None:
         """Record what each summoned tensor's slots hold now. See [Note: exit checks]."""
         for item in self.swapped:
-            if self.writeback:
-                item.shard_changed = (shard_state(item.sharded) != item.shard_versions
-                                      or not same_bits(item.sharded._local_tensor, item.shard_copy))
+            if self.writeback:  # by version here; by value, where it can matter, in ``write_back``
+                item.shard_changed = shard_state(item.sharded) != item.shard_versions
             slots = item.entry.slots
             if len(slots) == 1:  # the common case, and every summon's: one slot still holding the full tensor
                 module, name = slots[0]
@@ -364,12 +363,15 @@ class _Swap:
             changed_full = item.changed_full()
             # A Partial shard holds one of many values with the same reduction: only writing it says more.
             partial = any(p.is_partial() for p in item.sharded.placements)
-            if not changed_full and not partial:  # an edit no counter saw?
-                if item.current.shape != item.sharded.shape:
-                    changed_full = True  # ``p.data = other_shape``: writeback refuses it below
-                else:
-                    value = local_value(item.sharded, item.current.detach(), item.layout)
-                    changed_full = value is not None and not same_bits(value, item.shard_copy)
+            if not partial and item.current.shape == item.sharded.shape:  # edits no counter saw?
+                local = item.sharded._local_tensor
+                value = local_value(item.sharded, item.current.detach(), item.layout)
+                if value is None or same_bits(value, local):
+                    continue  # this rank's slice holds the shard's bits: nothing to write, nothing to lose
+                item.shard_changed = item.shard_changed or not same_bits(local, item.shard_copy)
+                changed_full = changed_full or not same_bits(value, item.shard_copy)
+            elif not partial:
+                changed_full = True  # ``p.data = other_shape``: write_back_locals refuses it
             if item.shard_changed:
                 if changed_full:
                     problems.append(
@@ -377,8 +379,7 @@ class _Swap:
                         "(an optimizer step on the sharded parameter?); writeback would overwrite one of them"
                     )
                 continue  # the shard's own change stands; the full tensor holds nothing new
-            if changed_full or partial:  # else this rank's slice holds the shard's own bits: nothing to write
-                items.append((item.sharded, item.current.detach(), item.layout))
+            items.append((item.sharded, item.current.detach(), item.layout))
         if problems:
             raise RuntimeError("summon_full_params writeback refused, nothing written:\n  " + "\n  ".join(problems))
         write_back_locals(items)
@@ -476,9 +477,6 @@ def _refuse_before_anything(
             f"{FORWARD_BACKWARD_ERROR}: summon_full_params({module_label(module)}) during FSDP2 "
             f"forward/backward (training state {busy})"
         )
-    untracked = first_untracked_slot(scope.params)
-    if untracked is not None:
-        raise untracked_parameter(_slot_fqn(module, untracked))
     if registry.has_live_slots():  # a context open in any thread: are any of ours in another one's?
         for entry in scope.params:
             for slot in entry.slots:
@@ -489,6 +487,9 @@ def _refuse_before_anything(
                         "summoned by a context in another thread. Use one thread per rank for collectives."
                     )
     shardeds: list[DTensor] = [entry.sharded() for entry in scope.params]  # type: ignore[misc]
+    untracked = first_untracked_slot(scope.params, shardeds)
+    if untracked is not None:
+        raise untracked_parameter(_slot_fqn(module, untracked))
     specs = []
     for entry, sharded in zip(scope.params, shardeds):
         if sharded._local_tensor.is_meta:  # FSDP2's lazy init would fail half way and leave its state broken

@@ -71,12 +71,20 @@ def local_value(dtensor: DTensor, full: torch.Tensor, layout: Dim0Layout | None 
     return full.narrow(0, layout.row_offset, layout.local_rows).to(local.device, local.dtype)
 
 
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors hold the very same bytes: a NaN equals itself, -0.0 differs from 0.0."""
+    """Whether two tensors hold the very same bits: a NaN equals itself, -0.0 differs from 0.0.
+
+    Floating tensors are compared as integers of their width (as fast as a
+    float compare, and exact about NaN and signed zeros).
+    """
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     if a.dtype.is_floating_point or a.dtype.is_complex:
-        return torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
+        width = _SAME_WIDTH_INT.get(a.element_size(), torch.uint8)
+        return torch.equal(a.reshape(-1).contiguous().view(width), b.reshape(-1).contiguous().view(width))
     return torch.equal(a, b)
 
 
