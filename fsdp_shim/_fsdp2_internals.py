@@ -93,7 +93,7 @@ __all__ = [
     "SuspendedHooks",
     "suspend_load_post_hooks",
     "unsharded_param_if_any",
-    "holds_fsdp2_form",
+    "sharded_behind",
     "param_dtype_for_forward",
     "param_groups",
     "param_slots",
@@ -146,21 +146,25 @@ def sharded_param(fsdp_param: FSDPParam) -> nn.Parameter:
     return fsdp_param.sharded_param
 
 
-def holds_fsdp2_form(fsdp_param: FSDPParam, group: FSDPParamGroup, value: object) -> bool:
-    """Whether ``value``, what a slot FSDP2 manages holds now, is FSDP2's own parameter for it.
+def sharded_behind(fsdp_param: FSDPParam, group: FSDPParamGroup, value: Any) -> Any:
+    """The sharded parameter a slot FSDP2 manages stands for, given ``value``, what the slot holds now;
+    None where FSDP2 does not track that value.
 
-    FSDP2's forms are the sharded parameter (what the optimizer steps), the
-    unsharded one (a forward left the unit unsharded) and the post-forward
-    one (a partial reshard, ``reshard_after_forward=<int>``): behind all
-    three stands ``sharded_param``. Until FSDP2 adopts the module attributes
-    (its lazy init, or a summon's entry: ``adopt_module_params``) whatever a
-    slot holds is what FSDP2 will adopt, so it counts as FSDP2's. Anything
-    else was assigned after adoption, and FSDP2 does not track it.
+    FSDP2's forms of a parameter are the sharded one (what the optimizer
+    steps), the unsharded one (a forward left the unit unsharded) and the
+    post-forward one (a partial reshard, ``reshard_after_forward=<int>``):
+    behind all three stands ``sharded_param``. Until FSDP2 adopts the module
+    attributes (its lazy init, or a summon's entry: ``adopt_module_params``)
+    whatever a slot holds is what FSDP2 will adopt, so the slot's own value
+    is the answer. Anything else was assigned after adoption.
     """
     if not group._reset_sharded_params:
-        return True
-    return (value is fsdp_param.sharded_param or value is getattr(fsdp_param, "_unsharded_param", None)
-            or value is getattr(fsdp_param, "_sharded_post_forward_param", None))
+        return value
+    sharded = fsdp_param.sharded_param
+    if (value is sharded or value is getattr(fsdp_param, "_unsharded_param", None)
+            or value is getattr(fsdp_param, "_sharded_post_forward_param", None)):
+        return sharded
+    return None
 
 
 def unsharded_param_if_any(fsdp_param: FSDPParam) -> nn.Parameter | None:

@@ -223,21 +223,21 @@ def untracked_parameter(fqn: str) -> RuntimeError:
 
 
 def first_untracked_slot(entries: Iterable[ScopedParam], shardeds: Iterable[Any]) -> tuple[nn.Module, str] | None:
-    """The first slot of ``entries`` holding what FSDP2 does not track (``holds_fsdp2_form``), or None.
+    """The first slot of ``entries`` holding what FSDP2 does not track (``sharded_behind``), or None.
 
     ``shardeds``: each entry's ``sharded()``, resolved by the caller. The one
     test of "is this slot still FSDP2's" for the summon and the stream: both
     gather FSDP2's sharded parameter behind a slot, and both refuse where the
     slot holds something else.
     """
-    holds = fsdp2.holds_fsdp2_form
+    behind = fsdp2.sharded_behind
     for entry, sharded in zip(entries, shardeds):
         fsdp_param = entry.fsdp_param
         if fsdp_param is None:
             continue
         for module, name in entry.slots:
             value = module._parameters.get(name)
-            if value is not sharded and not holds(fsdp_param, entry.group, value):  # type: ignore[arg-type]
+            if value is not sharded and behind(fsdp_param, entry.group, value) is None:  # type: ignore[arg-type]
                 return module, name  # (``is sharded``, the common answer, costs no call)
     return None
 

@@ -128,10 +128,11 @@ def _distinct_params(model: nn.Module) -> list[_Distinct]:
             tensor: torch.Tensor = value
             if owner is not None:
                 # FSDP2's sharded parameter, whatever form the slot holds: resharded, unsharded or post-forward
-                tensor = fsdp2.sharded_param(owner[0])
-                if value is not tensor and not fsdp2.holds_fsdp2_form(owner[0], owner[1], value) \
-                        and registry.owner_of(key) is None:  # a live context's full parameter is FSDP2's too
-                    raise untracked_parameter(fqn)
+                tensor = fsdp2.sharded_behind(owner[0], owner[1], value)
+                if tensor is None:
+                    if registry.owner_of(key) is None:
+                        raise untracked_parameter(fqn)
+                    tensor = fsdp2.sharded_param(owner[0])  # a live context's full parameter: FSDP2's too
             identity: object = owner[0] if owner is not None else value
             if id(identity) in found:
                 found[id(identity)].names.append(fqn)  # a tie: named by its first name

@@ -192,3 +192,22 @@ def rank_writeback_sees_edits_through_data(case: str) -> None:
 @pytest.mark.parametrize("case", ["shard only", "full only", "both"])
 def test_writeback_sees_edits_through_data(dist_run, case):
     dist_run(2, rank_writeback_sees_edits_through_data, case)
+
+
+def rank_the_stream_serves_a_parameter_replaced_before_fsdp2_adopts() -> None:
+    from torch.distributed.tensor import Shard, distribute_tensor  # noqa: PLC0415
+
+    from _helpers import mesh1d  # noqa: PLC0415
+
+    model = shard_lm(build_lm())
+    new_weight = torch.randn(4 * 32, 32, generator=torch.Generator().manual_seed(3))
+    # before any forward: FSDP2 adopts what the slot holds (load_state_dict(assign=True) does this)
+    model.blocks[0].fc1.weight = nn.Parameter(distribute_tensor(new_weight, mesh1d(), [Shard(0)]))
+    streamed = dict(fsdp_shim.iter_full_params(model, rank0_only=False))
+    assert torch.equal(streamed["blocks.0.fc1.weight"], new_weight)
+    model(tokens_for(LMConfig()))  # FSDP2 adopts it: the stream still serves it, now through FSDP2
+    assert torch.equal(dict(fsdp_shim.iter_full_params(model, rank0_only=False))["blocks.0.fc1.weight"], new_weight)
+
+
+def test_the_stream_serves_a_parameter_replaced_before_fsdp2_adopts(dist_run):
+    dist_run(2, rank_the_stream_serves_a_parameter_replaced_before_fsdp2_adopts)
