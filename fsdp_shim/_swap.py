@@ -38,8 +38,8 @@ Two rules, FSDP1's for the body and a stricter one for entry:
   or nothing (see [Note: exit checks]), and the body's exception propagates.
 After a one-sided fault the process group is out of step (the other ranks'
 matching collective is still posted, or timed out): as with FSDP1 and
-FSDP2, the next collective on it may hang or time out. The README's
-Troubleshooting says what to do.
+FSDP2, the next collective on it may hang or time out.
+``docs/troubleshooting.md`` says what to do.
 
 [Note: units left unsharded]
 FSDP2 leaves the root unsharded after forward, and every unit with

@@ -40,7 +40,7 @@ NEXT_UNVERIFIED_TORCH = "2.16"
 SUPPORTED_TORCH = f"torch >= {MIN_TORCH}, < {NEXT_UNVERIFIED_TORCH}"
 
 #: Releases on which the whole suite and ``fsdp-shim check`` passed
-#: (``scripts/matrix.py``; the README's "Supported versions" table).
+#: (``scripts/matrix.py``; the table in ``docs/versions.md``).
 VERIFIED_TORCH: tuple[str, ...] = (
     "2.7.0", "2.7.1", "2.8.0", "2.9.1", "2.10.0", "2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0",
 )

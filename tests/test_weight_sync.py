@@ -8,8 +8,8 @@ rank 0 alone broadcasts every full parameter on the model-update group
 engine (rank 2) must receive exactly what it receives from FSDP1, in order,
 and nobody may hang: every group here has a short timeout, so a wait that
 would hang raises instead, and a dropped rank ends in an error on the
-others. Both transports; ``iter_full_params`` in the same shape. See the
-README's Troubleshooting for the ordering rule this relies on.
+others. Both transports; ``iter_full_params`` in the same shape. See
+``docs/troubleshooting.md`` for the ordering rule this relies on.
 """
 
 from __future__ import annotations
