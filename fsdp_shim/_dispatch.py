@@ -28,13 +28,9 @@ logger = logging.getLogger("fsdp_shim")
 Route = Literal["fsdp1", "dtensor", "none"]
 
 
-def route_for(module: Any, recurse: bool) -> Route:
-    """Which implementation serves ``summon_full_params(module, recurse=recurse)``."""
-    return _route(module, recurse)[0]
-
-
 def _route(module: Any, recurse: bool) -> tuple[Route, list[nn.Module] | None]:
-    """The route, and the scope's modules where finding it walked them (the swap reuses the walk)."""
+    """Which implementation serves ``summon_full_params(module, recurse=recurse)``, and the scope's
+    modules where finding it walked them (the swap reuses the walk)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"summon_full_params expects an nn.Module, got {type(module).__name__}")
     if recurse:

@@ -239,7 +239,7 @@ def _gather_fallback(
 
 class Gathered(NamedTuple):
     tensors: list[torch.Tensor | None]  # full tensors, None where not kept
-    layouts: list[Dim0Layout | None]  # fast-path layouts, for ``write_back_local``
+    layouts: list[Dim0Layout | None]  # fast-path layouts, for ``write_back_locals``
     plan: GatherPlan  # what the gather followed; a caller may pass it back for the same tensors
 
 

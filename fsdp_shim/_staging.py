@@ -40,11 +40,6 @@ class InFlight:
     work: Waitable | None = None
     send_buffer: torch.Tensor | None = None
 
-    @property
-    def receives(self) -> bool:
-        """Whether full tensors arrive on this rank."""
-        raise NotImplementedError
-
     def launched(self) -> InFlight:
         """This flight with its collective launched (a no-op for anything else); returns itself."""
         return self
@@ -61,10 +56,6 @@ class Landed(InFlight):
 
     padded_fulls: list[torch.Tensor] | None = None
 
-    @property
-    def receives(self) -> bool:
-        return self.padded_fulls is not None
-
 
 @dataclass(eq=False)
 class Flat(InFlight):
@@ -77,10 +68,6 @@ class Flat(InFlight):
 
     output: torch.Tensor | None = None
     launch: Callable[[], Waitable] | None = None
-
-    @property
-    def receives(self) -> bool:
-        return self.output is not None
 
     def launched(self) -> InFlight:
         if self.launch is not None:

@@ -162,6 +162,31 @@ def shard_state(sharded: DTensor) -> tuple[int, int, int]:
     return (sharded._version, id(local), local._version)
 
 
+def _judge_changes(item: _SwappedParam) -> None:
+    """What changed inside a ``writeback=True`` context, by version counters and by value.
+
+    See [Note: exit checks]. One compare where nothing changed (this rank's
+    slice of the full tensor against the shard); where they differ, each is
+    compared with the shard as it was at entry, to tell which side changed.
+    A ``Partial`` shard holds one of many values with the same reduction, so
+    only versions judge it, and it is always written.
+    """
+    item.shard_changed = shard_state(item.sharded) != item.shard_versions
+    item.full_changed = item.changed_full()
+    if item.current is _MISSING or any(p.is_partial() for p in item.sharded.placements):
+        return
+    if item.current.shape != item.sharded.shape:
+        item.full_changed = True  # ``p.data = other_shape``: write_back_locals refuses it
+        return
+    local = item.sharded._local_tensor
+    value = local_value(item.sharded, item.current.detach(), item.layout)
+    if value is None or same_bits(value, local):
+        item.nothing_to_write = True
+        return
+    item.shard_changed = item.shard_changed or not same_bits(local, item.shard_copy)
+    item.full_changed = item.full_changed or not same_bits(value, item.shard_copy)
+
+
 def _slot_fqn(root: nn.Module, slot: tuple[nn.Module, str]) -> str:
     """``slot``'s name as seen from ``root`` (for error messages; walks the tree)."""
     module, name = slot
@@ -189,6 +214,9 @@ class _SwappedParam:
     #: What the slots held at exit: ``full``, a replacement, or _MISSING. See [Note: exit checks].
     current: Any = None
     shard_changed: bool = False  # by someone else, inside the context (set at exit, before any replay)
+    full_changed: bool = False  # the full tensor (or its replacement) holds edits (set with shard_changed)
+    #: This rank's slice of ``current`` holds the shard's very bits: a write would change nothing.
+    nothing_to_write: bool = False
 
     def changed_full(self) -> bool:
         """Whether the full tensor may hold edits. See [Note: inference mode]."""
@@ -290,10 +318,18 @@ class _Swap:
             self.forget()
 
     def inspect(self) -> None:
-        """Record what each summoned tensor's slots hold now. See [Note: exit checks]."""
+        """Record what each summoned tensor's slots hold now, and under writeback what changed.
+
+        Before ``restore`` and before any conversion is replayed on the shards:
+        a replayed ``.to()`` changes shards by design. See [Note: exit checks].
+        """
+        self._inspect_slots()
+        if self.writeback:
+            for item in self.swapped:
+                _judge_changes(item)
+
+    def _inspect_slots(self) -> None:
         for item in self.swapped:
-            if self.writeback:  # by version here; by value, where it can matter, in ``write_back``
-                item.shard_changed = shard_state(item.sharded) != item.shard_versions
             slots = item.entry.slots
             if len(slots) == 1:  # the common case, and every summon's: one slot still holding the full tensor
                 module, name = slots[0]
@@ -360,20 +396,10 @@ class _Swap:
                 problems.append(f"{self.name(item)}: deleted (or tied slots replaced by different tensors) "
                                 "inside the context, so there is no value to write back")
                 continue
-            changed_full = item.changed_full()
-            # A Partial shard holds one of many values with the same reduction: only writing it says more.
-            partial = any(p.is_partial() for p in item.sharded.placements)
-            if not partial and item.current.shape == item.sharded.shape:  # edits no counter saw?
-                local = item.sharded._local_tensor
-                value = local_value(item.sharded, item.current.detach(), item.layout)
-                if value is None or same_bits(value, local):
-                    continue  # this rank's slice holds the shard's bits: nothing to write, nothing to lose
-                item.shard_changed = item.shard_changed or not same_bits(local, item.shard_copy)
-                changed_full = changed_full or not same_bits(value, item.shard_copy)
-            elif not partial:
-                changed_full = True  # ``p.data = other_shape``: write_back_locals refuses it
+            if item.nothing_to_write:
+                continue
             if item.shard_changed:
-                if changed_full:
+                if item.full_changed:
                     problems.append(
                         f"{self.name(item)}: changed inside the context and, separately, in its shard "
                         "(an optimizer step on the sharded parameter?); writeback would overwrite one of them"

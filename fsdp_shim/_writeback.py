@@ -21,18 +21,12 @@ from fsdp_shim._layout import Dim0Layout, dim0_layout
 
 
 @torch.no_grad()
-def write_back_local(dtensor: DTensor, full: torch.Tensor, layout: Dim0Layout | None = None) -> None:
-    """Copy this rank's slice of ``full`` into ``dtensor``'s local shard, in place.
+def write_back_locals(items: Sequence[tuple[DTensor, torch.Tensor, Dim0Layout | None]]) -> None:
+    """Copy this rank's slice of each ``full`` into its ``dtensor``'s local shard, in place.
 
     No collective. See [Note: writeback needs no collective]. ``layout`` is
-    the one the gather used, if it took the fast path.
-    """
-    write_back_locals([(dtensor, full, layout)])
-
-
-@torch.no_grad()
-def write_back_locals(items: Sequence[tuple[DTensor, torch.Tensor, Dim0Layout | None]]) -> None:
-    """``write_back_local`` for many tensors; the fast-path copies run as one foreach op.
+    the one the gather used, if it took the fast path. The fast-path copies
+    run as one foreach op.
 
     Every shape is checked before anything is written, so a bad tensor leaves
     all shards as they were.

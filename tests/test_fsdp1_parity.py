@@ -31,22 +31,45 @@ def _fsdp1():
 
 
 def _seen(model, kwargs):
-    """What a caller sees inside the context: {name: full tensor or None if still sharded}.
+    """What a caller sees inside the context: {name: (full tensor or None if still sharded, grad, device)}.
 
-    FSDP1's sharded views are flat, so a matrix of its full shape is summoned;
-    1-D parameters can sit whole in one rank's flat shard and are not judged.
+    Every parameter, 1-D ones included. FSDP1's sharded views are flat, so a
+    parameter is full there when it has its full shape; a 1-D parameter that
+    sits whole in this rank's flat shard looks full even unsummoned, which
+    ``_judge`` allows for.
     """
     reference = dict(build_lm().named_parameters())
     out = {}
     with FSDP.summon_full_params(model, **kwargs):
         for name, p in model.named_parameters():
             name = name.replace("_fsdp_wrapped_module.", "")
-            if reference[name].ndim < 2:
-                continue
             full = not isinstance(p, DTensor) and p.shape == reference[name].shape
             grad = None if p.grad is None else p.grad.detach().clone()
             out[name] = (p.detach().clone() if full else None, grad if full else None, p.device.type)
     return out
+
+
+def _expected_full(kwargs) -> set[str]:
+    """The parameters FSDP1's contract makes full on this rank: the root's own without ``recurse``."""
+    if kwargs.get("rank0_only") and rank() != 0:
+        return set()
+    names = {n for n, _ in build_lm().named_parameters()}
+    return names if kwargs.get("recurse", True) else {n for n in names if not n.startswith("blocks.")}
+
+
+def _judge(kwargs, one, two) -> None:
+    """FSDP2 through the shim shows exactly what FSDP1's contract says, with FSDP1's values."""
+    full_two = {k for k, v in two.items() if v[0] is not None}
+    assert full_two == _expected_full(kwargs), (kwargs, full_two ^ _expected_full(kwargs))
+    full_one = {k for k, v in one.items() if v[0] is not None}
+    matrices = {k for k in one if one[k][0] is None or one[k][0].ndim >= 2}  # a 1-D one may look full: see _seen
+    assert full_one & matrices == full_two & matrices, (kwargs, (full_one ^ full_two) & matrices)
+    assert full_two <= full_one, (kwargs, full_two - full_one)
+    for name in full_two:
+        assert torch.equal(one[name][0], two[name][0]), (kwargs, name)
+        assert one[name][2] == two[name][2], (kwargs, name)
+        if kwargs.get("with_grads"):
+            torch.testing.assert_close(one[name][1], two[name][1], rtol=0, atol=1e-6)
 
 
 def rank_same_view_as_fsdp1():
@@ -59,16 +82,7 @@ def rank_same_view_as_fsdp1():
             one = _seen(fsdp1, kwargs)
             with direct_always() if direct else contextlib.nullcontext():  # [Note: point to point]'s two forms
                 two = _seen(fsdp2, kwargs)
-            full_one = {k for k, v in one.items() if v[0] is not None}
-            full_two = {k for k, v in two.items() if v[0] is not None}
-            assert full_one == full_two, (kwargs, full_one ^ full_two)
-            for name in full_one:
-                assert torch.equal(one[name][0], two[name][0]), (kwargs, name)
-                assert one[name][2] == two[name][2], (kwargs, name)
-                if kwargs.get("with_grads"):
-                    torch.testing.assert_close(one[name][1], two[name][1], rtol=0, atol=1e-6)
-            if kwargs.get("rank0_only") and rank() != 0:
-                assert not full_two
+            _judge(kwargs, one, two)
         for kwargs in MISUSE:
             errors = []
             for model in (fsdp1, fsdp2):

@@ -16,7 +16,7 @@ from fsdp_shim._compat import STRIDED_SHARD_FULL_TENSOR_BROKEN
 from fsdp_shim._engine import gather_full_tensors, start_gather
 from fsdp_shim._layout import BUCKET_ENV, DEFAULT_BUCKET_MB, bucket_bytes_from_env, dim0_layout, plan_buckets
 from fsdp_shim._staging import AllOf, Flat, Landed
-from fsdp_shim._writeback import write_back_local
+from fsdp_shim._writeback import write_back_locals
 
 
 def _tensors(specs, seed=0):
@@ -43,7 +43,7 @@ def _check_roundtrip(specs, bucket_bytes):
         out.add_(1)
     for d, out, layout in zip(dtensors, got, layouts):
         assert layout == dim0_layout(d)
-        write_back_local(d, out, layout)
+        write_back_locals([(d, out, layout)])
     again = gather_full_tensors(dtensors, bucket_bytes=bucket_bytes).tensors
     for full, out in zip(fulls, again):
         assert torch.equal(out, full + 1)
@@ -156,7 +156,7 @@ def rank_non_contiguous_shards_and_broken_layouts():
     assert torch.equal(got[0], full)
     with direct_always():
         assert torch.equal(gather_full_tensors([dtensor]).tensors[0], full)
-    write_back_local(dtensor, got[0] * 2, layouts[0])
+    write_back_locals([(dtensor, got[0] * 2, layouts[0])])
     assert torch.equal(dtensor._local_tensor, full[4 * me: 4 * me + 4] * 2)
     # a Shard(0) DTensor whose shards are not torch.chunk slices: refused on every rank
     shape = (2 * world + 1, 2)  # torch.chunk gives the first ranks 3 rows; here the last has them
@@ -238,7 +238,8 @@ def _deliver_to_exactly_the_ranks_named(mesh, fulls, dtensors, shard_rank):
             assert out is None or torch.equal(out, full), receiver
         pending = start_gather(dtensors, receiver=receiver, bucket_bytes=300)
         flights = list(pending._flights)
-        received = [flight.receives for flight in flights]
+        received = [(flight.padded_fulls if isinstance(flight, Landed) else flight.output) is not None
+                    for flight in flights]
         moved = [flight.work is not None for flight in flights]
         # [Note: point to point]: small tensors travel packed, each sender's block into one output, copied out
         assert any(len(flight.bucket) > 1 for flight in flights)

@@ -36,5 +36,7 @@ def test_host_cost_reports_every_contender(tmp_path):
         for name in CONTENDERS:
             assert row["median_ms_per_unit"][name] > 0, name
             assert row["python_calls_per_unit"][name] > 0, name
-        assert row["ratio_to_unshard"]["unshard"] == [1.0, 1.0, 1.0]
+        for name in CONTENDERS:  # (first quartile, median, third quartile) of per-repetition ratios
+            low, median, high = row["ratio_to_unshard"][name]
+            assert 0 < low <= median <= high, (name, low, median, high)
     assert "summon_unit" in proc.stdout and "2 run(s)" in proc.stdout

@@ -96,15 +96,24 @@ def test_grad_modes_inside_a_context(dist_run):
     dist_run(2, rank_grad_modes_inside_a_context)
 
 
-def rank_buffers_kept_from_inference_mode_serve_later_summons():
-    """The CPU scratch buffers a summon under inference mode used are not reused outside it (0.4.3: refused copy)."""
+def rank_a_summon_after_one_under_inference_mode_edits_and_writes_back():
+    """Nothing a summon under ``inference_mode`` made (inference tensors) serves a later summon.
+
+    A later ``writeback=True`` summon edits its full parameters in place
+    outside inference mode, which an inference tensor refuses.
+    """
     ref, model = build_lm(), shard_lm(build_lm())
-    with patched(), transport("all_gather"):  # multi-tensor buckets: scratch outputs, kept for reuse
+    with patched(), transport("all_gather"):  # multi-tensor buckets
         with torch.inference_mode(), FSDP.summon_full_params(model, writeback=False):
             pass
+        with FSDP.summon_full_params(model, writeback=True), torch.no_grad():
+            assert_params_equal(model, ref)
+            model.norm.weight.mul_(2.0)
+        with torch.no_grad():
+            ref.norm.weight.mul_(2.0)
         with FSDP.summon_full_params(model, writeback=False):
             assert_params_equal(model, ref)
 
 
-def test_buffers_kept_from_inference_mode_serve_later_summons(dist_run):
-    dist_run(2, rank_buffers_kept_from_inference_mode_serve_later_summons)
+def test_a_summon_after_one_under_inference_mode_edits_and_writes_back(dist_run):
+    dist_run(2, rank_a_summon_after_one_under_inference_mode_edits_and_writes_back)
