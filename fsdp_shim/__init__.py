@@ -53,11 +53,19 @@ shim: checks the environment (``unsupported_reason``), then patches unless
 ``FSDP_SHIM_DISABLE`` is set. Any public call that needs torch activates
 first, so nothing observable depends on the order of the imports, and
 ``fsdp-shim --help`` answers without loading torch.
+
+A submodule imported first (``import fsdp_shim._swap``) imports FSDP part
+way through its own import, so the hook fires while the package is half
+built, and patching would import that very module. The hook then waits:
+each submodule has a post-import hook of its own (wrapt again), and the
+first one to fire with no other submodule still being imported activates.
 """
 
 from __future__ import annotations
 
 import logging
+import pkgutil
+import sys
 import threading
 from typing import TYPE_CHECKING, Any, ContextManager
 
@@ -175,9 +183,31 @@ def _activate() -> str | None:
         return unsupported_reason
 
 
+def _submodule_importing(besides: str = "") -> bool:
+    """Whether a submodule other than ``besides`` is part way through its import. See [Note: deferred activation]."""
+    prefix = f"{__name__}."
+    return any(
+        name.startswith(prefix) and name != besides and getattr(getattr(m, "__spec__", None), "_initializing", False)
+        for name, m in list(sys.modules.items())
+    )
+
+
 @wrapt.when_imported("torch.distributed.fsdp")
 def _on_fsdp_imported(_module: Any) -> None:
-    _activate()
+    if not _submodule_importing():
+        _activate()
+
+
+def _on_submodule_imported(module: Any) -> None:
+    """Activate, if the FSDP hook waited for this import chain to finish (see [Note: deferred activation])."""
+    if _activation == "pending" and "torch.distributed.fsdp" in sys.modules \
+            and not _submodule_importing(besides=module.__name__):
+        _activate()
+
+
+for _submodule in pkgutil.iter_modules(__path__):
+    if _submodule.name != "__main__":
+        wrapt.when_imported(f"{__name__}.{_submodule.name}")(_on_submodule_imported)
 
 
 def __getattr__(name: str) -> Any:
