@@ -319,9 +319,9 @@ def time_on_rank(cfg: BenchConfig) -> dict[str, object]:
 def _minor_faults() -> int:
     """This process's minor page faults so far: fresh memory touched for the first time.
 
-    A contender's time moves with them: the same per-unit loop at 12 x 768
-    took 129 ms without faults and 260 ms with 57,000, depending on what the
-    allocator had kept from earlier work. Reported so a reader can tell.
+    A contender's time moves with them, by as much as twice, depending on
+    what the allocator kept from earlier work (``docs/troubleshooting.md``
+    has a case). Reported so a reader can tell.
     """
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 

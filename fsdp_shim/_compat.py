@@ -1,8 +1,8 @@
 """DTensor and c10d differences between torch releases, named by behaviour.
 
-Everything here was read from each release's wheel and exercised by the
-version matrix (``scripts/matrix.py``) on 2.7.0 through 2.14.1. FSDP2's own
-differences live in ``_fsdp2_internals``, next door.
+Everything here was read from each release's wheel and is exercised by the
+version matrix (``scripts/matrix.py``; the runs are in ``docs/versions.md``).
+FSDP2's own differences live in ``_fsdp2_internals``, next door.
 
 [Note: torch versions]
 | behaviour                                               | releases           |
@@ -39,8 +39,11 @@ except ImportError:  # pragma: no cover - a future torch without it
 _TORCH = parse_version(torch.__version__)
 
 class grad_disabled:
-    """``torch.no_grad()`` for the summon's hot path: the same switch, without its ~3 us a use on CPU
-    (``torch.no_grad`` is a Python decorator-capable object; this is two C calls)."""
+    """``torch.no_grad()`` for the summon's hot path: the same switch, as two C calls.
+
+    ``torch.no_grad`` is a decorator-capable Python object whose every use
+    costs more than the switch itself; the per-unit loop enters one per unit
+    (figures: ``docs/host-cost.md``)."""
 
     __slots__ = ("_previous",)
 

@@ -61,11 +61,10 @@ DEFAULT_BUCKET_MB = 4.0
 #: own ``unshard()`` does, unless a bucket size was chosen (``bucket_mb``,
 #: ``FSDP_SHIM_BUCKET_MB``): the memory is at most what FSDP2's unshard of
 #: that unit holds, and a collective has a fixed cost that grows with the
-#: world size (fake backend, 1,024 ranks: about 1 ms each; the bench model's
-#: blocks, padded four-fold there, took four of them a unit, and the loop
-#: 1.5x FSDP2's, against 0.99x with one). Point to point (gloo) keeps the cap,
-#: measured best there; a summon of several units keeps it, bounding the
-#: memory beyond the full tensors.
+#: world size, so several a unit would cost more host time than FSDP2's one
+#: (``docs/host-cost.md``). Point to point (gloo) keeps the cap, measured best
+#: there; a summon of several units keeps it, bounding the memory beyond the
+#: full tensors.
 UNCAPPED = 1 << 62
 
 
@@ -115,7 +114,7 @@ _mesh_dims: dict[tuple[int, int], tuple[weakref.ref[DeviceMesh], tuple[dist.Proc
 
 
 def _mesh_dim(mesh: DeviceMesh, mesh_dim: int) -> tuple[dist.ProcessGroup, int, int]:
-    """(group, size, local rank) of one mesh dim, cached: DeviceMesh's lookups cost ~10 us each."""
+    """(group, size, local rank) of one mesh dim, cached: DeviceMesh's own lookups are slow Python."""
     key = (id(mesh), mesh_dim)
     cached = _mesh_dims.get(key)
     if cached is None or cached[0]() is not mesh:
@@ -169,9 +168,9 @@ def dim0_layout(dtensor: DTensor) -> Dim0Layout | None:
 
     Cached per ``DTensorSpec`` (mesh, placements and global shape, which a
     DTensor never changes) and local shape: an FSDP2 parameter keeps its
-    spec for life, and working the layout out costs ~13 us a tensor, a fifth
-    of a per-unit summon's Python. The spec is held weakly, its entry dropped
-    with it.
+    spec for life, and working the layout out is a sizeable part of a
+    per-unit summon's Python (``docs/host-cost.md``). The spec is held
+    weakly, its entry dropped with it.
     """
     spec = dtensor._spec
     local_shape = dtensor._local_tensor.shape

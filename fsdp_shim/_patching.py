@@ -59,8 +59,8 @@ def _bind(
     module: Any, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,
     offload_to_cpu: bool = False, with_grads: bool = False,
 ) -> tuple[Any, bool, bool, bool, bool, bool]:
-    """FSDP1's signature, bound by the interpreter (``inspect.Signature.bind`` cost ~25 us a call);
-    the arguments in FSDP1's order.
+    """FSDP1's signature, bound by the interpreter rather than ``inspect.Signature.bind`` (which costs
+    more than a whole per-unit summon's refusal checks); the arguments in FSDP1's order.
 
     ``test_patching`` checks that its parameters and defaults are FSDP1's exactly.
     """
