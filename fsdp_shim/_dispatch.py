@@ -15,11 +15,10 @@ from typing import Any, ContextManager, Literal
 
 import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel
-from torch.distributed.tensor import DTensor
 
-from fsdp_shim import _diagnostics
 from fsdp_shim._fsdp2_internals import is_fsdp2_module
 from fsdp_shim._layout import bucket_bytes_chosen
+from fsdp_shim._refusals import validate_args
 from fsdp_shim._scope import has_distributed_params, scope_modules
 from fsdp_shim._swap import summon_dtensor_params
 
@@ -42,31 +41,6 @@ def _route(module: Any, recurse: bool) -> tuple[Route, list[nn.Module] | None]:
         return "dtensor", None
     modules = scope_modules(module, recurse)
     return ("dtensor" if has_distributed_params(modules) else "none"), modules
-
-
-def validate_args(
-    writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_grads: bool, module: nn.Module | None = None
-) -> None:
-    """Reject what FSDP1's ``_validate_unshard_params_args`` rejects, with the same types.
-
-    FSDP1's warning comes from every rank; ours once per group (``_diagnostics``).
-    """
-    if with_grads and offload_to_cpu:
-        raise NotImplementedError(
-            f"with_grads={with_grads}, offload_to_cpu={offload_to_cpu} is not supported yet"
-        )
-    if writeback and rank0_only:
-        raise NotImplementedError("writeback=True and rank0_only=True is not supported yet")
-    if offload_to_cpu and not rank0_only:
-        mesh = None if module is None else next(
-            (p.device_mesh for p in module.parameters() if isinstance(p, DTensor)), None)
-        _diagnostics.warn(
-            "offload_to_cpu=True and rank0_only=False may result in the unsharded parameters "
-            "being redundantly copied to CPU memory for GPUs sharing the same CPU memory, which "
-            "risks CPU OOM. We recommend using offload_to_cpu=True with rank0_only=True.",
-            stacklevel=4,  # validate_args <- summon <- the patch's wrapper <- caller
-            mesh=mesh,
-        )
 
 
 def summon(

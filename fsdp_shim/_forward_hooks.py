@@ -22,7 +22,8 @@ from fsdp_shim import _fsdp2_internals as fsdp2
 from fsdp_shim._scope import module_label, states_of
 
 if TYPE_CHECKING:
-    from fsdp_shim._swap import _Swap, _SwappedParam
+    from fsdp_shim._exit_checks import SwappedParam
+    from fsdp_shim._swap import _Swap
 
 
 class _RaiseOnForward:
@@ -101,7 +102,7 @@ class _ForwardInParamDtype:
 
     __slots__ = ("_slots", "_depth", "_held")
 
-    def __init__(self, items: list[tuple[_SwappedParam, torch.dtype]]):
+    def __init__(self, items: list[tuple[SwappedParam, torch.dtype]]):
         self._slots = [(module, name, dtype) for item, dtype in items for module, name in item.entry.slots]
         self._depth = 0
         self._held: list[Any] = []
@@ -163,7 +164,7 @@ def install_forward_hooks(swap: _Swap, rank0_only: bool, keep: bool) -> None:
         return
     if not keep:
         return
-    by_group: dict[fsdp2.FSDPParamGroup, list[tuple[_SwappedParam, torch.dtype]]] = {}
+    by_group: dict[fsdp2.FSDPParamGroup, list[tuple[SwappedParam, torch.dtype]]] = {}
     for item in swap.swapped:
         group = item.entry.group
         if group is None:

@@ -33,17 +33,6 @@ casts through one module global, called with
 ``FSDPState._cast_forward_inputs``). The mend wraps that global (wrapt) and
 takes over only calls whose function is that partial; any other use of the
 name (2.13's functorch path) reaches torch's own.
-
-[Note: why every shadowing ModelOutput subclass]
-The fault is transformers' flatten, shared by every ``ModelOutput``
-subclass, not compose-rl's class: any output with a ``values``, ``keys`` or
-``items`` field breaks the same way, and a fix for one class leaves the
-next one broken. For a class without such a field, ``dict.values(o)`` is
-``o.values()``, so the mend changes nothing there and is not applied there.
-Classes defined before the mend are found by walking ``ModelOutput``'s
-subclasses; later ones through ``ModelOutput.__init_subclass__``, which
-transformers uses to register them. Only the Python pytree's entry is
-replaced (FSDP2 and transformers use that one).
 """
 
 from __future__ import annotations
@@ -162,7 +151,16 @@ def shadowed_dict_methods(cls: type) -> set[str]:
 class ModelOutputFlatten(Instrumentation):
     """pytree's flatten of ``ModelOutput`` subclasses whose fields shadow a ``dict`` method.
 
-    See the module docstring.
+    [Note: why every shadowing ModelOutput subclass]
+    The fault is transformers' flatten, shared by every ``ModelOutput``
+    subclass, not compose-rl's class: any output with a ``values``, ``keys`` or
+    ``items`` field breaks the same way, and a fix for one class leaves the
+    next one broken. For a class without such a field, ``dict.values(o)`` is
+    ``o.values()``, so the mend changes nothing there and is not applied there.
+    Classes defined before the mend are found by walking ``ModelOutput``'s
+    subclasses; later ones through ``ModelOutput.__init_subclass__``, which
+    transformers uses to register them. Only the Python pytree's entry is
+    replaced (FSDP2 and transformers use that one).
     """
 
     name = "model_output"

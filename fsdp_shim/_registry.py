@@ -78,7 +78,7 @@ def remove_fulls(swap: Any) -> None:
 
 
 def record_of(param: torch.Tensor) -> Any:
-    """The ``_SwappedParam`` record of a live full parameter (this very object), else None."""
+    """The ``SwappedParam`` record of a live full parameter (this very object), else None."""
     for swap in list(_full_swaps.values()):
         record = swap.record_of(id(param))
         if record is not None and record.full is param:

@@ -54,6 +54,15 @@ def slot_key(module: nn.Module, name: str) -> SlotKey:
     return (id(module), name)
 
 
+def slot_fqn(root: nn.Module, slot: tuple[nn.Module, str]) -> str:
+    """``slot``'s name as seen from ``root`` (for error messages; walks the tree)."""
+    module, name = slot
+    for prefix, candidate in root.named_modules(remove_duplicate=False):
+        if candidate is module:
+            return f"{prefix}.{name}" if prefix else name
+    return f"<{module_label(module)} outside {module_label(root)}>.{name}"
+
+
 @dataclass
 class ScopedParam:
     """One distinct DTensor parameter in scope and every slot that holds it."""

@@ -31,11 +31,11 @@ Two rules, FSDP1's for the body and a stricter one for entry:
   or all-gather, on one rank or all) writes nothing: the slots get their
   objects back, marks and hooks are undone, and the shards stay
   bit-identical, whatever ``writeback`` says. Full tensors whose values
-  never arrived are never read. 0.4.3 wrote them back: a stalled peer left
-  uninitialised memory (up to 1.7e38) in the training weights.
+  never arrived are never read: written back, they would put uninitialised
+  memory into the training weights.
 - A failure inside the body (the body reached means every value arrived)
   keeps FSDP1's rule: writeback still applies to the edits made there, all
-  or nothing (see [Note: exit checks]), and the body's exception propagates.
+  or nothing (see [Note: exit checks] in ``_exit_checks``), and the body's exception propagates.
 After a one-sided fault the process group is out of step (the other ranks'
 matching collective is still posted, or timed out): as with FSDP1 and
 FSDP2, the next collective on it may hang or time out.
@@ -47,48 +47,13 @@ FSDP2 leaves the root unsharded after forward, and every unit with
 as FSDP2's own ``state_dict()`` does, and gathered from its sharded
 parameters: they are what the optimizer updates, while the unsharded copy
 may be stale (an optimizer step after a ``no_grad`` forward leaves the copy
-at the old values, and FSDP2's state cannot tell; 0.4.3 served that copy).
+at the old values, and FSDP2's state cannot tell).
 The unit stays sharded when the context ends, and its next forward (or
 pre-backward) all-gathers again. FSDP1 instead keeps "storage behaviour the
-same as forward"; we do not, on evidence too: in plain FSDP2 (2.7 and 2.13,
-no shim involved), training that starts while a ``no_grad`` forward (eval,
-``generate()``) has left units unsharded drifts from the reference (Llama,
-2 ranks: 3.6e-2 after 2 SGD steps with the root unsharded, 1.0e-2 with
-``reshard_after_forward=False`` layers), and exact after ``reshard()``.
-
-[Note: exit checks]
-Before the slots are restored, each summoned tensor's slots are read: they
-hold its full tensor, a replacement (assignment, ``load_state_dict(assign=
-True)``), or nothing (deleted). ``requires_grad`` of what they hold carries over
-to the sharded parameter, as FSDP1 (``use_orig_params=True``) keeps it. Under
-``writeback=True`` a replacement is written back (FSDP1 writes back the new
-value of a replaced original parameter too), and the whole writeback is
-refused, with nothing written and every parameter named, for a deleted slot,
-or for a parameter changed both as a full tensor and in its shard (say an
-optimizer step on the sharded parameter): one of the two changes would be
-lost. A shard changed while its full tensor was not is left as it is.
-"Changed" is decided by version counters *and* by value: under
-``writeback=True`` entry keeps a copy of each local shard, and exit compares
-both the shard and this rank's slice of the full tensor with it, bit for
-bit, because an edit through ``.data`` (``p.data.copy_(new)``, optimizers
-that step ``p.data``) moves no counter. A full tensor whose slice still
-holds the shard's bits is not written (the write would change nothing). The
-decision is per rank, like the writeback itself: an edit that reaches only
-some ranks' slices is judged on each rank by what reached it.
-
-[Note: inference mode]
-A summon entered under ``torch.inference_mode()`` (generation code often is)
-gathers into inference tensors, which have no version counter, so an edit
-of a full tensor cannot be detected by version there. Such a full tensor
-counts as changed: ``writeback=True`` writes it back (FSDP1 writes every
-full parameter back anyway), and if its shard also changed inside the
-context, the writeback is refused as for any parameter changed on both
-sides (see [Note: exit checks]). Nothing else in the context reads a
-version of a full tensor except the cast cache of a forward in
-``param_dtype``, which then casts afresh each forward. Shards are FSDP2's
-parameters, made outside inference mode, and keep their counters.
-``no_grad`` and ``enable_grad`` inside change nothing here: versions are
-counted either way.
+same as forward"; we do not, on evidence too: in plain FSDP2, with no shim
+involved, training that starts while a ``no_grad`` forward (eval,
+``generate()``) has left units unsharded drifts from the reference, and is
+exact after ``reshard()`` (the figures: ``docs/semantics.md``).
 
 [Note: conversions inside]
 ``model.to(...)``, ``.cpu()``, ``.float()`` and friends end in ``_apply``.
@@ -105,7 +70,6 @@ outside would have left it, plus the writeback rule.
 from __future__ import annotations
 
 import logging
-import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -119,18 +83,11 @@ from torch.utils.hooks import RemovableHandle
 from fsdp_shim import _diagnostics
 from fsdp_shim import _fsdp2_internals as fsdp2
 from fsdp_shim import _registry as registry
-from fsdp_shim._compat import ungatherable_reason, writeback_refusal
 from fsdp_shim._engine import Gathered, gather_full_tensors
-from fsdp_shim._layout import (
-    UNCAPPED,
-    Dim0Layout,
-    Receiver,
-    mesh_dim_groups,
-    require_live_groups,
-    require_live_groups_of,
-)
-from fsdp_shim._writeback import local_value, same_bits, write_back_locals
+from fsdp_shim._exit_checks import SwappedParam, inspect_slots, judge_changes, shard_state, write_back
 from fsdp_shim._forward_hooks import install_forward_hooks
+from fsdp_shim._layout import UNCAPPED, Receiver
+from fsdp_shim._refusals import refuse_before_anything
 from fsdp_shim._scope import (
     Scope,
     ScopedParam,
@@ -138,92 +95,13 @@ from fsdp_shim._scope import (
     SummonPlan,
     cached_plan,
     collect_scope,
-    first_untracked_slot,
     module_label,
     plan_summon,
-    slot_key,
+    slot_fqn,
     states_of,
-    untracked_parameter,
 )
 
 logger = logging.getLogger("fsdp_shim")
-
-_MISSING = object()
-
-
-def shard_state(sharded: DTensor) -> tuple[int, int, int]:
-    """In-place changes to a shard: the DTensor's own version counter (DTensor ops bump it,
-    not the local tensor's) and the local tensor's (direct edits of ``_local_tensor``).
-
-    The shards are FSDP2's parameters, made outside any ``inference_mode``: they always
-    have version counters (an in-place edit inside ``inference_mode`` bumps them too).
-    """
-    local = sharded._local_tensor
-    return (sharded._version, id(local), local._version)
-
-
-def _judge_changes(item: _SwappedParam) -> None:
-    """What changed inside a ``writeback=True`` context, by version counters and by value.
-
-    See [Note: exit checks]. One compare where nothing changed (this rank's
-    slice of the full tensor against the shard); where they differ, each is
-    compared with the shard as it was at entry, to tell which side changed.
-    A ``Partial`` shard holds one of many values with the same reduction, so
-    only versions judge it, and it is always written.
-    """
-    item.shard_changed = shard_state(item.sharded) != item.shard_versions
-    item.full_changed = item.changed_full()
-    if item.current is _MISSING or any(p.is_partial() for p in item.sharded.placements):
-        return
-    if item.current.shape != item.sharded.shape:
-        item.full_changed = True  # ``p.data = other_shape``: write_back_locals refuses it
-        return
-    local = item.sharded._local_tensor
-    value = local_value(item.sharded, item.current.detach(), item.layout)
-    if value is None or same_bits(value, local):
-        item.nothing_to_write = True
-        return
-    item.shard_changed = item.shard_changed or not same_bits(local, item.shard_copy)
-    item.full_changed = item.full_changed or not same_bits(value, item.shard_copy)
-
-
-def _slot_fqn(root: nn.Module, slot: tuple[nn.Module, str]) -> str:
-    """``slot``'s name as seen from ``root`` (for error messages; walks the tree)."""
-    module, name = slot
-    for prefix, candidate in root.named_modules(remove_duplicate=False):
-        if candidate is module:
-            return f"{prefix}.{name}" if prefix else name
-    return f"<{module_label(module)} outside {module_label(root)}>.{name}"
-
-
-@dataclass(slots=True)
-class _SwappedParam:
-    """One scoped parameter (or DTensor buffer) while summoned."""
-
-    entry: ScopedParam
-    sharded: DTensor  # the DTensor parameter, unchanged, restored on exit
-    full: torch.Tensor  # what every slot holds inside: an nn.Parameter (a plain tensor for buffers)
-    layout: Dim0Layout | None  # how it was gathered; writeback reuses it
-    #: full._version once its values arrived; None for an inference tensor (no version counter).
-    full_version: int | None = 0
-    #: See shard_state; recorded only under writeback, the one reader of it and of ``shard_changed``.
-    shard_versions: tuple[int, int, int] = (0, 0, 0)
-    #: The local shard's values at entry, under writeback only: an edit through ``.data`` moves no
-    #: version counter, so exit compares values too. See [Note: exit checks].
-    shard_copy: torch.Tensor | None = None
-    #: What the slots held at exit: ``full``, a replacement, or _MISSING. See [Note: exit checks].
-    current: Any = None
-    shard_changed: bool = False  # by someone else, inside the context (set at exit, before any replay)
-    full_changed: bool = False  # the full tensor (or its replacement) holds edits (set with shard_changed)
-    #: This rank's slice of ``current`` holds the shard's very bits: a write would change nothing.
-    nothing_to_write: bool = False
-
-    def changed_full(self) -> bool:
-        """Whether the full tensor may hold edits. See [Note: inference mode]."""
-        if self.current is not self.full or self.full_version is None:
-            return True
-        return self.full._version != self.full_version
-
 
 @dataclass(slots=True)
 class _Swap:
@@ -231,7 +109,7 @@ class _Swap:
     writeback: bool
     with_grads: bool = False
     thread: int = field(default_factory=registry.current_thread)
-    swapped: list[_SwappedParam] = field(default_factory=list)
+    swapped: list[SwappedParam] = field(default_factory=list)
     originals: list[tuple[ScopedParam, nn.Module, str, Any]] = field(default_factory=list)
     marks: list[fsdp2.GroupMark] = field(default_factory=list)
     hooks: list[RemovableHandle] = field(default_factory=list)
@@ -244,10 +122,10 @@ class _Swap:
     body_ran: bool = False
     #: Built on demand from ``originals`` and ``swapped`` (``slot_keys``, ``record_of``).
     _slot_keys: set[SlotKey] | None = None
-    _records: dict[int, _SwappedParam] | None = None
+    _records: dict[int, SwappedParam] | None = None
 
-    def name(self, item: _SwappedParam) -> str:
-        return _slot_fqn(self.scope.root, item.entry.slots[0])
+    def name(self, item: SwappedParam) -> str:
+        return slot_fqn(self.scope.root, item.entry.slots[0])
 
     # -- entry -----------------------------------------------------------
     def swap_in(self, dtensors: list[DTensor], gathered: Gathered, grads: dict[int, torch.Tensor]) -> None:
@@ -263,7 +141,7 @@ class _Swap:
                          if type(full) is torch.Tensor else nn.Parameter(full, requires_grad=sharded.requires_grad))
                 if index in grads:
                     value.grad = grads[index]
-            swapped = _SwappedParam(entry, sharded, value, layout,
+            swapped = SwappedParam(entry, sharded, value, layout,
                                     None if value.is_inference() else value._version,  # its values are in
                                     shard_state(sharded) if writeback else (0, 0, 0),
                                     sharded._local_tensor.clone() if writeback else None)
@@ -318,33 +196,12 @@ class _Swap:
             self.forget()
 
     def inspect(self) -> None:
-        """Record what each summoned tensor's slots hold now, and under writeback what changed.
-
-        Before ``restore`` and before any conversion is replayed on the shards:
-        a replayed ``.to()`` changes shards by design. See [Note: exit checks].
-        """
-        self._inspect_slots()
+        """Record what the slots hold and, under writeback, what changed: before ``restore`` and before
+        any conversion is replayed on the shards. See [Note: exit checks] in ``_exit_checks``."""
+        inspect_slots(self.swapped)
         if self.writeback:
             for item in self.swapped:
-                _judge_changes(item)
-
-    def _inspect_slots(self) -> None:
-        for item in self.swapped:
-            slots = item.entry.slots
-            if len(slots) == 1:  # the common case, and every summon's: one slot still holding the full tensor
-                module, name = slots[0]
-                if (module._buffers if item.entry.is_buffer else module._parameters).get(name) is item.full:
-                    item.current = item.full
-                    continue
-            values = [item.entry.tensors(m).get(n, _MISSING) for m, n in slots]
-            if any(v is _MISSING or v is None for v in values):
-                item.current = _MISSING
-                continue
-            replacements = list({id(v): v for v in values if v is not item.full}.values())
-            if len(replacements) > 1 and not all(torch.equal(replacements[0], v) for v in replacements[1:]):
-                item.current = _MISSING  # tied slots replaced by different values: no one value
-            else:
-                item.current = replacements[0] if replacements else item.full
+                judge_changes(item)
 
     def restore(self) -> None:
         """Every slot gets back the exact object it held; marks and suspended hooks undone.
@@ -388,33 +245,7 @@ class _Swap:
                 )
 
     def write_back(self, with_grads: bool) -> None:
-        """All or nothing: every parameter is checked before the first byte is written."""
-        problems: list[str] = []
-        items: list[tuple[DTensor, torch.Tensor, Dim0Layout | None]] = []
-        for item in self.swapped:
-            if item.current is _MISSING:
-                problems.append(f"{self.name(item)}: deleted (or tied slots replaced by different tensors) "
-                                "inside the context, so there is no value to write back")
-                continue
-            if item.nothing_to_write:
-                continue
-            if item.shard_changed:
-                if item.full_changed:
-                    problems.append(
-                        f"{self.name(item)}: changed inside the context and, separately, in its shard "
-                        "(an optimizer step on the sharded parameter?); writeback would overwrite one of them"
-                    )
-                continue  # the shard's own change stands; the full tensor holds nothing new
-            items.append((item.sharded, item.current.detach(), item.layout))
-        if problems:
-            raise RuntimeError("summon_full_params writeback refused, nothing written:\n  " + "\n  ".join(problems))
-        write_back_locals(items)
-        if with_grads:
-            write_back_locals([
-                (item.sharded.grad, item.full.grad, None)  # type: ignore[misc]
-                for item in self.swapped
-                if item.sharded.grad is not None and item.full.grad is not None
-            ])
+        write_back(self.swapped, self.name, with_grads)
 
     def forget(self) -> None:
         registry.remove_fulls(self)
@@ -428,7 +259,7 @@ class _Swap:
             self._slot_keys = {(id(module), name) for _, module, name, _ in self.originals}
         return self._slot_keys
 
-    def record_of(self, param_id: int) -> _SwappedParam | None:
+    def record_of(self, param_id: int) -> SwappedParam | None:
         """The record of this context's full parameter with ``id`` ``param_id``, if any (buffers are not)."""
         if self._records is None:
             self._records = {id(item.full): item for item in self.swapped if not item.entry.is_buffer}
@@ -480,72 +311,6 @@ def _gather_grads(
     return {i: g for i, g in zip(with_grad, gathered.tensors) if g is not None}
 
 
-#: Said when a summon happens during forward or backward; FSDP1's own sentence comes first.
-FORWARD_BACKWARD_ERROR = "Cannot manually unshard parameters during forward/backward"
-
-
-def _refuse_before_anything(
-    module: nn.Module, scope: Scope, writeback: bool, thread: int, plan: SummonPlan | None = None
-) -> tuple[list[dist.ProcessGroup], list[DTensor]]:
-    """Every misuse this call can detect, before any collective or change, alike on every rank.
-
-    Returns the process groups the call gathers over (every dim of every
-    mesh in scope), checked alive: the engine need not check again; and
-    each scoped parameter's DTensor, as resolved now (``_prepare`` reuses
-    them unless FSDP2 adopts other ones). With a
-    ``plan``, the checks that depend on a DTensor's spec alone (placements,
-    meshes) are skipped for the specs it passed before (see [Note: summon
-    plans] in ``_scope``); the rest runs on every call.
-    """
-    busy = fsdp2.busy_training_state(scope.states, list(scope.groups))
-    if busy is not None:
-        raise AssertionError(
-            f"{FORWARD_BACKWARD_ERROR}: summon_full_params({module_label(module)}) during FSDP2 "
-            f"forward/backward (training state {busy})"
-        )
-    if registry.has_live_slots():  # a context open in any thread: are any of ours in another one's?
-        for entry in scope.params:
-            for slot in entry.slots:
-                owner = registry.owner_of(slot_key(*slot))
-                if owner is not None and owner.thread != thread:
-                    raise RuntimeError(
-                        f"summon_full_params({module_label(module)}) refused: {_slot_fqn(module, slot)!r} is "
-                        "summoned by a context in another thread. Use one thread per rank for collectives."
-                    )
-    shardeds: list[DTensor] = [entry.sharded() for entry in scope.params]  # type: ignore[misc]
-    untracked = first_untracked_slot(scope.params, shardeds)
-    if untracked is not None:
-        raise untracked_parameter(_slot_fqn(module, untracked))
-    specs = []
-    for entry, sharded in zip(scope.params, shardeds):
-        if sharded._local_tensor.is_meta:  # FSDP2's lazy init would fail half way and leave its state broken
-            raise RuntimeError(
-                f"summon_full_params({module_label(module)}) refused: {_slot_fqn(module, entry.slots[0])!r} is "
-                "still on the meta device. Materialise the model first (model.to_empty(device=...), then "
-                "initialise its parameters); nothing was changed."
-            )
-        specs.append(sharded._spec)
-    if (plan is not None and plan.groups is not None and (plan.checked_writeback or not writeback)
-            and plan.checked_specs is not None and len(specs) == len(plan.checked_specs)
-            and all(map(operator.is_, specs, plan.checked_specs))):  # by identity: equal meshes may hold other groups
-        require_live_groups_of(plan.groups)
-        return plan.groups, shardeds
-    meshes: dict[int, DTensor] = {}  # one DTensor a mesh
-    for entry, sharded in zip(scope.params, shardeds):
-        placements = sharded.placements
-        reason = ungatherable_reason(placements)
-        if reason is None and writeback:
-            reason = writeback_refusal(placements)
-        if reason is not None:
-            raise NotImplementedError(f"cannot summon {_slot_fqn(module, entry.slots[0])!r}: {reason}")
-        meshes.setdefault(id(sharded.device_mesh), sharded)
-    require_live_groups(list(meshes.values()))
-    groups = list({id(g): g for d in meshes.values() for g in mesh_dim_groups(d.device_mesh)}.values())
-    if plan is not None:
-        plan.checked_specs, plan.checked_writeback, plan.groups = specs, writeback, groups
-    return groups, shardeds
-
-
 def _one_unit(scope: Scope) -> bool:
     """Whether the scope is one FSDP2 unit's parameters and nothing else (see [Note: one unit, one collective])."""
     return len(scope.groups) == 1 and all(entry.fsdp_param is not None for entry in scope.params)
@@ -586,7 +351,7 @@ class summon_dtensor_params:
     (which never writes back there: the body did not run), then the
     registry. ``__exit__`` undoes them all, also when the body raised. A
     class rather than a generator and an ``ExitStack``: weight sync enters
-    one per unit, and those cost ~10 us a call on the host.
+    one per unit, and those cost host time per call (``docs/host-cost.md``).
     """
 
     __slots__ = ("_args", "_swap", "_leave")
@@ -619,7 +384,7 @@ class summon_dtensor_params:
         if not scope.params:
             return  # no-op: nothing distributed in scope, or all summoned by an enclosing call
         # 1. refuse: misuse raises here, alike on every rank, before any change or collective.
-        groups, shardeds = _refuse_before_anything(module, scope, writeback, thread, plan)
+        groups, shardeds = refuse_before_anything(module, scope, writeback, thread, plan)
         registry.enter(thread, groups, module_label(module))
         try:
             started = time.perf_counter()

@@ -1,0 +1,123 @@
+"""Every check a summon makes before any change or collective, alike on every rank.
+
+FSDP1's argument checks (``validate_args``, with FSDP1's exception types);
+then, in ``refuse_before_anything``: a forward or backward in progress,
+another thread's context, a parameter FSDP2 does not track, the meta device,
+placements that cannot be gathered or written back, and dead process groups.
+A check that raises here leaves everything as it was: nothing has been
+changed or sent yet.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from fsdp_shim import _diagnostics
+from fsdp_shim import _fsdp2_internals as fsdp2
+from fsdp_shim import _registry as registry
+from fsdp_shim._compat import ungatherable_reason, writeback_refusal
+from fsdp_shim._layout import mesh_dim_groups, require_live_groups, require_live_groups_of
+from fsdp_shim._scope import (
+    Scope,
+    SummonPlan,
+    first_untracked_slot,
+    module_label,
+    slot_fqn,
+    slot_key,
+    untracked_parameter,
+)
+
+
+def validate_args(
+    writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_grads: bool, module: nn.Module | None = None
+) -> None:
+    """Reject what FSDP1's ``_validate_unshard_params_args`` rejects, with the same types.
+
+    FSDP1's warning comes from every rank; ours once per group (``_diagnostics``).
+    """
+    if with_grads and offload_to_cpu:
+        raise NotImplementedError(
+            f"with_grads={with_grads}, offload_to_cpu={offload_to_cpu} is not supported yet"
+        )
+    if writeback and rank0_only:
+        raise NotImplementedError("writeback=True and rank0_only=True is not supported yet")
+    if offload_to_cpu and not rank0_only:
+        mesh = None if module is None else next(
+            (p.device_mesh for p in module.parameters() if isinstance(p, DTensor)), None)
+        _diagnostics.warn(
+            "offload_to_cpu=True and rank0_only=False may result in the unsharded parameters "
+            "being redundantly copied to CPU memory for GPUs sharing the same CPU memory, which "
+            "risks CPU OOM. We recommend using offload_to_cpu=True with rank0_only=True.",
+            stacklevel=4,  # validate_args <- summon <- the patch's wrapper <- caller
+            mesh=mesh,
+        )
+
+
+#: Said when a summon happens during forward or backward; FSDP1's own sentence comes first.
+FORWARD_BACKWARD_ERROR = "Cannot manually unshard parameters during forward/backward"
+
+
+def refuse_before_anything(
+    module: nn.Module, scope: Scope, writeback: bool, thread: int, plan: SummonPlan | None = None
+) -> tuple[list[dist.ProcessGroup], list[DTensor]]:
+    """Every misuse this call can detect, before any collective or change, alike on every rank.
+
+    Returns the process groups the call gathers over (every dim of every
+    mesh in scope), checked alive: the engine need not check again; and
+    each scoped parameter's DTensor, as resolved now (``_swap._prepare`` reuses
+    them unless FSDP2 adopts other ones). With a
+    ``plan``, the checks that depend on a DTensor's spec alone (placements,
+    meshes) are skipped for the specs it passed before (see [Note: summon
+    plans] in ``_scope``); the rest runs on every call.
+    """
+    busy = fsdp2.busy_training_state(scope.states, list(scope.groups))
+    if busy is not None:
+        raise AssertionError(
+            f"{FORWARD_BACKWARD_ERROR}: summon_full_params({module_label(module)}) during FSDP2 "
+            f"forward/backward (training state {busy})"
+        )
+    if registry.has_live_slots():  # a context open in any thread: are any of ours in another one's?
+        for entry in scope.params:
+            for slot in entry.slots:
+                owner = registry.owner_of(slot_key(*slot))
+                if owner is not None and owner.thread != thread:
+                    raise RuntimeError(
+                        f"summon_full_params({module_label(module)}) refused: {slot_fqn(module, slot)!r} is "
+                        "summoned by a context in another thread. Use one thread per rank for collectives."
+                    )
+    shardeds: list[DTensor] = [entry.sharded() for entry in scope.params]  # type: ignore[misc]
+    untracked = first_untracked_slot(scope.params, shardeds)
+    if untracked is not None:
+        raise untracked_parameter(slot_fqn(module, untracked))
+    specs = []
+    for entry, sharded in zip(scope.params, shardeds):
+        if sharded._local_tensor.is_meta:  # FSDP2's lazy init would fail half way and leave its state broken
+            raise RuntimeError(
+                f"summon_full_params({module_label(module)}) refused: {slot_fqn(module, entry.slots[0])!r} is "
+                "still on the meta device. Materialise the model first (model.to_empty(device=...), then "
+                "initialise its parameters); nothing was changed."
+            )
+        specs.append(sharded._spec)
+    if (plan is not None and plan.groups is not None and (plan.checked_writeback or not writeback)
+            and plan.checked_specs is not None and len(specs) == len(plan.checked_specs)
+            and all(map(operator.is_, specs, plan.checked_specs))):  # by identity: equal meshes may hold other groups
+        require_live_groups_of(plan.groups)
+        return plan.groups, shardeds
+    meshes: dict[int, DTensor] = {}  # one DTensor a mesh
+    for entry, sharded in zip(scope.params, shardeds):
+        placements = sharded.placements
+        reason = ungatherable_reason(placements)
+        if reason is None and writeback:
+            reason = writeback_refusal(placements)
+        if reason is not None:
+            raise NotImplementedError(f"cannot summon {slot_fqn(module, entry.slots[0])!r}: {reason}")
+        meshes.setdefault(id(sharded.device_mesh), sharded)
+    require_live_groups(list(meshes.values()))
+    groups = list({id(g): g for d in meshes.values() for g in mesh_dim_groups(d.device_mesh)}.values())
+    if plan is not None:
+        plan.checked_specs, plan.checked_writeback, plan.groups = specs, writeback, groups
+    return groups, shardeds
