@@ -29,13 +29,13 @@ some ranks' slices is judged on each rank by what reached it.
 A summon entered under ``torch.inference_mode()`` (generation code often is)
 gathers into inference tensors, which have no version counter, so an edit
 of a full tensor cannot be detected by version there. Such a full tensor
-counts as changed: ``writeback=True`` writes it back (FSDP1 writes every
-full parameter back anyway), and if its shard also changed inside the
-context, the writeback is refused as for any parameter changed on both
-sides (see [Note: exit checks]). Nothing else in the context reads a
-version of a full tensor except the cast cache of a forward in
-``param_dtype``, which then casts afresh each forward. Shards are FSDP2's
-parameters, made outside inference mode, and keep their counters.
+counts as changed by version, and the value compare of [Note: exit checks]
+decides: a slice that still holds the shard's bits is not written, any
+other is, and if its shard also changed inside the context the writeback is
+refused as for any parameter changed on both sides. Nothing else in the
+context reads a version of a full tensor (a forward inside casts afresh
+every time). Shards are FSDP2's parameters, made outside inference mode,
+and keep their counters.
 ``no_grad`` and ``enable_grad`` inside change nothing here: versions are
 counted either way.
 """
@@ -55,8 +55,6 @@ from fsdp_shim._writeback import local_value, same_bits, write_back_locals
 
 #: What a slot of a summoned tensor holds at exit when it holds nothing (deleted inside).
 MISSING = object()
-
-
 
 
 def shard_state(sharded: DTensor) -> tuple[int, int, int]:
@@ -110,7 +108,7 @@ class SwappedParam:
     #: The local shard's values at entry, under writeback only: an edit through ``.data`` moves no
     #: version counter, so exit compares values too. See [Note: exit checks].
     shard_copy: torch.Tensor | None = None
-    #: What the slots held at exit: ``full``, a replacement, or _MISSING. See [Note: exit checks].
+    #: What the slots held at exit: ``full``, a replacement, or ``MISSING``. See [Note: exit checks].
     current: Any = None
     shard_changed: bool = False  # by someone else, inside the context (set at exit, before any replay)
     full_changed: bool = False  # the full tensor (or its replacement) holds edits (set with shard_changed)
