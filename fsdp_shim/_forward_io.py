@@ -188,7 +188,8 @@ class ModelOutputFlatten(Instrumentation):
         self._base = base
 
     def _mend(self, cls: type) -> None:
-        if not shadowed_dict_methods(cls):
+        shadowed = shadowed_dict_methods(cls)
+        if not shadowed:
             return
         with _pytree._NODE_REGISTRY_LOCK:
             node = _pytree.SUPPORTED_NODES.get(cls)
@@ -198,7 +199,7 @@ class ModelOutputFlatten(Instrumentation):
             _pytree.SUPPORTED_NODES[cls] = node._replace(flatten_fn=_dict_flatten, flatten_with_keys_fn=with_keys)
             self._originals[cls] = node
         logger.debug("pytree flatten of %s.%s reads the dict itself (fields shadow %s)",
-                     cls.__module__, cls.__qualname__, ", ".join(sorted(shadowed_dict_methods(cls))))
+                     cls.__module__, cls.__qualname__, ", ".join(sorted(shadowed)))
 
     def _undo(self, module: ModuleType) -> None:
         wrapt.unwrap_object(self._base, "__init_subclass__", self._hook, missing_ok=True)
