@@ -35,30 +35,9 @@ parameter). Contexts are per thread: one thread per rank issues collectives.
 sync runs unchanged) and the instance form ``unit.summon_full_params(unit)``.
 The README lists the exact semantics next to FSDP1's.
 
-Supported: torch >= 2.7, < 2.16 (verified on every release from 2.7.0 to
-2.15.0) and wrapt >= 2.5. A newer torch is served if every FSDP2 internal
-the shim reads is present (with a warning); on any other torch a summon of a
-DTensor module raises instead of doing nothing, and
-``FSDP_SHIM_ALLOW_UNSUPPORTED_TORCH=1`` gathers anyway.
-
-Set ``FSDP_SHIM_DISABLE=1`` to import without patching, and
-``FSDP_SHIM_BUCKET_MB`` to change the gather bucket size.
-
-[Note: deferred activation]
-``import fsdp_shim`` imports neither torch nor anything that does: it
-registers a wrapt post-import hook on ``torch.distributed.fsdp``, which fires
-at once if FSDP is already imported and otherwise the moment it is, before
-any caller can reach ``FullyShardedDataParallel``. The hook *activates* the
-shim: checks the environment (``unsupported_reason``), then patches unless
-``FSDP_SHIM_DISABLE`` is set. Any public call that needs torch activates
-first, so nothing observable depends on the order of the imports, and
-``fsdp-shim --help`` answers without loading torch.
-
-A submodule imported first (``import fsdp_shim._swap``) imports FSDP part
-way through its own import, so the hook fires while the package is half
-built, and patching would import that very module. The hook then waits:
-each submodule has a post-import hook of its own (wrapt again), and the
-first one to fire with no other submodule still being imported activates.
+Supported: torch >= 2.7, < 2.16 and wrapt >= 2.5; on a torch it cannot
+serve, a DTensor summon raises instead of doing nothing (the policy, and the
+environment switches: ``docs/versions.md`` and the README).
 """
 
 from __future__ import annotations
@@ -128,13 +107,13 @@ def _environment_problem() -> tuple[str | None, str | None]:
     allowed = _versions.env_flag(_versions.ALLOW_UNSUPPORTED_TORCH_ENV)
     override = f"set {_versions.ALLOW_UNSUPPORTED_TORCH_ENV}=1 to gather anyway, at your own risk"
     try:
-        from fsdp_shim import _fsdp2_internals  # noqa: PLC0415
+        from fsdp_shim import _fsdp2_probe  # noqa: PLC0415
     except ImportError as exc:  # the FSDP2 internals we rely on moved
         return None, f"torch {version} lacks the FSDP2 internals fsdp_shim uses ({exc})"
     if _versions.is_supported_torch(version):
         return None, None
     if _versions.is_newer_than_supported(version):
-        missing = _fsdp2_internals.missing_internals()
+        missing = _fsdp2_probe.missing_internals()
         if not missing:
             _diagnostics.log_warning(
                 "fsdp_shim: torch %s is newer than the verified %s; every FSDP2 internal fsdp_shim reads is "
@@ -157,6 +136,22 @@ def _activate() -> str | None:
 
     Re-entrant: checking imports ``torch.distributed.fsdp``, whose post-import
     hook calls back here and returns at once; the outer call finishes the work.
+
+    [Note: deferred activation]
+    ``import fsdp_shim`` imports neither torch nor anything that does: it
+    registers a wrapt post-import hook on ``torch.distributed.fsdp``, which fires
+    at once if FSDP is already imported and otherwise the moment it is, before
+    any caller can reach ``FullyShardedDataParallel``. The hook *activates* the
+    shim: checks the environment (``unsupported_reason``), then patches unless
+    ``FSDP_SHIM_DISABLE`` is set. Any public call that needs torch activates
+    first, so nothing observable depends on the order of the imports, and
+    ``fsdp-shim --help`` answers without loading torch.
+
+    A submodule imported first (``import fsdp_shim._swap``) imports FSDP part
+    way through its own import, so the hook fires while the package is half
+    built, and patching would import that very module. The hook then waits:
+    each submodule has a post-import hook of its own (wrapt again), and the
+    first one to fire with no other submodule still being imported activates.
     """
     global _activation, unsupported_reason, _refusal
     with _activation_lock:

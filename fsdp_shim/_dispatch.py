@@ -20,7 +20,7 @@ from fsdp_shim._fsdp2_internals import is_fsdp2_module
 from fsdp_shim._layout import bucket_bytes_chosen
 from fsdp_shim._refusals import validate_args
 from fsdp_shim._scope import has_distributed_params, scope_modules
-from fsdp_shim._swap import summon_dtensor_params
+from fsdp_shim._swap import DTensorSummon
 
 logger = logging.getLogger("fsdp_shim")
 
@@ -65,7 +65,7 @@ def summon(
     # Checked at the call, which a with statement makes at once: FSDP1 checks at __enter__, one step later.
     validate_args(writeback, rank0_only, offload_to_cpu, with_grads, module)
     bucket_bytes, chosen = bucket_bytes_chosen(bucket_mb)
-    return summon_dtensor_params(
+    return DTensorSummon(
         module, recurse=recurse, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu,
         with_grads=with_grads, bucket_bytes=bucket_bytes, modules=modules, bucket_chosen=chosen,
     )

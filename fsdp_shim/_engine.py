@@ -22,14 +22,6 @@ the all-gather input and nothing is copied in either. Tensors larger than the
 bucket cap always take this path: the gather moves each byte once, as
 FSDP1's flat parameter does.
 
-[Note: a group of one]
-When the shard mesh dim has one rank (one GPU, or HSDP with one shard per
-replica), nothing is exchanged: each full tensor is a fresh copy of its
-shard (cast on the way where asked), made in one ``_foreach_copy_`` per
-bucket. The copy is still needed: results never alias live shards, so
-``writeback=False`` edits are discarded as FSDP1's ``FULL_SHARD`` discards
-them.
-
 [Note: staged, then launched]
 A bucket starts in two steps. Staging does the CPU's part: the padded input
 copied in and cast, the output or full tensors allocated. Launching posts
@@ -41,13 +33,8 @@ it waits for batch ``k``: the copies and casts run while batch ``k`` is on
 the wire. A collective (NCCL) is launched only once batch ``k`` is in, so
 the process group never holds more than one batch's collectives.
 
-[Note: cast before gather]
-With ``cast_to`` (``iter_full_params(dtype=...)``), each floating local shard
-is cast while it is copied into the bucket, so the all-gather moves the cast
-bytes (half of fp32 for bf16) and the full tensor is born in that dtype.
-Casting is elementwise, so this equals casting the gathered full tensor.
-
-Measurements behind each of these, and the history of removed mechanisms:
+[Note: a group of one] is at ``_start_alone``, [Note: cast before gather] at
+``start_gather``. Measurements behind each, and the history of removed mechanisms:
 ``docs/gather-engine.md``.
 """
 
@@ -127,8 +114,8 @@ def _stage_bucket(
         if receiver != "all":
             root = 0 if receiver == "global_rank0" else global_ranks[0]
             receivers = range(global_ranks.index(root), global_ranks.index(root) + 1)
-        route = MessagePlan(split_sizes, dtype, comm_device, receivers, global_ranks, buffers)
-        return post_point_to_point(bucket, route)
+        messages = MessagePlan(split_sizes, dtype, comm_device, receivers, global_ranks, buffers)
+        return post_point_to_point(bucket, messages)
     per_rank = sum(split_sizes)
     output = bucket_output(bucket, world_size * per_rank, dtype, comm_device, buffers)
     gather_input, _ = copy_in(bucket, split_sizes, dtype, comm_device, output[rank * per_rank:(rank + 1) * per_rank],
@@ -140,7 +127,16 @@ def _stage_bucket(
 def _start_alone(
     bucket: list[BucketEntry], split_sizes: list[int], dtype: torch.dtype, device: torch.device, buffers: FullBuffers
 ) -> InFlight:
-    """A shard group of one rank: each full tensor is its shard, copied once. See [Note: a group of one]."""
+    """A shard group of one rank: each full tensor is its shard, copied once.
+
+    [Note: a group of one]
+    When the shard mesh dim has one rank (one GPU, or HSDP with one shard per
+    replica), nothing is exchanged: each full tensor is a fresh copy of its
+    shard (cast on the way where asked), made in one ``_foreach_copy_`` per
+    bucket. The copy is still needed: results never alias live shards, so
+    ``writeback=False`` edits are discarded as FSDP1's ``FULL_SHARD`` discards
+    them.
+    """
     padded_fulls = [buffers.take(padded, dtype, device) for padded in split_sizes]
     torch._foreach_copy_(padded_fulls, [b.dtensor._local_tensor.reshape(-1) for b in bucket])
     return Landed(bucket, split_sizes, padded_fulls=padded_fulls)
@@ -382,6 +378,12 @@ def start_gather(
     (``full_tensor()``, blocking) are gathered in ``finish``. ``buffers``
     allocates the full tensors written in place at staging (fresh unless a
     stream recycles).
+
+    [Note: cast before gather]
+    With ``cast_to`` (``iter_full_params(dtype=...)``), each floating local shard
+    is cast while it is copied into the bucket, so the all-gather moves the cast
+    bytes (half of fp32 for bf16) and the full tensor is born in that dtype.
+    Casting is elementwise, so this equals casting the gathered full tensor.
     """
     return BucketGather(dtensors, cast_to=cast_to, bucket_bytes=bucket_bytes, receiver=receiver, buffers=buffers,
                         launch=launch)

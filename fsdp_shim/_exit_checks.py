@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_shim._layout import Dim0Layout
@@ -57,7 +58,7 @@ from fsdp_shim._writeback import local_value, same_bits, write_back_locals
 MISSING = object()
 
 
-def shard_state(sharded: DTensor) -> tuple[int, int, int]:
+def shard_versions(sharded: DTensor) -> tuple[int, int, int]:
     """In-place changes to a shard: the DTensor's own version counter (DTensor ops bump it,
     not the local tensor's) and the local tensor's (direct edits of ``_local_tensor``).
 
@@ -77,7 +78,7 @@ def judge_changes(item: SwappedParam) -> None:
     A ``Partial`` shard holds one of many values with the same reduction, so
     only versions judge it, and it is always written.
     """
-    item.shard_changed = shard_state(item.sharded) != item.shard_versions
+    item.shard_changed = shard_versions(item.sharded) != item.shard_versions
     item.full_changed = item.changed_full()
     if item.current is MISSING or any(p.is_partial() for p in item.sharded.placements):
         return
@@ -103,7 +104,7 @@ class SwappedParam:
     layout: Dim0Layout | None  # how it was gathered; writeback reuses it
     #: full._version once its values arrived; None for an inference tensor (no version counter).
     full_version: int | None = 0
-    #: See shard_state; recorded only under writeback, the one reader of it and of ``shard_changed``.
+    #: See ``shard_versions``; recorded only under writeback, the one reader of it and of ``shard_changed``.
     shard_versions: tuple[int, int, int] = (0, 0, 0)
     #: The local shard's values at entry, under writeback only: an edit through ``.data`` moves no
     #: version counter, so exit compares values too. See [Note: exit checks].
@@ -114,6 +115,14 @@ class SwappedParam:
     full_changed: bool = False  # the full tensor (or its replacement) holds edits (set with shard_changed)
     #: This rank's slice of ``current`` holds the shard's very bits: a write would change nothing.
     nothing_to_write: bool = False
+
+    @property
+    def slots(self) -> list[tuple[nn.Module, str]]:
+        return self.entry.slots
+
+    @property
+    def is_buffer(self) -> bool:
+        return self.entry.is_buffer
 
     def changed_full(self) -> bool:
         """Whether the full tensor may hold edits. See [Note: inference mode]."""

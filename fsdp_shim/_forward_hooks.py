@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
+from torch.utils.hooks import RemovableHandle
 
 from fsdp_shim import _fsdp2_internals as fsdp2
-from fsdp_shim._scope import module_label, states_of
+from fsdp_shim._scope import Scope, module_label, states_of
 
 if TYPE_CHECKING:
     from fsdp_shim._exit_checks import SwappedParam
-    from fsdp_shim._swap import _Swap
 
 
 class _RaiseOnForward:
@@ -136,7 +136,7 @@ class _ForwardInParamDtype:
             self._held = []
 
 
-def _refuse_forwards(swap: _Swap, modules: list[nn.Module], message: Callable[[], str]) -> None:
+def _refuse_forwards(hooks: list[RemovableHandle], modules: list[nn.Module], message: Callable[[], str]) -> None:
     """Make a forward through any of ``modules`` raise before FSDP2's own hooks run.
 
     The FSDP2 root is among them, so a forward through the whole model is
@@ -145,11 +145,15 @@ def _refuse_forwards(swap: _Swap, modules: list[nn.Module], message: Callable[[]
     hook = _RaiseOnForward(message)
     unique = {id(m): m for m in modules}
     for module in unique.values():
-        swap.hooks.append(module.register_forward_pre_hook(hook, prepend=True))
+        hooks.append(module.register_forward_pre_hook(hook, prepend=True))
 
 
-def install_forward_hooks(swap: _Swap, rank0_only: bool, keep: bool) -> None:
-    scope = swap.scope
+def install_forward_hooks(
+    scope: Scope, swapped: list[SwappedParam], hooks: list[RemovableHandle], rank0_only: bool, keep: bool
+) -> None:
+    """The hooks for a context over ``scope`` that summoned ``swapped`` (empty where this rank keeps
+    nothing, ``keep=False``), each appended to ``hooks`` as it is made: the caller removes them at exit,
+    also those made before one of these calls raised."""
     if rank0_only or (keep and not all(scope.groups.values())):  # only the refusals need the roots
         roots = fsdp2.root_modules(states_of(scope))
     if rank0_only:
@@ -157,7 +161,7 @@ def install_forward_hooks(swap: _Swap, rank0_only: bool, keep: bool) -> None:
         # every rank, before FSDP2's own pre-forward runs.
         root = scope.root
         guarded = [*(m for g in scope.groups for m in fsdp2.group_modules(g)), root, *roots]
-        _refuse_forwards(swap, guarded, lambda: (
+        _refuse_forwards(hooks, guarded, lambda: (
             f"forward inside summon_full_params({module_label(root)}, rank0_only=True) "
             "is not supported: only rank 0 (of each FSDP shard group) holds full parameters"
         ))
@@ -165,7 +169,7 @@ def install_forward_hooks(swap: _Swap, rank0_only: bool, keep: bool) -> None:
     if not keep:
         return
     by_group: dict[fsdp2.FSDPParamGroup, list[tuple[SwappedParam, torch.dtype]]] = {}
-    for item in swap.swapped:
+    for item in swapped:
         group = item.entry.group
         if group is None:
             continue
@@ -177,16 +181,16 @@ def install_forward_hooks(swap: _Swap, rank0_only: bool, keep: bool) -> None:
     for group, fully_summoned in scope.groups.items():
         modules = fsdp2.group_modules(group)
         if not fully_summoned:
-            _refuse_forwards(swap, [*modules, *roots], lambda modules=modules: (
+            _refuse_forwards(hooks, [*modules, *roots], lambda modules=modules: (
                 f"forward through FSDP unit {', '.join(module_label(m) for m in modules)} while only some "
                 "of its parameters are summoned is not supported: summon the unit itself"
             ))
             continue
         no_backward = _RaiseOnBackward(modules)
         for module in modules:
-            swap.hooks.append(module.register_forward_hook(no_backward))
+            hooks.append(module.register_forward_hook(no_backward))
         if group in by_group:
             switch = _ForwardInParamDtype(by_group[group])
             for module in modules:
-                swap.hooks.append(module.register_forward_pre_hook(switch.pre_forward))
-                swap.hooks.append(module.register_forward_hook(switch.post_forward, always_call=True))
+                hooks.append(module.register_forward_pre_hook(switch.pre_forward))
+                hooks.append(module.register_forward_hook(switch.post_forward, always_call=True))

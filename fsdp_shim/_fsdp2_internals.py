@@ -7,9 +7,9 @@ and nothing else in the package does.
 
 Read against torch 2.7.0 through 2.15.0 (``_fully_shard/_fsdp_state.py``,
 ``_fsdp_param_group.py``, ``_fsdp_param.py``) and exercised on each by the
-version matrix. ``READS`` lists every name read here; on a torch newer than
-the verified range ``missing_internals`` checks them all once, at activation
-(see [Note: version policy] in ``_versions``). The differences that matter,
+version matrix. ``_fsdp2_probe.READS`` lists every name read here; on a torch newer than
+the verified range ``_fsdp2_probe.missing_internals`` checks them all once, at
+activation (see [Note: version policy] in ``_versions``). The differences that matter,
 each handled where named:
 
 | behaviour                                                  | releases | where              |
@@ -25,51 +25,15 @@ each handled where named:
 | ``set_keep_unsharded_storage``: ``reshard()`` may keep the | >= 2.15  | nothing to do: the |
 | unsharded storage (allocated, stale after an optimizer     |          | shim always gathers|
 | step)                                                      |          | from the shards    |
-
-[Note: summoned groups]
-While a context owns a unit's module attributes, FSDP2 must neither all-gather
-over them (its forward pre-hook would) nor put its sharded parameters back
-(its forward post-hook and its ``state_dict()`` pre-hook would). A group
-whose every parameter is summoned is therefore *marked*: its sharded state
-reads UNSHARDED, so ``unshard()`` is a no-op, and ``post_forward_mesh_info``
-is ``None``, so ``reshard()`` in forward is a no-op; its ``to_sharded``
-state-dict save and load pre-hooks are suspended (``suspend_load_post_hooks``
-does the same for the per-parameter load post-hooks of every summoned
-parameter, marked group or not). Its own all-gather buffers stay freed,
-since the group really is sharded underneath. From torch 2.14 the forward
-pre-hook also reads each parameter's ``unsharded_param`` after its (no-op)
-``unshard()``; a group never all-gathered has none, so the mark lends the
-summoned full parameter for the duration. ``unmark`` restores all of it
-exactly.
-
-[Note: lazy init on entry]
-FSDP2 decides which unit is the root at the first forward, and the group
-state a context marks must be the post-init one (on torch 2.7 the root's init
-rewrites ``post_forward_mesh_info``; an unmark would undo that). FSDP1's
-``summon_full_params`` lazily initialises too. So entry initialises the
-*topmost* FSDP2 state above the summoned module, the one a forward through
-the whole model would pick, never the summoned unit itself: a cold
-``summon(model.policy)`` followed by ``model.policy.generate()`` must not make
-an inner unit a root of its own (FSDP2 then refuses every later forward
-through the real root). ``adopt_module_params`` remains for groups whose root
-cannot be initialised (``fully_shard([a, b])`` at the top). Both run outside
-``torch.inference_mode``, also when the summon is entered inside it: on torch
-2.7 the reset rebuilds each sharded parameter's local data, which would
-otherwise become inference tensors, the training weights among them.
 """
 
 from __future__ import annotations
 
-import sys
-import threading
-import types
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn as nn
-import wrapt
 from torch.distributed._composable_state import _module_state_mapping
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
@@ -81,15 +45,18 @@ __all__ = [
     "FSDPParam",
     "FSDPParamGroup",
     "FSDPState",
+    "ParamModuleInfo",
+    "ShardedState",
+    "TrainingState",
     "GroupMark",
     "adopt_module_params",
     "all_fsdp_states",
     "busy_training_state",
     "fsdp_state_of",
     "is_fsdp2_module",
+    "kept_plans",
     "lazy_init_root",
     "mark_summoned",
-    "missing_internals",
     "SuspendedHooks",
     "suspend_load_post_hooks",
     "unsharded_param_if_any",
@@ -97,8 +64,6 @@ __all__ = [
     "param_dtype_for_forward",
     "param_groups",
     "param_slots",
-    "install_fully_shard_guard",
-    "remove_fully_shard_guard",
     "reshard_group",
     "shard_rank",
     "root_modules",
@@ -167,6 +132,19 @@ def sharded_behind(fsdp_param: FSDPParam, group: FSDPParamGroup, value: Any) -> 
     return None
 
 
+#: Where fsdp_shim keeps a unit's summon plans on its FSDP2 state (see [Note: summon plans] in ``_plans``).
+_PLANS_ATTR = "_fsdp_shim_summon_plans"
+
+
+def kept_plans(state: FSDPState) -> dict[Any, Any]:
+    """The dict fsdp_shim keeps summon plans in, on ``state`` (made on first use): it lives as long as
+    the unit does, where a global map would keep every model alive."""
+    plans = state.__dict__.get(_PLANS_ATTR)
+    if plans is None:
+        plans = state.__dict__[_PLANS_ATTR] = {}
+    return plans
+
+
 def unsharded_param_if_any(fsdp_param: FSDPParam) -> nn.Parameter | None:
     """FSDP2's unsharded parameter object (what a slot holds after forward), if one was ever made."""
     return getattr(fsdp_param, "_unsharded_param", None)
@@ -227,7 +205,22 @@ def _roots_by_module() -> dict[int, FSDPState]:
 def lazy_init_root(states: list[FSDPState]) -> bool:
     """Lazily initialise the FSDP2 root above ``states``, as a first forward would.
 
-    See [Note: lazy init on entry]. Local, no collective; a no-op once FSDP2
+    [Note: lazy init on entry]
+    FSDP2 decides which unit is the root at the first forward, and the group
+    state a context marks must be the post-init one (on torch 2.7 the root's init
+    rewrites ``post_forward_mesh_info``; an unmark would undo that). FSDP1's
+    ``summon_full_params`` lazily initialises too. So entry initialises the
+    *topmost* FSDP2 state above the summoned module, the one a forward through
+    the whole model would pick, never the summoned unit itself: a cold
+    ``summon(model.policy)`` followed by ``model.policy.generate()`` must not make
+    an inner unit a root of its own (FSDP2 then refuses every later forward
+    through the real root). ``adopt_module_params`` remains for groups whose root
+    cannot be initialised (``fully_shard([a, b])`` at the top). Both run outside
+    ``torch.inference_mode``, also when the summon is entered inside it: on torch
+    2.7 the reset rebuilds each sharded parameter's local data, which would
+    otherwise become inference tensors, the training weights among them.
+
+    Local, no collective; a no-op once FSDP2
     has initialised (then it costs one attribute read per state). A tree in
     which some unit already initialised as a root of its own is left alone:
     FSDP2 raises for it at the next forward through the real root, as it
@@ -361,7 +354,23 @@ class GroupMark:
 
 
 def mark_summoned(group: FSDPParamGroup, suspended: SuspendedHooks) -> GroupMark:
-    """Make FSDP2 leave the group's module attributes alone. See [Note: summoned groups].
+    """Make FSDP2 leave the group's module attributes alone.
+
+    [Note: summoned groups]
+    While a context owns a unit's module attributes, FSDP2 must neither all-gather
+    over them (its forward pre-hook would) nor put its sharded parameters back
+    (its forward post-hook and its ``state_dict()`` pre-hook would). A group
+    whose every parameter is summoned is therefore *marked*: its sharded state
+    reads UNSHARDED, so ``unshard()`` is a no-op, and ``post_forward_mesh_info``
+    is ``None``, so ``reshard()`` in forward is a no-op; its ``to_sharded``
+    state-dict save and load pre-hooks are suspended (``suspend_load_post_hooks``
+    does the same for the per-parameter load post-hooks of every summoned
+    parameter, marked group or not). Its own all-gather buffers stay freed,
+    since the group really is sharded underneath. From torch 2.14 the forward
+    pre-hook also reads each parameter's ``unsharded_param`` after its (no-op)
+    ``unshard()``; a group never all-gathered has none, so the mark lends the
+    summoned full parameter for the duration. ``unmark`` restores all of it
+    exactly.
 
     Called once every parameter of the group holds its summoned full parameter.
     The group's state-dict pre-hooks go into ``suspended``: one per context,
@@ -410,110 +419,6 @@ def shard_rank(group: FSDPParamGroup) -> int:
     return int(group.mesh_info.shard_mesh_rank)  # type: ignore[attr-defined]
 
 
-_fully_shard_guard: Any = None
-
-
-def install_fully_shard_guard(in_context: Callable[[int], bool]) -> None:
-    """Make ``fully_shard`` raise while the calling thread has a context open. Part of ``patch()``.
-
-    Inside, the slots hold plain full tensors, so ``fully_shard`` would shard
-    *them* where outside it refuses, and training then diverges silently.
-    The guard sits on ``FSDPState.__init__``: ``fully_shard``'s ``contract``
-    builds the state first, before it registers anything on the module, so a
-    refusal leaves the module untouched. ``remove_fully_shard_guard`` undoes it.
-    """
-    global _fully_shard_guard
-    if _fully_shard_guard is not None:
-        return  # no-op: installed
-
-    def guard(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if in_context(threading.get_ident()):
-            raise RuntimeError(
-                "fully_shard() inside summon_full_params is not supported: the module attributes hold "
-                "full tensors there, which FSDP2 would shard in place of the real parameters. "
-                "Call fully_shard() outside the context."
-            )
-        return wrapped(*args, **kwargs)
-
-    _fully_shard_guard = wrapt.wrap_function_wrapper(FSDPState, "__init__", guard)
-
-
-def remove_fully_shard_guard() -> None:
-    """Undo ``install_fully_shard_guard``. Part of ``unpatch()``."""
-    global _fully_shard_guard
-    if _fully_shard_guard is not None:
-        wrapt.unwrap_object(FSDPState, "__init__", _fully_shard_guard, missing_ok=True)
-        _fully_shard_guard = None
-
-
 def group_modules(group: FSDPParamGroup) -> tuple[nn.Module, ...]:
     """The modules whose forward hooks drive this group (``fully_shard``'s arguments)."""
     return tuple(group.modules)
-
-
-
-# [Note: internals probe]
-# What this package reads of FSDP2 and c10d, by owner. A method must be an
-# attribute of its class; a field (set on instances, so invisible on the
-# class) must be named somewhere in the class: an annotation, or an attribute
-# any of its methods loads or stores. A name listed as a tuple needs one of
-# its alternatives (releases differ). Methods include properties. Attributes read with a ``getattr``
-# default are optional and not listed. The probe is static, so it runs
-# without a process group, once, at activation on an unverified torch.
-_METHODS: dict[type, tuple[str, ...]] = {
-    FSDPState: ("_lazy_init",),
-    FSDPParamGroup: ("_to_sharded", "is_sharded"),
-    FSDPParam: ("reset_sharded_param",),
-}
-_FIELDS: dict[type, tuple[str | tuple[str, ...], ...]] = {
-    FSDPState: ("_modules", "_training_state", "_state_ctx", "_is_root", ("_fsdp_param_groups", "_fsdp_param_group")),
-    FSDPParamGroup: ("fsdp_params", "_sharded_state", "post_forward_mesh_info", "_training_state",
-                     "_reset_sharded_params", "modules", "mesh_info"),
-    FSDPParam: ("sharded_param", "_module_info", "_unsharded_param", "_sharded_post_forward_param",
-                ("param_dtype", "mp_policy")),
-    ParamModuleInfo: ("module", "param_name", "shared_modules", "shared_param_names"),
-}
-#: Everything probed, for ``fsdp-shim check -v``.
-READS: tuple[str, ...] = tuple(
-    f"{owner.__name__}.{name if isinstance(name, str) else ' or '.join(name)}"
-    for table in (_METHODS, _FIELDS) for owner, names in table.items() for name in names
-) + ("TrainingState.IDLE", "ShardedState.UNSHARDED", "torch._C._current_graph_task_id",
-     "distributed_c10d._world.pg_map")
-
-
-def _names_in(cls: type) -> set[str]:
-    """Every attribute name ``cls`` defines, annotates, or loads or stores in its own code."""
-    names = set(dir(cls))
-    for klass in cls.__mro__:
-        names.update(vars(klass).get("__annotations__", {}))
-        for value in vars(klass).values():
-            functions = [value.fget, value.fset] if isinstance(value, property) else [getattr(value, "__func__", value)]
-            stack = [f.__code__ for f in functions if hasattr(f, "__code__")]
-            while stack:
-                code = stack.pop()
-                names.update(code.co_names)
-                stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
-    return names
-
-
-def missing_internals() -> list[str]:
-    """The internals in ``READS`` this torch lacks, as ``Owner.name``; empty when all are there."""
-    missing: list[str] = []
-    for owner, methods in _METHODS.items():
-        missing += [f"{owner.__name__}.{m}" for m in methods if getattr(owner, m, None) is None]
-    for owner, fields in _FIELDS.items():
-        names = _names_in(owner)
-        for field_name in fields:
-            alternatives = (field_name,) if isinstance(field_name, str) else field_name
-            if not any(a in names for a in alternatives):
-                missing.append(f"{owner.__name__}.{' or '.join(alternatives)}")
-    for enum, member in ((TrainingState, "IDLE"), (ShardedState, "UNSHARDED")):
-        if not hasattr(enum, member):
-            missing.append(f"{enum.__name__}.{member}")
-    if not callable(getattr(torch._C, "_current_graph_task_id", None)):
-        missing.append("torch._C._current_graph_task_id")
-    c10d = sys.modules.get("torch.distributed.distributed_c10d")
-    world = getattr(c10d, "_world", None)
-    if world is None or not hasattr(type(world), "pg_map"):
-        missing.append("distributed_c10d._world.pg_map")
-    return missing

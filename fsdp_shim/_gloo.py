@@ -70,7 +70,7 @@ class MessagePlan(NamedTuple):
     buffers: FullBuffers  # where full tensors written in place come from
 
 
-def post_packed(bucket: list[BucketEntry], route: MessagePlan) -> InFlight:
+def post_packed(bucket: list[BucketEntry], messages: MessagePlan) -> InFlight:
     """Move the packed bucket point to point: one message per (sender, receiver). See [Note: point to point].
 
     A receiver posts its receives straight into the senders' blocks of its
@@ -80,30 +80,30 @@ def post_packed(bucket: list[BucketEntry], route: MessagePlan) -> InFlight:
     """
     first = bucket[0].layout
     group, world_size, rank = first.group, first.world_size, first.rank
-    ranks = route.global_ranks
-    per_rank = sum(route.split_sizes)
+    ranks = messages.global_ranks
+    per_rank = sum(messages.split_sizes)
     works: list[dist.Work] = []
     output = block = None
-    if rank in route.receivers:
-        output = bucket_output(bucket, world_size * per_rank, route.dtype, route.device, route.buffers)
+    if rank in messages.receivers:
+        output = bucket_output(bucket, world_size * per_rank, messages.dtype, messages.device, messages.buffers)
         for source in range(world_size):
             if source != rank:
                 piece = output.narrow(0, source * per_rank, per_rank)
                 works.append(cast(dist.Work, dist.irecv(piece, src=ranks[source], group=group, tag=PACKED_TAG)))
         block = output.narrow(0, rank * per_rank, per_rank)
-    packed, send_buffer = copy_in(bucket, route.split_sizes, route.dtype, route.device, block)
-    for peer in route.receivers:
+    packed, send_buffer = copy_in(bucket, messages.split_sizes, messages.dtype, messages.device, block)
+    for peer in messages.receivers:
         if peer != rank:
             works.append(cast(dist.Work, dist.isend(packed, dst=ranks[peer], group=group, tag=PACKED_TAG)))
     if block is not None and packed is not block:  # a bucket of one sent as it is: its own rows still land here
         block.copy_(packed)
-    return Flat(bucket, route.split_sizes, AllOf(works), send_buffer, output=output)
+    return Flat(bucket, messages.split_sizes, AllOf(works), send_buffer, output=output)
 
 
-def post_direct(bucket: list[BucketEntry], route: MessagePlan) -> InFlight:
+def post_direct(bucket: list[BucketEntry], messages: MessagePlan) -> InFlight:
     """Send every shard straight into the receivers' full tensors. See [Note: point to point].
 
-    A receiver (``route.receivers``) allocates each padded full tensor and
+    A receiver (``messages.receivers``) allocates each padded full tensor and
     posts one receive per (tensor, sender) straight into that sender's rows;
     every rank sends each shard, as it is (or cast into a send buffer, each sent
     as soon as it is cast), to every other receiver; a receiver then copies
@@ -115,13 +115,13 @@ def post_direct(bucket: list[BucketEntry], route: MessagePlan) -> InFlight:
     """
     first = bucket[0].layout
     group, world_size, rank = first.group, first.world_size, first.rank
-    dtype, device = route.dtype, route.device
+    dtype, device = messages.dtype, messages.device
     works: list[dist.Work] = []
     padded_fulls: list[torch.Tensor] | None = None
     own_destinations: list[torch.Tensor] = []
     own_sources: list[torch.Tensor] = []
-    if rank in route.receivers:
-        padded_fulls = [route.buffers.take(world_size * padded, dtype, device) for padded in route.split_sizes]
+    if rank in messages.receivers:
+        padded_fulls = [messages.buffers.take(world_size * padded, dtype, device) for padded in messages.split_sizes]
         for tag, (b, full) in enumerate(zip(bucket, padded_fulls), start=PACKED_TAG + 1):
             layout, rows = b.layout, b.dtensor.shape[0]
             for source in range(world_size):
@@ -133,8 +133,8 @@ def post_direct(bucket: list[BucketEntry], route: MessagePlan) -> InFlight:
                     own_destinations.append(piece)
                     own_sources.append(b.dtensor._local_tensor.reshape(-1))
                 else:
-                    works.append(cast(dist.Work, dist.irecv(piece, src=route.global_ranks[source], group=group, tag=tag)))
-    peers = [route.global_ranks[peer] for peer in route.receivers if peer != rank]
+                    works.append(cast(dist.Work, dist.irecv(piece, src=messages.global_ranks[source], group=group, tag=tag)))
+    peers = [messages.global_ranks[peer] for peer in messages.receivers if peer != rank]
     send_buffer = None
     if peers:
         pieces = [b.dtensor._local_tensor.reshape(-1) for b in bucket]
@@ -154,7 +154,7 @@ def post_direct(bucket: list[BucketEntry], route: MessagePlan) -> InFlight:
                     works.append(cast(dist.Work, dist.isend(piece, dst=peer, group=group, tag=tag)))
     if own_destinations:  # after the messages are posted, so it overlaps them
         torch._foreach_copy_(own_destinations, own_sources, non_blocking=True)  # casts and moves too
-    return Landed(bucket, route.split_sizes, AllOf(works), send_buffer, padded_fulls=padded_fulls)
+    return Landed(bucket, messages.split_sizes, AllOf(works), send_buffer, padded_fulls=padded_fulls)
 
 
 def post_point_to_point(bucket: list[BucketEntry], plan: MessagePlan) -> InFlight:

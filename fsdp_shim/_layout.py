@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -128,30 +128,17 @@ def mesh_dim_groups(mesh: DeviceMesh) -> list[dist.ProcessGroup]:
     return [_mesh_dim(mesh, dim)[0] for dim in range(mesh.ndim)]
 
 
-def require_live_groups_of(groups: Sequence[dist.ProcessGroup]) -> None:
-    """``require_live_groups`` for groups known already: a summon plan's (see [Note: summon plans] in ``_scope``)."""
+def require_live_groups(groups: Iterable[dist.ProcessGroup], user: Callable[[], str]) -> None:
+    """A destroyed (or foreign) process group fails here, clearly, not inside a collective.
+
+    ``user()``: what gathers over ``groups``, as the message names it (worked out only to raise).
+    """
     for group in groups:
         if not is_live_group(group):
             raise RuntimeError(
-                "cannot gather: a device mesh in scope uses a process group that was destroyed or belongs to "
-                "another process group world (was the model sharded before destroy_process_group()?)"
+                f"cannot gather {user()}: its device mesh uses a process group that was destroyed or belongs to "
+                "another process group world (was it sharded before destroy_process_group()?)"
             )
-
-
-def require_live_groups(dtensors: Sequence[DTensor]) -> None:
-    """A destroyed (or foreign) process group fails here, clearly, not inside a collective."""
-    meshes: set[int] = set()
-    for index, dtensor in enumerate(dtensors):
-        if id(dtensor.device_mesh) in meshes:
-            continue  # checked already, in this call
-        meshes.add(id(dtensor.device_mesh))
-        for group in mesh_dim_groups(dtensor.device_mesh):
-            if not is_live_group(group):
-                raise RuntimeError(
-                    f"cannot gather tensor {index} of shape {tuple(dtensor.shape)}: its device mesh uses a "
-                    "process group that was destroyed or belongs to another process group world "
-                    "(was the DTensor created before destroy_process_group()?)"
-                )
 
 
 #: ``id(spec)`` -> (the DTensorSpec, weakly; the local shape seen; its layout). See ``dim0_layout``.
@@ -401,7 +388,12 @@ def require_gatherable(dtensors: Sequence[DTensor]) -> None:
         reason = ungatherable_reason(dtensor.placements)
         if reason is not None:
             raise NotImplementedError(f"cannot gather tensor {index} of shape {tuple(dtensor.shape)}: {reason}")
-    require_live_groups(dtensors)
+    meshes: set[int] = set()
+    for index, dtensor in enumerate(dtensors):
+        if id(dtensor.device_mesh) not in meshes:  # each mesh checked once a call
+            meshes.add(id(dtensor.device_mesh))
+            require_live_groups(mesh_dim_groups(dtensor.device_mesh),
+                                lambda: f"tensor {index} of shape {tuple(dtensor.shape)}")  # noqa: B023 (called at once)
 
 
 _transport_from_env()

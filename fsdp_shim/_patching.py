@@ -19,7 +19,8 @@ class form) if, and only if, no class in its MRO defines it: torch's own
 attribute is never replaced. ``unpatch`` removes it, by identity.
 
 ``patch`` also installs the client instrumentations (``_instrumentation``) and
-``unpatch`` removes them.
+the ``fully_shard`` guard (``_refuse_fully_shard_inside``); ``unpatch``
+removes them.
 
 [Note: refusing mode]
 ``patch(refusal)`` with a reason installs the same wrapper, routing to
@@ -52,10 +53,10 @@ _NAME = "summon_full_params"
 _lock = threading.Lock()
 _handle: wrapt.FunctionWrapper | None = None
 _refusal: str | None = None  # see [Note: refusing mode]
-_route: Any = None  # _dispatch.summon, bound by patch() when not refusing
+_summon: Any = None  # _dispatch.summon, bound by patch() when not refusing
 
 
-def _bind(
+def _fsdp1_arguments(
     module: Any, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,
     offload_to_cpu: bool = False, with_grads: bool = False,
 ) -> tuple[Any, bool, bool, bool, bool, bool]:
@@ -68,11 +69,11 @@ def _bind(
 
 
 def _summon_full_params_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Route one ``FSDP.summon_full_params(...)`` call (see ``_dispatch``)."""
-    bound = _bind(*args, **kwargs)
+    """Dispatch one ``FSDP.summon_full_params(...)`` call (see ``_dispatch``)."""
+    bound = _fsdp1_arguments(*args, **kwargs)
     if _refusal is not None:
         return _refusing_summon(wrapped, _refusal, *bound)
-    return _route(*bound, fsdp1=wrapped)
+    return _summon(*bound, fsdp1=wrapped)
 
 
 def _refusing_summon(wrapped: Any, refusal: str, module: Any, recurse: bool, *rest: Any) -> Any:
@@ -110,6 +111,29 @@ def _remove_instance_form() -> None:
         delattr(FSDPModule, _NAME)
 
 
+_guard_handle: wrapt.FunctionWrapper | None = None  # on FSDPState.__init__, while patched
+
+
+def _refuse_fully_shard_inside(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``fully_shard`` raises while the calling thread has a context open.
+
+    Inside, the slots hold plain full tensors, so ``fully_shard`` would shard
+    *them* where outside it refuses, and training then diverges silently.
+    The guard sits on ``FSDPState.__init__``: ``fully_shard``'s ``contract``
+    builds the state first, before it registers anything on the module, so a
+    refusal leaves the module untouched.
+    """
+    from fsdp_shim import _registry  # noqa: PLC0415  (not in refusing mode's imports; cached after the first)
+
+    if _registry.has_live_context(threading.get_ident()):
+        raise RuntimeError(
+            "fully_shard() inside summon_full_params is not supported: the module attributes hold "
+            "full tensors there, which FSDP2 would shard in place of the real parameters. "
+            "Call fully_shard() outside the context."
+        )
+    return wrapped(*args, **kwargs)
+
+
 def is_patched() -> bool:
     current = inspect.getattr_static(_TARGET, _NAME)
     return _handle is not None and wrapt.is_wrapped_by(current, _handle)
@@ -120,7 +144,7 @@ def patch(refusal: str | None = None) -> bool:
 
     With ``refusal``, the wrapper refuses DTensor summons: see [Note: refusing mode].
     """
-    global _handle, _refusal, _route
+    global _handle, _refusal, _summon, _guard_handle
     with _lock:
         if is_patched():
             return False
@@ -128,15 +152,15 @@ def patch(refusal: str | None = None) -> bool:
         if refusal is None:
             from fsdp_shim._dispatch import summon  # noqa: PLC0415  (needs the FSDP2 internals)
 
-            _route = summon
+            _summon = summon
         _handle = wrapt.wrap_function_wrapper(_TARGET, _NAME, _summon_full_params_wrapper)
         _install_instance_form()
         if refusal is None:
             from fsdp_shim import _instrumentation  # noqa: PLC0415
-            from fsdp_shim import _registry  # noqa: PLC0415
-            from fsdp_shim._fsdp2_internals import install_fully_shard_guard  # noqa: PLC0415
+            from fsdp_shim._fsdp2_internals import FSDPState  # noqa: PLC0415
 
-            install_fully_shard_guard(_registry.has_live_context)
+            if _guard_handle is None:
+                _guard_handle = wrapt.wrap_function_wrapper(FSDPState, "__init__", _refuse_fully_shard_inside)
             _instrumentation.instrument_all()
         logger.debug("patched FullyShardedDataParallel.summon_full_params%s", " (refusing)" if refusal else "")
         return True
@@ -144,7 +168,7 @@ def patch(refusal: str | None = None) -> bool:
 
 def unpatch() -> bool:
     """Remove our wrapper by handle; returns False if it was not installed."""
-    global _handle
+    global _handle, _guard_handle
     with _lock:
         if _handle is None:
             return False
@@ -152,11 +176,13 @@ def unpatch() -> bool:
         _handle = None
         _remove_instance_form()
         if _refusal is None:
-            from fsdp_shim._fsdp2_internals import remove_fully_shard_guard  # noqa: PLC0415
+            from fsdp_shim._fsdp2_internals import FSDPState  # noqa: PLC0415
             from fsdp_shim._instrumentation import uninstrument_all  # noqa: PLC0415
 
             uninstrument_all()
-            remove_fully_shard_guard()
+            if _guard_handle is not None:
+                wrapt.unwrap_object(FSDPState, "__init__", _guard_handle, missing_ok=True)
+                _guard_handle = None
         if removed is None:
             _diagnostics.log_warning("summon_full_params was replaced by someone else; nothing to unpatch")
             return False

@@ -3,14 +3,18 @@
 FSDP1's argument checks (``validate_args``, with FSDP1's exception types);
 then, in ``refuse_before_anything``: a forward or backward in progress,
 another thread's context, a parameter FSDP2 does not track, the meta device,
-placements that cannot be gathered or written back, and dead process groups.
-A check that raises here leaves everything as it was: nothing has been
-changed or sent yet.
+placements that cannot be gathered or written back, and dead process groups;
+for a call nested in a ``writeback=False`` context, ``writeback=True`` over
+the parameters that context holds (``refuse_writeback_inside_no_writeback``);
+and a process group another thread's context is using (``group_in_use``,
+raised where ``_registry.enter`` fails to claim it, atomically). A check
+that raises here leaves everything as it was: nothing has been changed or
+sent yet.
 """
 
 from __future__ import annotations
 
-import operator
+from collections.abc import Iterable
 
 import torch.distributed as dist
 import torch.nn as nn
@@ -20,10 +24,11 @@ from fsdp_shim import _diagnostics
 from fsdp_shim import _fsdp2_internals as fsdp2
 from fsdp_shim import _registry as registry
 from fsdp_shim._compat import ungatherable_reason, writeback_refusal
-from fsdp_shim._layout import mesh_dim_groups, require_live_groups, require_live_groups_of
+from fsdp_shim._layout import mesh_dim_groups, require_live_groups
+from fsdp_shim._plans import SummonPlan
 from fsdp_shim._scope import (
     Scope,
-    SummonPlan,
+    ScopedParam,
     first_untracked_slot,
     module_label,
     slot_fqn,
@@ -72,7 +77,7 @@ def refuse_before_anything(
     them unless FSDP2 adopts other ones). With a
     ``plan``, the checks that depend on a DTensor's spec alone (placements,
     meshes) are skipped for the specs it passed before (see [Note: summon
-    plans] in ``_scope``); the rest runs on every call.
+    plans] in ``_plans``); the rest runs on every call.
     """
     busy = fsdp2.busy_training_state(scope.states, list(scope.groups))
     if busy is not None:
@@ -102,12 +107,11 @@ def refuse_before_anything(
                 "initialise its parameters); nothing was changed."
             )
         specs.append(sharded._spec)
-    if (plan is not None and plan.groups is not None and (plan.checked_writeback or not writeback)
-            and plan.checked_specs is not None and len(specs) == len(plan.checked_specs)
-            and all(map(operator.is_, specs, plan.checked_specs))):  # by identity: equal meshes may hold other groups
-        require_live_groups_of(plan.groups)
-        return plan.groups, shardeds
-    meshes: dict[int, DTensor] = {}  # one DTensor a mesh
+    groups = None if plan is None else plan.checked_groups(specs, writeback)
+    if groups is not None:
+        require_live_groups(groups, lambda: f"the scope of summon_full_params({module_label(module)})")
+        return groups, shardeds
+    meshes: dict[int, tuple[ScopedParam, DTensor]] = {}  # one DTensor a mesh
     for entry, sharded in zip(scope.params, shardeds):
         placements = sharded.placements
         reason = ungatherable_reason(placements)
@@ -115,9 +119,32 @@ def refuse_before_anything(
             reason = writeback_refusal(placements)
         if reason is not None:
             raise NotImplementedError(f"cannot summon {slot_fqn(module, entry.slots[0])!r}: {reason}")
-        meshes.setdefault(id(sharded.device_mesh), sharded)
-    require_live_groups(list(meshes.values()))
-    groups = list({id(g): g for d in meshes.values() for g in mesh_dim_groups(d.device_mesh)}.values())
+        meshes.setdefault(id(sharded.device_mesh), (entry, sharded))
+    groups = []
+    for entry, sharded in meshes.values():
+        mesh_groups = mesh_dim_groups(sharded.device_mesh)
+        require_live_groups(mesh_groups, lambda: repr(slot_fqn(module, entry.slots[0])))  # noqa: B023
+        groups += mesh_groups
+    groups = list({id(g): g for g in groups}.values())
     if plan is not None:
-        plan.checked_specs, plan.checked_writeback, plan.groups = specs, writeback, groups
+        plan.passed(specs, writeback, groups)
     return groups, shardeds
+
+
+def refuse_writeback_inside_no_writeback(module: nn.Module, enclosing: Iterable[registry.LiveContext]) -> None:
+    """A nested ``writeback=True`` call whose parameters an enclosing ``writeback=False`` context holds."""
+    if any(not live.writeback for live in enclosing):
+        raise RuntimeError(
+            f"summon_full_params({module_label(module)}, writeback=True) inside an enclosing "
+            "writeback=False context that already holds some of its parameters: their edits would "
+            "be discarded by the outer context. Use writeback=True outside, or summon after it."
+        )
+
+
+def group_in_use(module: nn.Module) -> RuntimeError:
+    """The refusal when ``_registry.enter`` finds a process group in use by another thread's context."""
+    return RuntimeError(
+        f"summon_full_params({module_label(module)}) refused: another thread has a summon_full_params "
+        "context open on the same process group, and two threads issuing collectives on "
+        "one group corrupt each other. Use one thread per rank for collectives."
+    )

@@ -1,4 +1,4 @@
-"""Which contexts are live, per thread: slots, full parameters and process groups.
+"""Which contexts are live, per thread: slots, full parameters and process groups. Data only.
 
 [Note: threads]
 Contexts are per thread. Nesting (a context inside another) is a property of
@@ -15,21 +15,67 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 if TYPE_CHECKING:
     from fsdp_shim._scope import SlotKey
 
 _lock = threading.Lock()
-#: ``id(swap)`` -> each live context (any thread) whose slots are swapped, in entry order. A swap
-#: answers for its own slots (``slot_keys()``): registering the swap, not each slot, keeps the
-#: per-unit summon's bookkeeping at one entry a call; lookups (nesting, threads) are the rare path.
-_slot_swaps: dict[int, Any] = {}
-#: ``id(swap)`` -> each live context whose full parameters are out (``record_of(id)``).
-_full_swaps: dict[int, Any] = {}
+
+
+class Summoned(Protocol):
+    """What the registry reads of one summoned tensor's record (``_exit_checks.SwappedParam``)."""
+
+    @property
+    def full(self) -> torch.Tensor: ...
+
+    @property
+    def slots(self) -> list[tuple[nn.Module, str]]: ...
+
+    @property
+    def is_buffer(self) -> bool: ...
+
+
+@dataclass(eq=False, slots=True)
+class LiveContext:
+    """One live context as the registry sees it: plain data, filled in by the swap.
+
+    ``records`` is the swap's own list of what it summoned, appended before
+    ``add_slots``; the registry derives the slot keys and the full
+    parameters from it when a rare lookup asks (nesting, threads,
+    ``sharded_param``), so that registering costs one dict entry a call.
+    """
+
+    thread: int
+    writeback: bool
+    records: list[Summoned] = field(default_factory=list)
+    _slot_keys: set[SlotKey] | None = None
+    _fulls: dict[int, Summoned] | None = None
+
+    def slot_keys(self) -> set[SlotKey]:
+        """The slots its records were swapped into."""
+        if self._slot_keys is None:
+            self._slot_keys = {(id(module), name) for record in self.records for module, name in record.slots}
+        return self._slot_keys
+
+    def full_record(self, param: torch.Tensor) -> Summoned | None:
+        """The record whose full parameter is ``param`` itself (buffers are not parameters)."""
+        if self._fulls is None:
+            self._fulls = {id(r.full): r for r in self.records if not r.is_buffer}
+        record = self._fulls.get(id(param))
+        return record if record is not None and record.full is param else None
+
+
+#: ``id(context)`` -> each live context (any thread) whose slots hold its full tensors, in entry order.
+#: One entry a context, not one a slot: see ``LiveContext``.
+_slot_swaps: dict[int, LiveContext] = {}
+#: ``id(context)`` -> each live context whose full parameters are out (until its exit forgets them).
+_full_swaps: dict[int, LiveContext] = {}
 #: ``id(process group)`` -> (owning thread, open contexts of that thread on it).
 _groups: dict[int, tuple[int, int]] = {}
 #: threads with a live context -> how many.
@@ -40,10 +86,10 @@ def current_thread() -> int:
     return threading.get_ident()
 
 
-def slots_of_thread(thread: int) -> dict[SlotKey, Any]:
+def slots_of_thread(thread: int) -> dict[SlotKey, LiveContext]:
     """The slots this thread's live contexts swapped (what a nested call leaves alone)."""
-    swaps = list(_slot_swaps.values())
-    return {key: swap for swap in swaps if swap.thread == thread for key in swap.slot_keys()}
+    contexts = list(_slot_swaps.values())
+    return {key: live for live in contexts if live.thread == thread for key in live.slot_keys()}
 
 
 def has_live_slots() -> bool:
@@ -51,37 +97,39 @@ def has_live_slots() -> bool:
     return bool(_slot_swaps)
 
 
-def owner_of(key: SlotKey) -> Any:
+def owner_of(key: SlotKey) -> LiveContext | None:
     """The live context that swapped slot ``key``, if any."""
-    for swap in list(_slot_swaps.values()):
-        if key in swap.slot_keys():
-            return swap
+    for live in list(_slot_swaps.values()):
+        if key in live.slot_keys():
+            return live
     return None
 
 
-def add_slots(swap: Any) -> None:
-    """``swap``'s slots now hold its full tensors."""
-    _slot_swaps[id(swap)] = swap
+def add_slots(live: LiveContext) -> None:
+    """``live``'s slots now hold its full tensors."""
+    live._slot_keys = live._fulls = None
+    _slot_swaps[id(live)] = live
 
 
-def remove_slots(swap: Any) -> None:
-    _slot_swaps.pop(id(swap), None)
+def remove_slots(live: LiveContext) -> None:
+    """``live``'s slots hold their own objects again."""
+    _slot_swaps.pop(id(live), None)
 
 
-def add_fulls(swap: Any) -> None:
-    """``swap``'s full parameters are out, until ``remove_fulls``."""
-    _full_swaps[id(swap)] = swap
+def add_fulls(live: LiveContext) -> None:
+    """``live``'s full parameters are out, until ``remove_fulls``."""
+    _full_swaps[id(live)] = live
 
 
-def remove_fulls(swap: Any) -> None:
-    _full_swaps.pop(id(swap), None)
+def remove_fulls(live: LiveContext) -> None:
+    _full_swaps.pop(id(live), None)
 
 
-def record_of(param: torch.Tensor) -> Any:
-    """The ``SwappedParam`` record of a live full parameter (this very object), else None."""
-    for swap in list(_full_swaps.values()):
-        record = swap.record_of(id(param))
-        if record is not None and record.full is param:
+def record_of(param: torch.Tensor) -> Summoned | None:
+    """The record of a live full parameter (this very object), else None."""
+    for live in list(_full_swaps.values()):
+        record = live.full_record(param)
+        if record is not None:
             return record
     return None
 
@@ -90,22 +138,20 @@ def has_live_context(thread: int) -> bool:
     return _depth.get(thread, 0) > 0
 
 
-def enter(thread: int, groups: Iterable[dist.ProcessGroup], label: str) -> None:
-    """Claim ``groups`` for this thread's new context; refuse one another thread is using."""
+def enter(thread: int, groups: Iterable[dist.ProcessGroup]) -> bool:
+    """Claim ``groups`` for this thread's new context; False, claiming nothing, if another thread
+    uses one of them (``_refusals.group_in_use`` says why that is refused)."""
     groups = list(groups)
     with _lock:
         for group in groups:
             owner = _groups.get(id(group))
             if owner is not None and owner[0] != thread:
-                raise RuntimeError(
-                    f"summon_full_params({label}) refused: another thread has a summon_full_params "
-                    "context open on the same process group, and two threads issuing collectives on "
-                    "one group corrupt each other. Use one thread per rank for collectives."
-                )
+                return False
         for group in groups:
             owner = _groups.get(id(group))
             _groups[id(group)] = (thread, 1 if owner is None else owner[1] + 1)
         _depth[thread] = _depth.get(thread, 0) + 1
+    return True
 
 
 def leave(thread: int, groups: Iterable[dist.ProcessGroup]) -> None:

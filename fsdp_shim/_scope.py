@@ -4,31 +4,6 @@ A *slot* is a ``(module, attribute name)`` pair; a parameter tied across two
 modules has two slots. FSDP2 may hold a plain unsharded tensor in a slot (after
 forward) where the sharded DTensor is what we gather, so slots that FSDP2
 manages are resolved through its ``FSDPParam`` rather than the attribute.
-
-[Note: summon plans]
-Weight sync summons every FSDP2 unit, one at a time, at every step: the
-same scope, refusal checks and gather plan each time. On NCCL that loop is
-decided by host cost (docs/host-cost.md), so a summon of a unit keeps what
-it worked out in a ``SummonPlan`` on the unit's FSDP2 state and reuses it
-while the module tree it was worked out from is unchanged. A scope is a
-function of the modules in it (their classes, children, parameter and buffer
-slots) and of FSDP2's ``FSDPParam``s (fixed from ``fully_shard`` on, and
-``fully_shard`` changes a module's class). The plan's ``fingerprint``
-records exactly that: each module's class; its children and DTensor-bearing
-buffers by identity (a buffer is gathered as the object it is), held by the
-plan so their ids stay theirs; its parameter slots by name and the type of
-what they hold (a cached scope's parameters are found through their
-``FSDPParam`` by slot, so only ``None`` or not matters; holding them would
-keep replaced shards in memory). A mismatch (a slot added or emptied, a
-submodule added, a unit left unsharded by a forward, whose slots then hold
-plain tensors) just plans afresh. Not cached: a call inside an enclosing
-context of the same thread (its scope depends on what is already summoned),
-and a scope with a parameter slot no state in it owns (its owner was looked
-for among every state, which any ``fully_shard`` may change). What can
-change without the tree changing is checked on every call anyway: training
-state, threads, the meta device, live groups; the gather plan checks its
-own key (``_layout.plan_key``) against the tensors resolved at each call.
-Measured: docs/host-cost.md.
 """
 
 from __future__ import annotations
@@ -100,87 +75,6 @@ class Scope:
     #: Whether a parameter slot in scope has no owner among ``states`` (owned by a state above the
     #: scope, or by none: a plain parameter), so that finding its owner looked at every state.
     owned_outside: bool = False
-
-
-Fingerprint = tuple[tuple[Any, ...], ...]
-
-
-def fingerprint(modules: list[nn.Module]) -> Fingerprint:
-    """The tree ``modules`` make: each one's class, parameter names and the types they hold,
-    buffers and children by name and identity. See [Note: summon plans]."""
-    parts = []
-    for m in modules:  # every summon of a unit runs this: one flat tuple a module
-        params, buffers, children = m._parameters, m._buffers, m._modules
-        parts.append((type(m), *params, *map(type, params.values()), None, *buffers, *map(id, buffers.values()),
-                      None, *children, *map(id, children.values())))
-    return tuple(parts)
-
-
-@dataclass(eq=False)
-class SummonPlan:
-    """What a summon of one unit worked out, reusable while ``matches``. See [Note: summon plans].
-
-    ``scope`` is shared between the calls that reuse it: nothing writes to it
-    after ``collect_scope`` but ``states_of``, which caches its answer there.
-    ``_swap`` fills in the rest the first time the plan serves a call.
-    """
-
-    scope: Scope
-    recurse: bool
-    fingerprint: Fingerprint
-    #: The objects ``fingerprint`` names by id (buffers, children), held so the ids stay theirs.
-    held: list[object]
-    #: The DTensor specs refusal last passed, by entry, and whether it passed them for writeback too.
-    checked_specs: list[Any] | None = None
-    checked_writeback: bool = False
-    #: The process groups the call gathers over (every dim of every mesh in scope).
-    groups: list[Any] | None = None
-    #: ``_layout.GatherPlan`` of the last gather, checked against each call's tensors by its key.
-    gather: Any = None
-
-    def matches(self, module: nn.Module, recurse: bool) -> bool:
-        if self.scope.root is not module or self.recurse != recurse:
-            return False
-        return fingerprint(self.scope.modules) == self.fingerprint
-
-
-#: Where a unit's FSDP2 state keeps its plans: ``{(id(module), recurse): SummonPlan}`` (a state may
-#: serve several modules). On the state, not in a global map: a plan holds its module, so a map
-#: would keep every model alive; the state's lifetime is the module's.
-_PLANS_ATTR = "_fsdp_shim_summon_plans"
-
-
-def _unit_state(module: nn.Module) -> fsdp2.FSDPState | None:
-    """The FSDP2 state of ``module`` if it is a unit: where its plans are kept."""
-    return fsdp2.fsdp_state_of(module) if fsdp2.is_fsdp2_module(module) else None
-
-
-def cached_plan(module: nn.Module, recurse: bool) -> SummonPlan | None:
-    """The plan of an earlier summon of ``module`` that still matches its tree, else None."""
-    state = _unit_state(module)
-    if state is None:
-        return None
-    plan = state.__dict__.get(_PLANS_ATTR, {}).get((id(module), recurse))
-    return plan if plan is not None and plan.matches(module, recurse) else None
-
-
-def plan_summon(module: nn.Module, recurse: bool, modules: list[nn.Module] | None = None) -> SummonPlan | Scope:
-    """A new plan for summoning ``module`` from outside any context, kept on its FSDP2 state;
-    just the scope where the plan cannot be kept (see [Note: summon plans])."""
-    if modules is None:
-        modules = scope_modules(module, recurse)
-    state = _unit_state(module)
-    held: list[object] = []
-    for m in modules:
-        held.extend(m._buffers.values())
-        held.extend(m._modules.values())
-    tree = fingerprint(modules)
-    scope = collect_scope(module, recurse, modules=modules)
-    if state is None or scope.owned_outside:
-        return scope
-    plan = SummonPlan(scope, recurse, tree, held)
-    state.__dict__.setdefault(_PLANS_ATTR, {})[(id(module), recurse)] = plan
-    return plan
 
 
 def scope_modules(root: nn.Module, recurse: bool) -> list[nn.Module]:

@@ -19,18 +19,17 @@ an inference engine) without a context and without swapping anything:
   soon as batch ``k`` is in and before it is handed out. Either way batch
   ``k + 1`` transfers while the caller sends batch ``k``, and is finished
   only when the caller asks for it.
-* *Bounded memory.* At any time the generator holds two adjacent batches:
-  batch ``k``'s full tensors (while they are copied out, also its bucket
-  buffers, freed one bucket at a time) and batch ``k + 1``'s staged or
-  in-flight buffers; about the two largest adjacent units, plus padding (at
-  most ``W - 1`` rows a tensor) and bucket buffers. A tensor
-  handed out is dropped by the generator at the next step, so a caller that
-  keeps no reference keeps memory at that bound whatever the model's size.
+* *Bounded memory.* The generator holds two adjacent batches: batch ``k``'s
+  full tensors (and, while they are copied out, its bucket buffers) and
+  batch ``k + 1``'s staged or in-flight buffers, plus padding (at most
+  ``W - 1`` rows a tensor). A tensor handed out is dropped by the generator
+  at the next step, so a caller that keeps no reference stays at that
+  bound whatever the model's size.
 * *Recycled buffers.* On the CPU batch ``k + 1`` takes batch ``k - 1``'s
   buffers, those nobody holds any more, instead of fresh memory (see
   [Note: recycled buffers] in ``_host_buffers``).
 * *Cast before gather.* With ``dtype``, floating shards are cast as they are
-  copied into the bucket (see [Note: cast before gather] in ``_engine``).
+  copied into the bucket (see [Note: cast before gather] in ``_engine.start_gather``).
   ``keep_dtype`` exempts chosen parameters (an MoE router's gate, kept fp32
   for the engine): they travel in their stored dtype, so their values are
   exact. A tie is kept if any of its names is chosen. A batch's kept
@@ -51,12 +50,12 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
 from fsdp_shim import _fsdp2_internals as fsdp2
+from fsdp_shim import _receivers as receivers
 from fsdp_shim import _registry as registry
 from fsdp_shim._engine import BucketGather, start_gather
 from fsdp_shim._host_buffers import RecycledBuffers
@@ -141,13 +140,13 @@ def _distinct_params(model: nn.Module) -> list[_Distinct]:
     return list(found.values())
 
 
-def plan_batches(
-    model: nn.Module, bucket_bytes: int, cast_to: torch.dtype | None, keep: Callable[[str], bool] | None = None,
+def batch_params(
+    model: nn.Module, bucket_bytes: int, cast_to: torch.dtype | None, uncast: Callable[[str], bool] | None = None,
 ) -> list[_Batch]:
     """Every distinct parameter of ``model``, named and batched. See [Note: streaming].
 
-    ``keep`` picks, by name, parameters that travel in their stored dtype
-    instead of ``cast_to``.
+    ``uncast`` picks, by name, parameters that travel in their stored dtype
+    instead of ``cast_to`` (``keep_dtype``).
     """
     batches: dict[int, _Batch] = {}
     ordered: list[_Batch] = []
@@ -155,7 +154,7 @@ def plan_batches(
     kept = 0
     for param in _distinct_params(model):
         cast = cast_to
-        if cast_to is not None and keep is not None and any(keep(name) for name in param.names):
+        if cast_to is not None and uncast is not None and any(uncast(name) for name in param.names):
             cast, kept = None, kept + 1
         nbytes = param.tensor.numel() * gathered_dtype(param.tensor, cast).itemsize
         if param.unit is not None:
@@ -172,7 +171,7 @@ def plan_batches(
         batch.tensors.append(param.tensor)
         batch.casts.append(cast)
         batch.nbytes += nbytes
-    if cast_to is not None and keep is not None and not kept:
+    if cast_to is not None and uncast is not None and not kept:
         logger.warning("iter_full_params: keep_dtype matched no parameter; every floating one is cast to %s", cast_to)
     return _merge_small(ordered, bucket_bytes)
 
@@ -269,9 +268,8 @@ def stream_full_params(
 ) -> FullParams:
     """The generator behind ``fsdp_shim.iter_full_params`` (arguments already checked)."""
     bucket_bytes = bucket_bytes_from_env(bucket_mb, STREAM_BUCKET_MB)
-    batches = plan_batches(model, bucket_bytes, dtype, name_matcher(keep_dtype))
-    keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
-    receiver: Receiver = "global_rank0" if rank0_only else "all"  # see [Note: point to point] in _gloo
+    batches = batch_params(model, bucket_bytes, dtype, name_matcher(keep_dtype))
+    receiver, keep = receivers.for_stream(rank0_only)
     started = time.perf_counter()
     in_flight = [_InFlightBatch(batches[0], bucket_bytes, receiver)] if batches else []
     recyclable: list[tuple[torch.Tensor, int]] = []  # batch k - 1's buffers, handed out at the last step

@@ -2,10 +2,10 @@
 
 [Note: swap lifecycle]
 Entry, in an order that keeps every rank's collectives aligned and leaves
-nothing changed if it fails part way (``summon_dtensor_params``):
+nothing changed if it fails part way (``DTensorSummon``):
 1. *Refuse*: ``collect_scope`` (no side effects), then every misuse
    (training state, threads, meta device, placements, dead groups) raises
-   before any collective or change.
+   before any collective or change (``_refusals``).
 2. *Prepare*: FSDP2 groups in scope are brought to a known state: the root
    above them lazily initialised (see [Note: lazy init on entry]),
    parameter resets adopted (``adopt_module_params``), units left unsharded
@@ -19,52 +19,11 @@ nothing changed if it fails part way (``summon_dtensor_params``):
 Exit (``_Swap.exit``), always, also when the body raised: hooks off, every
 slot gets back the exact object it held and every mark is undone,
 conversions made inside are replayed on the shards
-(see [Note: conversions inside]), then writeback if asked (local copies
+(see [Note: conversions inside] in ``_Swap.convert_inside``), then writeback if asked (local copies
 into the original shards, see [Note: writeback needs no collective] in
 ``_writeback``) and if the body ran: as FSDP1 does, after a body that
-raised too, but never after a fault before the body (see [Note: faults]).
-
-[Note: faults]
-Two rules, FSDP1's for the body and a stricter one for entry:
-- A failure before the body runs (a gather error or timeout, a peer that
-  stalls or dies, an exception or ``KeyboardInterrupt`` in a send, receive
-  or all-gather, on one rank or all) writes nothing: the slots get their
-  objects back, marks and hooks are undone, and the shards stay
-  bit-identical, whatever ``writeback`` says. Full tensors whose values
-  never arrived are never read: written back, they would put uninitialised
-  memory into the training weights.
-- A failure inside the body (the body reached means every value arrived)
-  keeps FSDP1's rule: writeback still applies to the edits made there, all
-  or nothing (see [Note: exit checks] in ``_exit_checks``), and the body's exception propagates.
-After a one-sided fault the process group is out of step (the other ranks'
-matching collective is still posted, or timed out): as with FSDP1 and
-FSDP2, the next collective on it may hang or time out.
-``docs/troubleshooting.md`` says what to do.
-
-[Note: units left unsharded]
-FSDP2 leaves the root unsharded after forward, and every unit with
-``reshard_after_forward=False``. Such a unit in scope is resharded on entry,
-as FSDP2's own ``state_dict()`` does, and gathered from its sharded
-parameters: they are what the optimizer updates, while the unsharded copy
-may be stale (an optimizer step after a ``no_grad`` forward leaves the copy
-at the old values, and FSDP2's state cannot tell).
-The unit stays sharded when the context ends, and its next forward (or
-pre-backward) all-gathers again. FSDP1 instead keeps "storage behaviour the
-same as forward"; we do not, on evidence too: in plain FSDP2, with no shim
-involved, training that starts while a ``no_grad`` forward (eval,
-``generate()``) has left units unsharded drifts from the reference, and is
-exact after ``reshard()`` (the figures: ``docs/semantics.md``).
-
-[Note: conversions inside]
-``model.to(...)``, ``.cpu()``, ``.float()`` and friends end in ``_apply``.
-FSDP2's ``_apply`` reshards first, which would put the shards back into the
-slots mid-context (verl's LoRA collection calls ``model.to("cpu")`` there).
-For the context's duration each fully summoned unit gets an instance-level
-``_apply`` that converts the full parameters in place instead and records the
-call; on exit the same call is replayed through FSDP2's own ``_apply`` on the
-restored shards, before writeback. So inside, the slots keep full tensors
-(``state_dict()`` stays full), and after exit the module is as the same call
-outside would have left it, plus the writeback rule.
+raised too, but never after a fault before the body (see [Note: faults]
+in ``DTensorSummon``).
 """
 
 from __future__ import annotations
@@ -72,7 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -82,33 +41,28 @@ from torch.utils.hooks import RemovableHandle
 
 from fsdp_shim import _diagnostics
 from fsdp_shim import _fsdp2_internals as fsdp2
+from fsdp_shim import _receivers as receivers
 from fsdp_shim import _registry as registry
 from fsdp_shim._engine import Gathered, gather_full_tensors
-from fsdp_shim._exit_checks import SwappedParam, inspect_slots, judge_changes, shard_state, write_back
+from fsdp_shim._exit_checks import SwappedParam, inspect_slots, judge_changes, shard_versions, write_back
 from fsdp_shim._forward_hooks import install_forward_hooks
 from fsdp_shim._layout import UNCAPPED, Receiver
-from fsdp_shim._refusals import refuse_before_anything
-from fsdp_shim._scope import (
-    Scope,
-    ScopedParam,
-    SlotKey,
-    SummonPlan,
-    cached_plan,
-    collect_scope,
-    module_label,
-    plan_summon,
-    slot_fqn,
-    states_of,
-)
+from fsdp_shim._plans import SummonPlan, plan_for
+from fsdp_shim._refusals import group_in_use, refuse_before_anything, refuse_writeback_inside_no_writeback
+from fsdp_shim._scope import Scope, ScopedParam, collect_scope, module_label, slot_fqn, states_of
 
 logger = logging.getLogger("fsdp_shim")
 
+
 @dataclass(slots=True)
 class _Swap:
+    """What one context changed, to be undone on exit: slots, marks, hooks, conversions."""
+
     scope: Scope
     writeback: bool
-    with_grads: bool = False
-    thread: int = field(default_factory=registry.current_thread)
+    with_grads: bool
+    #: What the registry knows of this context; its ``records`` is ``swapped``, the very list.
+    live: registry.LiveContext
     swapped: list[SwappedParam] = field(default_factory=list)
     originals: list[tuple[ScopedParam, nn.Module, str, Any]] = field(default_factory=list)
     marks: list[fsdp2.GroupMark] = field(default_factory=list)
@@ -120,9 +74,12 @@ class _Swap:
     conversions: list[tuple[nn.Module, tuple[Any, ...], dict[str, Any]]] = field(default_factory=list)
     #: Whether the context's body was reached: only then may a writeback happen. See [Note: faults].
     body_ran: bool = False
-    #: Built on demand from ``originals`` and ``swapped`` (``slot_keys``, ``record_of``).
-    _slot_keys: set[SlotKey] | None = None
-    _records: dict[int, SwappedParam] | None = None
+
+    @classmethod
+    def of(cls, scope: Scope, writeback: bool, with_grads: bool, thread: int) -> _Swap:
+        swapped: list[SwappedParam] = []
+        live = registry.LiveContext(thread, writeback, swapped)  # type: ignore[arg-type]
+        return cls(scope, writeback, with_grads, live, swapped)
 
     def name(self, item: SwappedParam) -> str:
         return slot_fqn(self.scope.root, item.entry.slots[0])
@@ -143,15 +100,15 @@ class _Swap:
                     value.grad = grads[index]
             swapped = SwappedParam(entry, sharded, value, layout,
                                     None if value.is_inference() else value._version,  # its values are in
-                                    shard_state(sharded) if writeback else (0, 0, 0),
+                                    shard_versions(sharded) if writeback else (0, 0, 0),
                                     sharded._local_tensor.clone() if writeback else None)
             self.swapped.append(swapped)
             for module, name in entry.slots:
                 tensors = module._buffers if entry.is_buffer else module._parameters
                 originals.append((entry, module, name, tensors[name]))
                 tensors[name] = value
-        registry.add_fulls(self)
-        registry.add_slots(self)
+        registry.add_fulls(self.live)
+        registry.add_slots(self.live)
 
     def mark_groups(self) -> None:
         for group, fully_summoned in self.scope.groups.items():
@@ -161,7 +118,19 @@ class _Swap:
         fsdp2.suspend_load_post_hooks(fsdp_params, self.suspended)
 
     def convert_inside(self) -> None:
-        """Route ``_apply`` of fully summoned units to the full parameters. See [Note: conversions inside]."""
+        """Point ``_apply`` of fully summoned units at the full parameters.
+
+    [Note: conversions inside]
+    ``model.to(...)``, ``.cpu()``, ``.float()`` and friends end in ``_apply``.
+    FSDP2's ``_apply`` reshards first, which would put the shards back into the
+    slots mid-context (verl's LoRA collection calls ``model.to("cpu")`` there).
+    For the context's duration each fully summoned unit gets an instance-level
+    ``_apply`` that converts the full parameters in place instead and records the
+    call; on exit the same call is replayed through FSDP2's own ``_apply`` on the
+    restored shards, before writeback. So inside, the slots keep full tensors
+    (``state_dict()`` stays full), and after exit the module is as the same call
+    outside would have left it, plus the writeback rule.
+        """
         for group, fully_summoned in self.scope.groups.items():
             if not fully_summoned:
                 continue
@@ -211,9 +180,8 @@ class _Swap:
         """
         for entry, module, name, original in reversed(self.originals):
             (module._buffers if entry.is_buffer else module._parameters)[name] = original
-        registry.remove_slots(self)
+        registry.remove_slots(self.live)
         self.originals.clear()
-        self._slot_keys = None
         for mark in reversed(self.marks):
             mark.unmark()
         self.marks.clear()
@@ -248,22 +216,8 @@ class _Swap:
         write_back(self.swapped, self.name, with_grads)
 
     def forget(self) -> None:
-        registry.remove_fulls(self)
+        registry.remove_fulls(self.live)
         self.swapped.clear()
-        self._records = None
-
-    # -- what the registry asks (the rare path: nesting, threads, ``sharded_param``) --
-    def slot_keys(self) -> set[SlotKey]:
-        """The slots this context swapped and has not restored yet."""
-        if self._slot_keys is None:
-            self._slot_keys = {(id(module), name) for _, module, name, _ in self.originals}
-        return self._slot_keys
-
-    def record_of(self, param_id: int) -> SwappedParam | None:
-        """The record of this context's full parameter with ``id`` ``param_id``, if any (buffers are not)."""
-        if self._records is None:
-            self._records = {id(item.full): item for item in self.swapped if not item.entry.is_buffer}
-        return self._records.get(param_id)
 
     def remove_hooks(self) -> None:
         for handle in self.hooks:
@@ -273,7 +227,7 @@ class _Swap:
 
 def sharded_param(param: torch.Tensor) -> nn.Parameter | None:
     """The sharded parameter a live context's full ``param`` stands for, else None."""
-    swapped = registry.record_of(param)
+    swapped = cast("SwappedParam | None", registry.record_of(param))
     return None if swapped is None else swapped.entry.sharded()
 
 
@@ -284,7 +238,7 @@ def original_params(param: torch.Tensor) -> list[nn.Parameter]:
     a map was built, FSDP2's unsharded parameter too. Empty if ``param`` is
     not a live context's full parameter.
     """
-    swapped = registry.record_of(param)
+    swapped = cast("SwappedParam | None", registry.record_of(param))
     if swapped is None:
         return []
     found = [swapped.entry.sharded()]
@@ -316,31 +270,7 @@ def _one_unit(scope: Scope) -> bool:
     return len(scope.groups) == 1 and all(entry.fsdp_param is not None for entry in scope.params)
 
 
-def _keeps_full_params(scope: Scope, rank0_only: bool) -> bool:
-    """Whether this rank holds full parameters: FSDP1's ``rank0_only`` is rank 0 *of the FSDP group*.
-
-    Under HSDP that is rank 0 of every shard group (every replica), as FSDP1
-    does; with no FSDP2 unit in scope (tensor parallel alone) it is global rank 0.
-    """
-    if not rank0_only:
-        return True
-    if scope.groups:
-        return all(fsdp2.shard_rank(group) == 0 for group in scope.groups)
-    return dist.get_rank() == 0
-
-
-def _receiver(scope: Scope, rank0_only: bool) -> Receiver:
-    """Which ranks the gather must deliver to: every rank ``_keeps_full_params`` names, at least."""
-    if not rank0_only:
-        return "all"
-    if not scope.groups:
-        return "global_rank0"  # tensor parallel alone: global rank 0 keeps
-    if all(entry.fsdp_param is not None for entry in scope.params):
-        return "group_rank0"  # each FSDP2 shard group's rank 0 keeps, and is rank 0 of the group gathered over
-    return "all"  # FSDP2 units and other DTensors in one call: the simple, safe answer
-
-
-class summon_dtensor_params:
+class DTensorSummon:
     """The DTensor implementation of ``summon_full_params``: a single-use context manager.
 
     See [Note: swap lifecycle]. ``modules``: the scope's modules, if routing
@@ -352,6 +282,23 @@ class summon_dtensor_params:
     registry. ``__exit__`` undoes them all, also when the body raised. A
     class rather than a generator and an ``ExitStack``: weight sync enters
     one per unit, and those cost host time per call (``docs/host-cost.md``).
+
+    [Note: faults]
+    Two rules, FSDP1's for the body and a stricter one for entry:
+    - A failure before the body runs (a gather error or timeout, a peer that
+      stalls or dies, an exception or ``KeyboardInterrupt`` in a send, receive
+      or all-gather, on one rank or all) writes nothing: the slots get their
+      objects back, marks and hooks are undone, and the shards stay
+      bit-identical, whatever ``writeback`` says. Full tensors whose values
+      never arrived are never read: written back, they would put uninitialised
+      memory into the training weights.
+    - A failure inside the body (the body reached means every value arrived)
+      keeps FSDP1's rule: writeback still applies to the edits made there, all
+      or nothing (see [Note: exit checks] in ``_exit_checks``), and the body's exception propagates.
+    After a one-sided fault the process group is out of step (the other ranks'
+    matching collective is still posted, or timed out): as with FSDP1 and
+    FSDP2, the next collective on it may hang or time out.
+    ``docs/troubleshooting.md`` says what to do.
     """
 
     __slots__ = ("_args", "_swap", "_leave")
@@ -385,16 +332,16 @@ class summon_dtensor_params:
             return  # no-op: nothing distributed in scope, or all summoned by an enclosing call
         # 1. refuse: misuse raises here, alike on every rank, before any change or collective.
         groups, shardeds = refuse_before_anything(module, scope, writeback, thread, plan)
-        registry.enter(thread, groups, module_label(module))
+        if not registry.enter(thread, groups):
+            raise group_in_use(module)
         try:
             started = time.perf_counter()
             # 2. prepare: FSDP2's groups in a known state; the DTensors to gather, resolved once.
             dtensors = _prepare(scope, shardeds)
-            keep = _keeps_full_params(scope, rank0_only)
+            receiver, keep = receivers.for_summon(scope, rank0_only)
             out_device = torch.device("cpu") if offload_to_cpu else None
-            receiver = _receiver(scope, rank0_only)
             collective_bytes = None if chosen or not _one_unit(scope) else UNCAPPED  # [Note: one unit, one collective]
-            swap = _Swap(scope, writeback, with_grads)
+            swap = _Swap.of(scope, writeback, with_grads, thread)
             try:
                 # 3. gather: every value is in when it returns.
                 gathered = gather_full_tensors(dtensors, keep=keep, out_device=out_device, bucket_bytes=bucket_bytes,
@@ -410,7 +357,7 @@ class summon_dtensor_params:
                     swap.mark_groups()
                     swap.convert_inside()
                 del gathered, grads
-                install_forward_hooks(swap, rank0_only, keep)
+                install_forward_hooks(scope, swap.swapped, swap.hooks, rank0_only, keep)
             except BaseException:
                 swap.exit()  # the body never ran: nothing is written back (see [Note: faults])
                 raise
@@ -442,22 +389,13 @@ def _scope_of_call(
     module: nn.Module, recurse: bool, writeback: bool, thread: int, modules: list[nn.Module] | None
 ) -> tuple[Scope, SummonPlan | None]:
     """What this call covers, leaving out what this thread's enclosing contexts hold; and the
-    unit's plan, reused or made, where it can have one (see [Note: summon plans] in ``_scope``)."""
+    unit's plan, where it can have one (see [Note: summon plans] in ``_plans``)."""
     if not registry.has_live_context(thread):
-        plan = cached_plan(module, recurse) or plan_summon(module, recurse, modules)
-        if isinstance(plan, SummonPlan):
-            return plan.scope, plan
-        return plan, None
+        return plan_for(module, recurse, modules)
     mine = registry.slots_of_thread(thread)
     scope = collect_scope(module, recurse, mine, modules)
     if writeback:
-        for key in scope.enclosed:
-            if not mine[key].writeback:
-                raise RuntimeError(
-                    f"summon_full_params({module_label(module)}, writeback=True) inside an enclosing "
-                    "writeback=False context that already holds some of its parameters: their edits would "
-                    "be discarded by the outer context. Use writeback=True outside, or summon after it."
-                )
+        refuse_writeback_inside_no_writeback(module, [mine[key] for key in scope.enclosed])
     return scope, None
 
 
@@ -465,12 +403,25 @@ def _prepare(scope: Scope, resolved: list[DTensor]) -> list[DTensor]:
     """FSDP2's groups in scope in a known state, all local; the DTensors to gather, in scope order.
 
     The root above them lazily initialised (see [Note: lazy init on entry]),
-    parameter resets adopted, units left unsharded resharded (see [Note:
-    units left unsharded]). ``resolved``: the DTensors as refusal resolved
-    them, returned as they are unless a lazy init or an adoption ran, after
-    which they are resolved again: FSDP2 may have adopted a replaced
-    parameter. Resharding puts FSDP2's own sharded parameters back, the
-    objects already resolved.
+    parameter resets adopted, units left unsharded resharded. ``resolved``:
+    the DTensors as refusal resolved them, returned as they are unless a lazy
+    init or an adoption ran, after which they are resolved again: FSDP2 may
+    have adopted a replaced parameter. Resharding puts FSDP2's own sharded
+    parameters back, the objects already resolved.
+
+    [Note: units left unsharded]
+    FSDP2 leaves the root unsharded after forward, and every unit with
+    ``reshard_after_forward=False``. Such a unit in scope is resharded on entry,
+    as FSDP2's own ``state_dict()`` does, and gathered from its sharded
+    parameters: they are what the optimizer updates, while the unsharded copy
+    may be stale (an optimizer step after a ``no_grad`` forward leaves the copy
+    at the old values, and FSDP2's state cannot tell).
+    The unit stays sharded when the context ends, and its next forward (or
+    pre-backward) all-gathers again. FSDP1 instead keeps "storage behaviour the
+    same as forward"; we do not, on evidence too: in plain FSDP2, with no shim
+    involved, training that starts while a ``no_grad`` forward (eval,
+    ``generate()``) has left units unsharded drifts from the reference, and is
+    exact after ``reshard()`` (the figures: ``docs/semantics.md``).
     """
     changed = fsdp2.lazy_init_root(states_of(scope))
     for group in scope.groups:

@@ -11,7 +11,7 @@ either gathers correctly or raises. So ``import fsdp_shim`` always patches
 - *active*: torch inside ``SUPPORTED_TORCH`` (every release in
   ``VERIFIED_TORCH`` passed the whole suite and ``fsdp-shim check``); or a
   newer, unverified torch on which every FSDP2 and c10d internal the shim
-  reads is present (``_fsdp2_internals.missing_internals``, probed once at
+  reads is present (``_fsdp2_probe.missing_internals``, probed once at
   activation, listed by ``fsdp-shim check -v``), with a warning once.
 - *refusing*: any other torch (older than ``MIN_TORCH``, or newer with an
   internal missing). FSDP1 trees still go to FSDP1 and plain modules get
@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 
 #: This package's version (setup.cfg reads it from here, without importing torch).
-__version__ = "0.8.0"
+__version__ = "0.8.1"
 
 #: The lowest torch release supported (inclusive) and the first one not yet
 #: verified (exclusive).

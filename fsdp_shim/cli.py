@@ -77,7 +77,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     print(f"fsdp-shim check: {_environment_line(args.ranks, args.device)}")
     if args.verbose:
-        from fsdp_shim import _fsdp2_internals  # noqa: PLC0415
+        from fsdp_shim import _fsdp2_probe  # noqa: PLC0415
         from fsdp_shim._instrumentation import statuses  # noqa: PLC0415
 
         verified = "verified" if _versions.is_verified_torch(torch.__version__) else (
@@ -85,10 +85,10 @@ def cmd_check(args: argparse.Namespace) -> int:
             "newer than the verified range, served because every internal below is present")
         print(f"  supported: {', '.join(_versions.INSTRUMENTS)}; torch {torch.__version__} is {verified}")
         print(f"  patched: {fsdp_shim.is_patched()}")
-        missing = _fsdp2_internals.missing_internals()
-        print(f"  FSDP2 internals read: {len(_fsdp2_internals.READS)}, "
+        missing = _fsdp2_probe.missing_internals()
+        print(f"  FSDP2 internals read: {len(_fsdp2_probe.READS)}, "
               f"{'all present' if not missing else 'MISSING ' + ', '.join(missing)}: "
-              f"{', '.join(_fsdp2_internals.READS)}")
+              f"{', '.join(_fsdp2_probe.READS)}")
         for module, status in statuses().items():
             print(f"  instrumentation {module}: {status}")
     print(f"fsdp-shim check: starting {args.ranks} ranks, then 7 scenarios...", flush=True)

@@ -240,10 +240,10 @@ def test_internals_that_cannot_be_imported_refuse_dtensor_summons():
 
 
 def test_the_internals_probe_lists_what_it_reads_and_finds_it_all_here():
-    from fsdp_shim import _fsdp2_internals as fsdp2
+    from fsdp_shim import _fsdp2_probe
 
-    assert fsdp2.missing_internals() == []
-    assert "FSDPParamGroup._to_sharded" in fsdp2.READS and "FSDPParam.param_dtype or mp_policy" in fsdp2.READS
+    assert _fsdp2_probe.missing_internals() == []
+    assert "FSDPParamGroup._to_sharded" in _fsdp2_probe.READS and "FSDPParam.param_dtype or mp_policy" in _fsdp2_probe.READS
 
 
 def torch_version() -> str:
@@ -259,6 +259,6 @@ def test_the_wrapper_binds_arguments_with_fsdp1s_exact_signature():
     def shape(function):
         return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
 
-    assert shape(_patching._bind) == shape(ORIGINAL.__func__)
+    assert shape(_patching._fsdp1_arguments) == shape(ORIGINAL.__func__)
     with pytest.raises(TypeError):
-        _patching._bind(nn.Linear(1, 1), True, True, False, False, False, "one too many")
+        _patching._fsdp1_arguments(nn.Linear(1, 1), True, True, False, False, False, "one too many")

@@ -23,7 +23,7 @@ from _helpers import (
 )
 import fsdp_shim
 from fsdp_shim import _host_buffers, _layout
-from fsdp_shim._stream import plan_batches
+from fsdp_shim._stream import batch_params
 
 
 def _reference_names(ref: nn.Module) -> list[str]:
@@ -75,8 +75,8 @@ def rank_stream_names_values_and_ties():
     model.double()  # FSDP2 swaps parameters (swap_tensors): the stream must leave no weakref on them
     _check_stream(model, ref.double(), rank0_only=False)
     units = _units_in_order(ref)  # a batch per unit under a tiny cap; all in one when they fit one bucket
-    assert [b.names for b in plan_batches(model, 1, None)] == units
-    assert [b.names for b in plan_batches(model, 2**22, None)] == [[n for unit in units for n in unit]]
+    assert [b.names for b in batch_params(model, 1, None)] == units
+    assert [b.names for b in batch_params(model, 2**22, None)] == [[n for unit in units for n in unit]]
 
 
 def test_stream_names_values_and_ties_on_two_ranks(dist_run):
@@ -398,20 +398,20 @@ def rank_stream_bucket_cap_defaults_to_its_own():
 
     model = shard_lm(build_lm())
     caps: list[int] = []
-    original = _stream.plan_batches
+    original = _stream.batch_params
 
     def recording(model, bucket_bytes, *args):
         caps.append(bucket_bytes)
         return original(model, bucket_bytes, *args)
 
-    _stream.plan_batches = recording
+    _stream.batch_params = recording
     try:
         list(fsdp_shim.iter_full_params(model))
         os.environ[_layout.BUCKET_ENV] = "1.5"
         list(fsdp_shim.iter_full_params(model))
         list(fsdp_shim.iter_full_params(model, bucket_mb=2))
     finally:
-        _stream.plan_batches = original
+        _stream.batch_params = original
         os.environ.pop(_layout.BUCKET_ENV, None)
     assert _stream.STREAM_BUCKET_MB != _layout.DEFAULT_BUCKET_MB
     assert caps == [int(_stream.STREAM_BUCKET_MB * 2**20), int(1.5 * 2**20), 2 * 2**20]

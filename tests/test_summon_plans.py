@@ -1,6 +1,6 @@
 """A unit's summon plan is reused only while the tree it was made from is unchanged (2 gloo ranks).
 
-See [Note: summon plans] in ``fsdp_shim/_scope.py``. Each test makes a plan
+See [Note: summon plans] in ``fsdp_shim/_plans.py``. Each test makes a plan
 (a first summon of the unit), changes what the plan was worked out from,
 and checks that the next summon serves the changed tree, exactly, against
 an unsharded reference built from the same seed. A plan reused past the
@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from fsdp_shim import _scope, _swap
+from fsdp_shim import _plans, _swap
 from _helpers import LMConfig, assert_params_equal, build_lm, mesh1d, patched, shard_lm, tokens_for
 
 
@@ -28,17 +28,17 @@ from _helpers import LMConfig, assert_params_equal, build_lm, mesh1d, patched, s
 def scopes_collected() -> Iterator[list[nn.Module]]:
     """Record the root of every scope worked out afresh (a summon that did not reuse a plan)."""
     roots: list[nn.Module] = []
-    original = _scope.collect_scope
+    original = _plans.collect_scope
 
     def counting(root: nn.Module, *args, **kwargs):
         roots.append(root)
         return original(root, *args, **kwargs)
 
-    _scope.collect_scope = _swap.collect_scope = counting  # plans use the first, nested calls the second
+    _plans.collect_scope = _swap.collect_scope = counting  # plans use the first, nested calls the second
     try:
         yield roots
     finally:
-        _scope.collect_scope = _swap.collect_scope = original
+        _plans.collect_scope = _swap.collect_scope = original
 
 
 def _summon_block(model: nn.Module, ref: nn.Module, index: int = 0) -> None:
@@ -170,3 +170,77 @@ def rank_a_destroyed_group_after_a_plan_fails_clearly():
 
 def test_a_destroyed_group_after_a_plan_fails_clearly(dist_run):
     dist_run(2, rank_a_destroyed_group_after_a_plan_fails_clearly)
+
+
+def _kept(unit: nn.Module) -> dict:
+    from fsdp_shim import _fsdp2_internals as fsdp2
+
+    return fsdp2.kept_plans(fsdp2.fsdp_state_of(unit))
+
+
+def rank_a_scope_owned_outside_evicts_the_stale_plan():
+    """A plain parameter added to a unit makes its scope unplannable: the stored plan goes, not stays."""
+    ref, model = build_lm(), shard_lm(build_lm())
+    block = model.blocks[0]
+    with patched(), scopes_collected() as fresh:
+        _summon_block(model, ref)
+        assert (id(block), False) in _kept(block)
+        block.plain = nn.Parameter(torch.ones(3))  # no FSDP2 state owns it: its owner is looked for everywhere
+        for _ in range(2):
+            with FSDP.summon_full_params(block, recurse=False, writeback=False):
+                assert_params_equal(block.fc1, ref.blocks[0].fc1)
+                assert torch.equal(block.plain, torch.ones(3))
+            assert (id(block), False) not in _kept(block), "the plan made before the change was kept"
+        del block.plain
+        _summon_block(model, ref)
+        _summon_block(model, ref)
+        assert (id(block), False) in _kept(block)
+        assert fresh == [block] * 4, fresh  # planned, twice unplannable, planned again, then reused
+
+
+def test_a_scope_owned_outside_evicts_the_stale_plan(dist_run):
+    dist_run(2, rank_a_scope_owned_outside_evicts_the_stale_plan)
+
+
+def rank_a_plan_pins_nothing_removed_from_its_unit():
+    """A buffer the plan names by identity is freed once removed (the plan holds it weakly), and the
+    plan that named it is not reused: the freed id could belong to another object next time."""
+    import gc
+    import weakref
+
+    ref, model = build_lm(), shard_lm(build_lm())
+    block = model.blocks[0]
+    block.register_buffer("scratch", torch.zeros(4))
+    gone = weakref.ref(block.scratch)
+    with patched(), scopes_collected() as fresh:
+        _summon_block(model, ref)
+        plan = _kept(block)[(id(block), False)]
+        del block.scratch
+        gc.collect()
+        assert gone() is None, "the plan kept a removed buffer alive"
+        assert plan.stale
+        _summon_block(model, ref)
+        assert fresh == [block, block], fresh
+        assert _kept(block)[(id(block), False)] is not plan
+
+
+def test_a_plan_pins_nothing_removed_from_its_unit(dist_run):
+    dist_run(2, rank_a_plan_pins_nothing_removed_from_its_unit)
+
+
+def rank_a_module_that_is_not_a_unit_gets_no_plan():
+    """A submodule inside a unit has no FSDP2 state to keep a plan on: no plan is made or stored."""
+    from fsdp_shim import _fsdp2_internals as fsdp2
+
+    ref, model = build_lm(), shard_lm(build_lm())
+    fc1 = model.blocks[0].fc1
+    with patched(), scopes_collected() as fresh:
+        for _ in range(2):
+            with FSDP.summon_full_params(fc1, writeback=False):
+                assert_params_equal(fc1, ref.blocks[0].fc1)
+    assert fresh == [fc1, fc1], fresh
+    assert not any(key[0] == id(fc1) for state in fsdp2.all_fsdp_states() for key in fsdp2.kept_plans(state))
+
+
+def test_a_module_that_is_not_a_unit_gets_no_plan(dist_run):
+    dist_run(2, rank_a_module_that_is_not_a_unit_gets_no_plan)
