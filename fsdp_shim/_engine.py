@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from fsdp_shim._compat import all_gather_single, grad_disabled
-from fsdp_shim._gloo import MessagePlan, post_point_to_point
+from fsdp_shim._gloo import BucketMessages, post_point_to_point
 from fsdp_shim._host_buffers import FRESH_BUFFERS, FullBuffers
 from fsdp_shim._layout import (
     Dim0Layout,
@@ -114,7 +114,7 @@ def _stage_bucket(
         if receiver != "all":
             root = 0 if receiver == "global_rank0" else global_ranks[0]
             receivers = range(global_ranks.index(root), global_ranks.index(root) + 1)
-        messages = MessagePlan(split_sizes, dtype, comm_device, receivers, global_ranks, buffers)
+        messages = BucketMessages(split_sizes, dtype, comm_device, receivers, global_ranks, buffers)
         return post_point_to_point(bucket, messages)
     per_rank = sum(split_sizes)
     output = bucket_output(bucket, world_size * per_rank, dtype, comm_device, buffers)

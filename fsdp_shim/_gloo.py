@@ -59,7 +59,7 @@ DIRECT_BYTES = 1 << 20
 PACKED_TAG = 0x46530000
 
 
-class MessagePlan(NamedTuple):
+class BucketMessages(NamedTuple):
     """How one bucket moves point to point, worked out once when the engine stages it."""
 
     split_sizes: list[int]  # each tensor's padded shard, in elements
@@ -70,7 +70,7 @@ class MessagePlan(NamedTuple):
     buffers: FullBuffers  # where full tensors written in place come from
 
 
-def post_packed(bucket: list[BucketEntry], messages: MessagePlan) -> InFlight:
+def post_packed(bucket: list[BucketEntry], messages: BucketMessages) -> InFlight:
     """Move the packed bucket point to point: one message per (sender, receiver). See [Note: point to point].
 
     A receiver posts its receives straight into the senders' blocks of its
@@ -100,7 +100,7 @@ def post_packed(bucket: list[BucketEntry], messages: MessagePlan) -> InFlight:
     return Flat(bucket, messages.split_sizes, AllOf(works), send_buffer, output=output)
 
 
-def post_direct(bucket: list[BucketEntry], messages: MessagePlan) -> InFlight:
+def post_direct(bucket: list[BucketEntry], messages: BucketMessages) -> InFlight:
     """Send every shard straight into the receivers' full tensors. See [Note: point to point].
 
     A receiver (``messages.receivers``) allocates each padded full tensor and
@@ -157,8 +157,8 @@ def post_direct(bucket: list[BucketEntry], messages: MessagePlan) -> InFlight:
     return Landed(bucket, messages.split_sizes, AllOf(works), send_buffer, padded_fulls=padded_fulls)
 
 
-def post_point_to_point(bucket: list[BucketEntry], plan: MessagePlan) -> InFlight:
+def post_point_to_point(bucket: list[BucketEntry], messages: BucketMessages) -> InFlight:
     """Post ``bucket``'s messages: direct when its shards average ``DIRECT_BYTES`` or more, else packed."""
-    if sum(plan.split_sizes) * plan.dtype.itemsize >= DIRECT_BYTES * len(bucket):
-        return post_direct(bucket, plan)
-    return post_packed(bucket, plan)
+    if sum(messages.split_sizes) * messages.dtype.itemsize >= DIRECT_BYTES * len(bucket):
+        return post_direct(bucket, messages)
+    return post_packed(bucket, messages)

@@ -240,7 +240,7 @@ class GatherPlan(NamedTuple):
 
     A per-unit summon gathers the same parameters call after call: planning
     them again (a layout lookup, a dtype and a bucket key per tensor) was a
-    sixth of the gather's host cost. See [Note: summon plans] in ``_scope``.
+    sixth of the gather's host cost. See [Note: summon plans] in ``_plans``.
     """
 
     key: tuple[Any, ...]

@@ -36,8 +36,12 @@ def for_summon(scope: Scope, rank0_only: bool) -> Receivers:
         return _EVERY_RANK
     if not scope.groups:
         return Receivers("global_rank0", dist.get_rank() == 0)
-    keep = all(fsdp2.shard_rank(group) == 0 for group in scope.groups)
-    if all(entry.fsdp_param is not None for entry in scope.params):
+    keep = True
+    for group in scope.groups:  # a per-unit summon's path: a loop, not a generator
+        if fsdp2.shard_rank(group) != 0:
+            keep = False
+            break
+    if scope.fsdp2_only:
         # each shard group's rank 0 keeps, and is rank 0 of the group the gather runs over
         return Receivers("group_rank0", keep)
     return Receivers("all", keep)  # FSDP2 units and other DTensors in one call: the simple, safe answer

@@ -45,8 +45,8 @@ class Summoned(Protocol):
 class LiveContext:
     """One live context as the registry sees it: plain data, filled in by the swap.
 
-    ``records`` is the swap's own list of what it summoned, appended before
-    ``add_slots``; the registry derives the slot keys and the full
+    ``records`` is the swap's own list of what it summoned, complete before
+    ``add_slots`` and ``add_fulls``; the registry derives the slot keys and the full
     parameters from it when a rare lookup asks (nesting, threads,
     ``sharded_param``), so that registering costs one dict entry a call.
     """
@@ -106,8 +106,7 @@ def owner_of(key: SlotKey) -> LiveContext | None:
 
 
 def add_slots(live: LiveContext) -> None:
-    """``live``'s slots now hold its full tensors."""
-    live._slot_keys = live._fulls = None
+    """``live``'s slots now hold its full tensors (its ``records`` are complete: see ``LiveContext``)."""
     _slot_swaps[id(live)] = live
 
 

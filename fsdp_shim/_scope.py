@@ -75,6 +75,8 @@ class Scope:
     #: Whether a parameter slot in scope has no owner among ``states`` (owned by a state above the
     #: scope, or by none: a plain parameter), so that finding its owner looked at every state.
     owned_outside: bool = False
+    #: Whether FSDP2 manages every entry (no tensor-parallel-only DTensor, no DTensor buffer).
+    fsdp2_only: bool = False
 
 
 def scope_modules(root: nn.Module, recurse: bool) -> list[nn.Module]:
@@ -224,6 +226,7 @@ def collect_scope(
                 covered.update((id(m), n) for m, n in entry.slots)
     scope = Scope(root, modules, params)
     scope.owned_outside = look_outside
+    scope.fsdp2_only = all(entry.fsdp_param is not None for entry in params)
     for entry in params:
         if entry.group is not None and entry.group not in scope.groups:
             scope.groups[entry.group] = all(

@@ -7,7 +7,8 @@ nothing changed if it fails part way (``DTensorSummon``):
    (training state, threads, meta device, placements, dead groups) raises
    before any collective or change (``_refusals``).
 2. *Prepare*: FSDP2 groups in scope are brought to a known state: the root
-   above them lazily initialised (see [Note: lazy init on entry]),
+   above them lazily initialised (see [Note: lazy init on entry] in
+   ``_fsdp2_internals.lazy_init_root``),
    parameter resets adopted (``adopt_module_params``), units left unsharded
    by a forward resharded. All local.
 3. *Gather*: one batched gather (``gather_full_tensors``), then gradients
@@ -18,8 +19,8 @@ nothing changed if it fails part way (``DTensorSummon``):
    ``_fsdp2_internals``); forward hooks are installed.
 Exit (``_Swap.exit``), always, also when the body raised: hooks off, every
 slot gets back the exact object it held and every mark is undone,
-conversions made inside are replayed on the shards
-(see [Note: conversions inside] in ``_Swap.convert_inside``), then writeback if asked (local copies
+conversions made inside are replayed on the shards (see [Note: conversions
+inside] in ``_Swap.convert_inside``), then writeback if asked (local copies
 into the original shards, see [Note: writeback needs no collective] in
 ``_writeback``) and if the body ran: as FSDP1 does, after a body that
 raised too, but never after a fault before the body (see [Note: faults]
@@ -52,222 +53,6 @@ from fsdp_shim._refusals import group_in_use, refuse_before_anything, refuse_wri
 from fsdp_shim._scope import Scope, ScopedParam, collect_scope, module_label, slot_fqn, states_of
 
 logger = logging.getLogger("fsdp_shim")
-
-
-@dataclass(slots=True)
-class _Swap:
-    """What one context changed, to be undone on exit: slots, marks, hooks, conversions."""
-
-    scope: Scope
-    writeback: bool
-    with_grads: bool
-    #: What the registry knows of this context; its ``records`` is ``swapped``, the very list.
-    live: registry.LiveContext
-    swapped: list[SwappedParam] = field(default_factory=list)
-    originals: list[tuple[ScopedParam, nn.Module, str, Any]] = field(default_factory=list)
-    marks: list[fsdp2.GroupMark] = field(default_factory=list)
-    hooks: list[RemovableHandle] = field(default_factory=list)
-    suspended: fsdp2.SuspendedHooks = field(default_factory=fsdp2.SuspendedHooks)
-    #: Units whose ``_apply`` is ours for the context, and the conversions
-    #: (``.to()``, ``.float()``, ...) made through them. See [Note: conversions inside].
-    converting: list[nn.Module] = field(default_factory=list)
-    conversions: list[tuple[nn.Module, tuple[Any, ...], dict[str, Any]]] = field(default_factory=list)
-    #: Whether the context's body was reached: only then may a writeback happen. See [Note: faults].
-    body_ran: bool = False
-
-    @classmethod
-    def of(cls, scope: Scope, writeback: bool, with_grads: bool, thread: int) -> _Swap:
-        swapped: list[SwappedParam] = []
-        live = registry.LiveContext(thread, writeback, swapped)  # type: ignore[arg-type]
-        return cls(scope, writeback, with_grads, live, swapped)
-
-    def name(self, item: SwappedParam) -> str:
-        return slot_fqn(self.scope.root, item.entry.slots[0])
-
-    # -- entry -----------------------------------------------------------
-    def swap_in(self, dtensors: list[DTensor], gathered: Gathered, grads: dict[int, torch.Tensor]) -> None:
-        originals, writeback = self.originals, self.writeback
-        entries = zip(self.scope.params, dtensors, gathered.tensors, gathered.layouts)
-        for index, (entry, sharded, full, layout) in enumerate(entries):  # every summon: kept lean
-            assert full is not None  # kept ranks hold every tensor
-            value: torch.Tensor = full
-            if not entry.is_buffer:
-                # nn.Parameter(full, requires_grad), without its Python __new__ for the plain
-                # tensors the gather makes: the very call that __new__ makes for them.
-                value = (torch.Tensor._make_subclass(nn.Parameter, full, sharded.requires_grad)
-                         if type(full) is torch.Tensor else nn.Parameter(full, requires_grad=sharded.requires_grad))
-                if index in grads:
-                    value.grad = grads[index]
-            swapped = SwappedParam(entry, sharded, value, layout,
-                                    None if value.is_inference() else value._version,  # its values are in
-                                    shard_versions(sharded) if writeback else (0, 0, 0),
-                                    sharded._local_tensor.clone() if writeback else None)
-            self.swapped.append(swapped)
-            for module, name in entry.slots:
-                tensors = module._buffers if entry.is_buffer else module._parameters
-                originals.append((entry, module, name, tensors[name]))
-                tensors[name] = value
-        registry.add_fulls(self.live)
-        registry.add_slots(self.live)
-
-    def mark_groups(self) -> None:
-        for group, fully_summoned in self.scope.groups.items():
-            if fully_summoned:
-                self.marks.append(fsdp2.mark_summoned(group, self.suspended))
-        fsdp_params = [item.entry.fsdp_param for item in self.swapped if item.entry.fsdp_param is not None]
-        fsdp2.suspend_load_post_hooks(fsdp_params, self.suspended)
-
-    def convert_inside(self) -> None:
-        """Point ``_apply`` of fully summoned units at the full parameters.
-
-    [Note: conversions inside]
-    ``model.to(...)``, ``.cpu()``, ``.float()`` and friends end in ``_apply``.
-    FSDP2's ``_apply`` reshards first, which would put the shards back into the
-    slots mid-context (verl's LoRA collection calls ``model.to("cpu")`` there).
-    For the context's duration each fully summoned unit gets an instance-level
-    ``_apply`` that converts the full parameters in place instead and records the
-    call; on exit the same call is replayed through FSDP2's own ``_apply`` on the
-    restored shards, before writeback. So inside, the slots keep full tensors
-    (``state_dict()`` stays full), and after exit the module is as the same call
-    outside would have left it, plus the writeback rule.
-        """
-        for group, fully_summoned in self.scope.groups.items():
-            if not fully_summoned:
-                continue
-            for unit in fsdp2.group_modules(group):
-                if "_apply" in unit.__dict__:
-                    continue  # an enclosing context already converts it
-
-                def apply_to_full(*args: Any, _unit: nn.Module = unit, **kwargs: Any) -> nn.Module:
-                    self.conversions.append((_unit, args, kwargs))
-                    return nn.Module._apply(_unit, *args, **kwargs)  # not FSDP2's: it would reshard
-
-                unit.__dict__["_apply"] = apply_to_full
-                self.converting.append(unit)
-
-    # -- exit ------------------------------------------------------------
-    def exit(self) -> None:
-        """Undo the entry, in order: hooks off, inspect, restore, replay, then writeback if the body ran.
-
-        ``inspect`` reads what the slots hold, so it must come before
-        ``restore`` gives them their objects back; the writeback comes last,
-        onto the restored shards. The registry forgets the full tensors
-        whatever raises.
-        """
-        try:
-            self.remove_hooks()
-            self.inspect()
-            self.restore()
-            self.replay_conversions()
-            if self.writeback and self.body_ran:
-                self.write_back(self.with_grads)
-        finally:
-            self.forget()
-
-    def inspect(self) -> None:
-        """Record what the slots hold and, under writeback, what changed: before ``restore`` and before
-        any conversion is replayed on the shards. See [Note: exit checks] in ``_exit_checks``."""
-        inspect_slots(self.swapped)
-        if self.writeback:
-            for item in self.swapped:
-                judge_changes(item)
-
-    def restore(self) -> None:
-        """Every slot gets back the exact object it held; marks and suspended hooks undone.
-
-        ``requires_grad`` set inside carries over to the sharded parameter, as
-        FSDP1 (``use_orig_params=True``) keeps it on its one object.
-        """
-        for entry, module, name, original in reversed(self.originals):
-            (module._buffers if entry.is_buffer else module._parameters)[name] = original
-        registry.remove_slots(self.live)
-        self.originals.clear()
-        for mark in reversed(self.marks):
-            mark.unmark()
-        self.marks.clear()
-        self.suspended.resume()
-        for unit in self.converting:
-            unit.__dict__.pop("_apply", None)
-        self.converting.clear()
-        for item in self.swapped:
-            current = item.current
-            if item.entry.is_buffer or not isinstance(current, torch.Tensor):
-                continue
-            if current.requires_grad != item.sharded.requires_grad:
-                item.sharded.requires_grad_(current.requires_grad)
-
-    def replay_conversions(self) -> None:
-        """Apply the conversions made inside to the restored (sharded) parameters, through FSDP2."""
-        conversions, self.conversions = self.conversions, []
-        for unit, args, kwargs in conversions:
-            unit._apply(*args, **kwargs)
-        for item in self.swapped:
-            current = item.current
-            if isinstance(current, torch.Tensor) and current.dtype != item.sharded.dtype:
-                _diagnostics.warn(
-                    f"{self.name(item)} was converted to {current.dtype} inside summon_full_params through "
-                    f"a module that is not its FSDP unit; the sharded parameter stays {item.sharded.dtype}. "
-                    "Convert the unit (or the whole model) instead.",
-                    stacklevel=5,
-                    mesh=item.sharded.device_mesh,
-                )
-
-    def write_back(self, with_grads: bool) -> None:
-        write_back(self.swapped, self.name, with_grads)
-
-    def forget(self) -> None:
-        registry.remove_fulls(self.live)
-        self.swapped.clear()
-
-    def remove_hooks(self) -> None:
-        for handle in self.hooks:
-            handle.remove()
-        self.hooks.clear()
-
-
-def sharded_param(param: torch.Tensor) -> nn.Parameter | None:
-    """The sharded parameter a live context's full ``param`` stands for, else None."""
-    swapped = cast("SwappedParam | None", registry.record_of(param))
-    return None if swapped is None else swapped.entry.sharded()
-
-
-def original_params(param: torch.Tensor) -> list[nn.Parameter]:
-    """Every object the slots of a summoned ``param`` held outside contexts.
-
-    The sharded parameter and, for a unit a forward had left unsharded when
-    a map was built, FSDP2's unsharded parameter too. Empty if ``param`` is
-    not a live context's full parameter.
-    """
-    swapped = cast("SwappedParam | None", registry.record_of(param))
-    if swapped is None:
-        return []
-    found = [swapped.entry.sharded()]
-    if swapped.entry.fsdp_param is not None:
-        unsharded = fsdp2.unsharded_param_if_any(swapped.entry.fsdp_param)
-        if unsharded is not None:
-            found.append(unsharded)
-    return found
-
-
-def _gather_grads(
-    dtensors: list[DTensor], keep: bool, out_device: torch.device | None, bucket_bytes: int | None,
-    receiver: Receiver, collective_bytes: int | None,
-) -> dict[int, torch.Tensor]:
-    with_grad = [i for i, d in enumerate(dtensors) if d.grad is not None]
-    gathered = gather_full_tensors(
-        [dtensors[i].grad for i in with_grad],  # type: ignore[misc]
-        keep=keep,
-        out_device=out_device,
-        bucket_bytes=bucket_bytes,
-        receiver=receiver,
-        collective_bytes=collective_bytes,
-    )
-    return {i: g for i, g in zip(with_grad, gathered.tensors) if g is not None}
-
-
-def _one_unit(scope: Scope) -> bool:
-    """Whether the scope is one FSDP2 unit's parameters and nothing else (see [Note: one unit, one collective])."""
-    return len(scope.groups) == 1 and all(entry.fsdp_param is not None for entry in scope.params)
 
 
 class DTensorSummon:
@@ -402,7 +187,8 @@ def _scope_of_call(
 def _prepare(scope: Scope, resolved: list[DTensor]) -> list[DTensor]:
     """FSDP2's groups in scope in a known state, all local; the DTensors to gather, in scope order.
 
-    The root above them lazily initialised (see [Note: lazy init on entry]),
+    The root above them lazily initialised (see [Note: lazy init on entry]
+    in ``_fsdp2_internals``),
     parameter resets adopted, units left unsharded resharded. ``resolved``:
     the DTensors as refusal resolved them, returned as they are unless a lazy
     init or an adoption ran, after which they are resolved again: FSDP2 may
@@ -436,3 +222,219 @@ def _prepare(scope: Scope, resolved: list[DTensor]) -> list[DTensor]:
             raise AssertionError(f"expected a DTensor parameter at {entry.slots[0][1]!r}, got {type(dtensor)}")
         dtensors.append(dtensor)
     return dtensors
+
+
+def _gather_grads(
+    dtensors: list[DTensor], keep: bool, out_device: torch.device | None, bucket_bytes: int | None,
+    receiver: Receiver, collective_bytes: int | None,
+) -> dict[int, torch.Tensor]:
+    with_grad = [i for i, d in enumerate(dtensors) if d.grad is not None]
+    gathered = gather_full_tensors(
+        [dtensors[i].grad for i in with_grad],  # type: ignore[misc]
+        keep=keep,
+        out_device=out_device,
+        bucket_bytes=bucket_bytes,
+        receiver=receiver,
+        collective_bytes=collective_bytes,
+    )
+    return {i: g for i, g in zip(with_grad, gathered.tensors) if g is not None}
+
+
+def _one_unit(scope: Scope) -> bool:
+    """Whether the scope is one FSDP2 unit's parameters and nothing else (see [Note: one unit, one collective])."""
+    return len(scope.groups) == 1 and scope.fsdp2_only
+
+
+@dataclass(slots=True)
+class _Swap:
+    """What one context changed, to be undone on exit: slots, marks, hooks, conversions."""
+
+    scope: Scope
+    writeback: bool
+    with_grads: bool
+    #: What the registry knows of this context; its ``records`` is ``swapped``, the very list.
+    live: registry.LiveContext
+    swapped: list[SwappedParam] = field(default_factory=list)
+    originals: list[tuple[ScopedParam, nn.Module, str, Any]] = field(default_factory=list)
+    marks: list[fsdp2.GroupMark] = field(default_factory=list)
+    hooks: list[RemovableHandle] = field(default_factory=list)
+    suspended: fsdp2.SuspendedHooks = field(default_factory=fsdp2.SuspendedHooks)
+    #: Units whose ``_apply`` is ours for the context, and the conversions
+    #: (``.to()``, ``.float()``, ...) made through them. See [Note: conversions inside].
+    converting: list[nn.Module] = field(default_factory=list)
+    conversions: list[tuple[nn.Module, tuple[Any, ...], dict[str, Any]]] = field(default_factory=list)
+    #: Whether the context's body was reached: only then may a writeback happen. See [Note: faults].
+    body_ran: bool = False
+
+    @classmethod
+    def of(cls, scope: Scope, writeback: bool, with_grads: bool, thread: int) -> _Swap:
+        swapped: list[SwappedParam] = []
+        live = registry.LiveContext(thread, writeback, swapped)  # type: ignore[arg-type]
+        return cls(scope, writeback, with_grads, live, swapped)
+
+    def name(self, item: SwappedParam) -> str:
+        return slot_fqn(self.scope.root, item.entry.slots[0])
+
+    # -- entry -----------------------------------------------------------
+    def swap_in(self, dtensors: list[DTensor], gathered: Gathered, grads: dict[int, torch.Tensor]) -> None:
+        originals, writeback = self.originals, self.writeback
+        entries = zip(self.scope.params, dtensors, gathered.tensors, gathered.layouts)
+        for index, (entry, sharded, full, layout) in enumerate(entries):  # every summon: kept lean
+            assert full is not None  # kept ranks hold every tensor
+            value: torch.Tensor = full
+            if not entry.is_buffer:
+                # nn.Parameter(full, requires_grad), without its Python __new__ for the plain
+                # tensors the gather makes: the very call that __new__ makes for them.
+                value = (torch.Tensor._make_subclass(nn.Parameter, full, sharded.requires_grad)
+                         if type(full) is torch.Tensor else nn.Parameter(full, requires_grad=sharded.requires_grad))
+                if index in grads:
+                    value.grad = grads[index]
+            swapped = SwappedParam(entry, sharded, value, layout,
+                                    None if value.is_inference() else value._version,  # its values are in
+                                    shard_versions(sharded) if writeback else (0, 0, 0),
+                                    sharded._local_tensor.clone() if writeback else None)
+            self.swapped.append(swapped)
+            for module, name in entry.slots:
+                tensors = module._buffers if entry.is_buffer else module._parameters
+                originals.append((entry, module, name, tensors[name]))
+                tensors[name] = value
+        registry.add_fulls(self.live)
+        registry.add_slots(self.live)
+
+    def mark_groups(self) -> None:
+        for group, fully_summoned in self.scope.groups.items():
+            if fully_summoned:
+                self.marks.append(fsdp2.mark_summoned(group, self.suspended))
+        fsdp_params = [item.entry.fsdp_param for item in self.swapped if item.entry.fsdp_param is not None]
+        fsdp2.suspend_load_post_hooks(fsdp_params, self.suspended)
+
+    def convert_inside(self) -> None:
+        """Point ``_apply`` of fully summoned units at the full parameters.
+
+        [Note: conversions inside]
+        ``model.to(...)``, ``.cpu()``, ``.float()`` and friends end in ``_apply``.
+        FSDP2's ``_apply`` reshards first, which would put the shards back into the
+        slots mid-context (verl's LoRA collection calls ``model.to("cpu")`` there).
+        For the context's duration each fully summoned unit gets an instance-level
+        ``_apply`` that converts the full parameters in place instead and records the
+        call; on exit the same call is replayed through FSDP2's own ``_apply`` on the
+        restored shards, before writeback. So inside, the slots keep full tensors
+        (``state_dict()`` stays full), and after exit the module is as the same call
+        outside would have left it, plus the writeback rule.
+        """
+        for group, fully_summoned in self.scope.groups.items():
+            if not fully_summoned:
+                continue
+            for unit in fsdp2.group_modules(group):
+                if "_apply" in unit.__dict__:
+                    continue  # an enclosing context already converts it
+
+                def apply_to_full(*args: Any, _unit: nn.Module = unit, **kwargs: Any) -> nn.Module:
+                    self.conversions.append((_unit, args, kwargs))
+                    return nn.Module._apply(_unit, *args, **kwargs)  # not FSDP2's: it would reshard
+
+                unit.__dict__["_apply"] = apply_to_full
+                self.converting.append(unit)
+
+    # -- exit ------------------------------------------------------------
+    def exit(self) -> None:
+        """Undo the entry, in order: hooks off, inspect, restore, replay, then writeback if the body ran.
+
+        ``inspect`` reads what the slots hold, so it must come before
+        ``restore`` gives them their objects back; the writeback comes last,
+        onto the restored shards. The registry forgets the full tensors
+        whatever raises.
+        """
+        try:
+            self.remove_hooks()
+            self.inspect()
+            self.restore()
+            self.replay_conversions()
+            if self.writeback and self.body_ran:
+                self.write_back(self.with_grads)
+        finally:
+            self.forget()
+
+    def inspect(self) -> None:
+        """Record what the slots hold and, under writeback, what changed: before ``restore`` and before
+        any conversion is replayed on the shards. See [Note: exit checks] in ``_exit_checks``."""
+        inspect_slots(self.swapped)
+        if self.writeback:
+            for item in self.swapped:
+                judge_changes(item)
+
+    def restore(self) -> None:
+        """Every slot gets back the exact object it held; marks and suspended hooks undone.
+
+        ``requires_grad`` set inside carries over to the sharded parameter, as
+        FSDP1 (``use_orig_params=True``) keeps it on its one object.
+        """
+        for entry, module, name, original in reversed(self.originals):
+            (module._buffers if entry.is_buffer else module._parameters)[name] = original
+        registry.remove_slots(self.live)
+        self.originals.clear()
+        for mark in reversed(self.marks):
+            mark.unmark()
+        self.marks.clear()
+        self.suspended.resume()
+        for unit in self.converting:
+            unit.__dict__.pop("_apply", None)
+        self.converting.clear()
+        for item in self.swapped:
+            current = item.current
+            if item.entry.is_buffer or not isinstance(current, torch.Tensor):
+                continue
+            if current.requires_grad != item.sharded.requires_grad:
+                item.sharded.requires_grad_(current.requires_grad)
+
+    def replay_conversions(self) -> None:
+        """Apply the conversions made inside to the restored (sharded) parameters, through FSDP2."""
+        conversions, self.conversions = self.conversions, []
+        for unit, args, kwargs in conversions:
+            unit._apply(*args, **kwargs)
+        for item in self.swapped:
+            current = item.current
+            if isinstance(current, torch.Tensor) and current.dtype != item.sharded.dtype:
+                _diagnostics.warn(
+                    f"{self.name(item)} was converted to {current.dtype} inside summon_full_params through "
+                    f"a module that is not its FSDP unit; the sharded parameter stays {item.sharded.dtype}. "
+                    "Convert the unit (or the whole model) instead.",
+                    stacklevel=5,
+                    mesh=item.sharded.device_mesh,
+                )
+
+    def write_back(self, with_grads: bool) -> None:
+        write_back(self.swapped, self.name, with_grads)
+
+    def forget(self) -> None:
+        registry.remove_fulls(self.live)
+        self.swapped.clear()
+
+    def remove_hooks(self) -> None:
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks.clear()
+
+
+def sharded_param(param: torch.Tensor) -> nn.Parameter | None:
+    """The sharded parameter a live context's full ``param`` stands for, else None."""
+    swapped = cast("SwappedParam | None", registry.record_of(param))
+    return None if swapped is None else swapped.entry.sharded()
+
+
+def original_params(param: torch.Tensor) -> list[nn.Parameter]:
+    """Every object the slots of a summoned ``param`` held outside contexts.
+
+    The sharded parameter and, for a unit a forward had left unsharded when
+    a map was built, FSDP2's unsharded parameter too. Empty if ``param`` is
+    not a live context's full parameter.
+    """
+    swapped = cast("SwappedParam | None", registry.record_of(param))
+    if swapped is None:
+        return []
+    found = [swapped.entry.sharded()]
+    if swapped.entry.fsdp_param is not None:
+        unsharded = fsdp2.unsharded_param_if_any(swapped.entry.fsdp_param)
+        if unsharded is not None:
+            found.append(unsharded)
+    return found
