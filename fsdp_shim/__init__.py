@@ -362,13 +362,15 @@ def iter_full_params(
             where the gather runs.
         bucket_mb: cap on one gather bucket, in MiB (default: ``$FSDP_SHIM_BUCKET_MB`` or 6).
 
-    A tensor is valid until the next step of the iteration: the generator
-    drops it then, and the next unit's gather is already in flight while
-    you use the current one. Keep no references and the extra memory stays
-    near the two largest units plus padding, whatever the model's size; on
-    the CPU the memory of tensors you dropped is reused for later units (a
-    tensor or view you still hold is never reused, so keeping one costs
-    memory, never its values). Treat tensors as read-only.
+    The generator drops each tensor at the next step of the iteration, and
+    the next unit's gather is already in flight while you use the current
+    one. Keep no references and the extra memory stays near the two largest
+    units plus padding, whatever the model's size. Every tensor is fresh
+    memory nothing else writes, so keeping one (or its storage, a numpy
+    view, a shared-memory copy) costs memory, never its values. Before the
+    first unit moves it refuses what ``summon_full_params`` refuses, in the
+    same words; stopped early or failed, it waits for every gather it
+    posted. Treat tensors as read-only.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, holds FSDP1 units, ``dtype`` is not floating,

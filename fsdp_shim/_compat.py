@@ -84,22 +84,6 @@ def is_strided_shard(placement: Placement) -> bool:
 STRIDED_SHARD_FULL_TENSOR_BROKEN = (2, 10) <= _TORCH[:2] < (2, 12)
 
 
-#: Private c10 API, present on every supported release; None on a future torch without it.
-_storage_Use_Count: Any = getattr(torch._C, "_storage_Use_Count", None)
-
-
-def storage_use_count(tensor: torch.Tensor) -> int | None:
-    """References to ``tensor``'s storage (tensors and views sharing it, storage objects); None if unknown.
-
-    The count for a tensor alone differs between releases (1 on 2.7, 2 on
-    2.14), so callers compare against a count taken earlier, never a
-    constant. Where it is unknown nothing is recycled.
-    """
-    if _storage_Use_Count is None:  # pragma: no cover - a future torch without it
-        return None
-    return int(_storage_Use_Count(tensor.untyped_storage()._cdata))
-
-
 def is_live_group(group: dist.ProcessGroup) -> bool:
     """Whether ``group`` is still registered with c10d (not destroyed, and from this process's world)."""
     from torch.distributed import distributed_c10d  # noqa: PLC0415

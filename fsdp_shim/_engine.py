@@ -1,14 +1,13 @@
 """The gather engine: DTensors in, full tensors out, one bucket or one batch in flight.
 
-Owns staging a bucket on its transport (the collective here, gloo's
-messages in ``_gloo``), the copy-out, the ``full_tensor()`` fallback and
-the one driver (``BucketGather``) the summon (``gather_full_tensors``) and
-the stream (``start_gather``) use. Nothing here knows about modules, FSDP
+Owns staging a bucket and launching its all-gather, the copy-out, the
+``full_tensor()`` fallback and the one driver (``BucketGather``) the summon
+(``gather_full_tensors``) and the stream (``start_gather``) use. Nothing here knows about modules, FSDP
 state or swapping; ``_swap`` decides *what* to gather and where the results
 go.
 
 [Note: one bucket in flight]
-Bucket ``k + 1``'s collective (or messages) is launched before bucket ``k``
+Bucket ``k + 1``'s collective is launched before bucket ``k``
 is copied out, so the copy-out overlaps the next transfer. At most two
 buckets' outputs are alive at once (inputs live inside them), so the extra
 memory beyond the full tensors is at most two buckets.
@@ -24,17 +23,19 @@ FSDP1's flat parameter does.
 
 [Note: staged, then launched]
 A bucket starts in two steps. Staging does the CPU's part: the padded input
-copied in and cast, the output or full tensors allocated. Launching posts
-the collective. The summon does both at once (``BucketGather``'s default).
-On gloo every bucket moves point to point and its messages are posted while it is
-staged, a receiver posting its receives before it copies its own rows, so
-that copy overlaps the transfer. The stream stages batch ``k + 1`` *before*
-it waits for batch ``k``: the copies and casts run while batch ``k`` is on
-the wire. A collective (NCCL) is launched only once batch ``k`` is in, so
-the process group never holds more than one batch's collectives.
+copied in and cast, the output allocated. Launching posts the all-gather.
+The summon does both at once (``BucketGather``'s default). The stream
+stages batch ``k + 1`` *before* it waits for batch ``k``: the copies and
+casts run while batch ``k`` is on the wire. Batch ``k + 1``'s collectives
+are launched only once batch ``k`` is in, so the process group never holds
+more than one batch's collectives. Every bucket moves by the all-gather,
+on every backend: the one collective NCCL users take, and the one gloo
+runs in the tests (``docs/gather-engine.md`` says why gloo's point-to-point
+transport was deleted).
 
 [Note: a group of one] is at ``_start_alone``, [Note: cast before gather] at
-``start_gather``. Measurements behind each, and the history of removed mechanisms:
+``start_gather``, [Note: every posted work is waited for] at ``_wait_all``.
+Measurements behind each, and the history of removed mechanisms:
 ``docs/gather-engine.md``.
 """
 
@@ -51,19 +52,18 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from fsdp_shim._compat import all_gather_single, grad_disabled
-from fsdp_shim._gloo import BucketMessages, post_point_to_point
-from fsdp_shim._host_buffers import FRESH_BUFFERS, FullBuffers
 from fsdp_shim._layout import (
+    BucketShape,
     Dim0Layout,
+    GatherPlan,
     Receiver,
     bucket_bytes_from_env,
     gathered_dtype,
-    BucketShape,
-    GatherPlan,
+    mark_out_of_step,
     plan_gather,
     require_gatherable,
 )
-from fsdp_shim._staging import BucketEntry, Flat, InFlight, Landed, bucket_output, copy_in
+from fsdp_shim._staging import BucketEntry, Flat, InFlight, Landed, copy_in
 
 logger = logging.getLogger("fsdp_shim")
 
@@ -80,18 +80,8 @@ def _comm_device(dtensor: DTensor) -> torch.device:
     return torch.device(device_type, handle.current_device())
 
 
-def _stage_bucket(
-    bucket: list[BucketEntry], shape: BucketShape, receiver: Receiver = "all", buffers: FullBuffers | None = None,
-) -> InFlight:
+def _stage_bucket(bucket: list[BucketEntry], shape: BucketShape, receiver: Receiver = "all") -> InFlight:
     """Copy in this rank's padded shards; the bucket's collective is left for ``launched()``.
-
-    Full tensors written in place (and a bucket of one's output) come from
-    ``buffers``: fresh memory unless a stream recycles
-    (see [Note: recycled buffers]).
-
-    On gloo there is no collective: the bucket moves point to point, and its
-    messages are posted here (see [Note: point to point] and
-    [Note: staged, then launched]).
 
     As FSDP2 does, the input is this rank's block of the output buffer, so the
     copy-in needs no buffer of its own and the all-gather runs in place. A
@@ -103,30 +93,19 @@ def _stage_bucket(
     world_size, group, rank = first.layout.world_size, first.layout.group, first.layout.rank
     split_sizes, dtype = shape.split_sizes, shape.dtype
     comm_device = _comm_device(first.dtensor)
-    buffers = buffers or FRESH_BUFFERS
     if receiver == "global_rank0" and 0 not in dist.get_process_group_ranks(group):
         return Landed(bucket, split_sizes)  # nobody here receives: nothing to move (a group's rank 0 always is)
     if world_size == 1:
-        return _start_alone(bucket, split_sizes, dtype, comm_device, buffers)
-    if shape.point_to_point:
-        global_ranks = dist.get_process_group_ranks(group)
-        receivers = range(world_size)  # group ranks that receive full tensors
-        if receiver != "all":
-            root = 0 if receiver == "global_rank0" else global_ranks[0]
-            receivers = range(global_ranks.index(root), global_ranks.index(root) + 1)
-        messages = BucketMessages(split_sizes, dtype, comm_device, receivers, global_ranks, buffers)
-        return post_point_to_point(bucket, messages)
+        return _start_alone(bucket, split_sizes, dtype, comm_device)
     per_rank = sum(split_sizes)
-    output = bucket_output(bucket, world_size * per_rank, dtype, comm_device, buffers)
-    gather_input, _ = copy_in(bucket, split_sizes, dtype, comm_device, output[rank * per_rank:(rank + 1) * per_rank],
-                              shape.unpadded)
+    output = torch.empty(world_size * per_rank, dtype=dtype, device=comm_device)
+    gather_input = copy_in(bucket, split_sizes, dtype, comm_device, output[rank * per_rank:(rank + 1) * per_rank],
+                           shape.unpadded)
     launch = functools.partial(all_gather_single, output, gather_input, group=group, async_op=True)
-    return Flat(bucket, split_sizes, output=output, launch=launch)
+    return Flat(bucket, split_sizes, output=output, launch=launch, gather_input=gather_input)
 
 
-def _start_alone(
-    bucket: list[BucketEntry], split_sizes: list[int], dtype: torch.dtype, device: torch.device, buffers: FullBuffers
-) -> InFlight:
+def _start_alone(bucket: list[BucketEntry], split_sizes: list[int], dtype: torch.dtype, device: torch.device) -> InFlight:
     """A shard group of one rank: each full tensor is its shard, copied once.
 
     [Note: a group of one]
@@ -137,25 +116,70 @@ def _start_alone(
     ``writeback=False`` edits are discarded as FSDP1's ``FULL_SHARD`` discards
     them.
     """
-    padded_fulls = [buffers.take(padded, dtype, device) for padded in split_sizes]
+    padded_fulls = [torch.empty(padded, dtype=dtype, device=device) for padded in split_sizes]
     torch._foreach_copy_(padded_fulls, [b.dtensor._local_tensor.reshape(-1) for b in bucket])
     return Landed(bucket, split_sizes, padded_fulls=padded_fulls)
 
 
 def _arrived(flight: InFlight) -> None:
-    """Wait for ``flight``'s collective or messages; a sender's buffer may then go."""
-    if flight.work is not None:
-        flight.work.wait()
-    flight.send_buffer = None
+    """Wait for ``flight``'s collective, once (see [Note: every posted work is waited for]).
+
+    A wait that raises an ``Exception`` (a timeout, a dead peer) records the
+    group as out of step and is not retried. A ``KeyboardInterrupt`` leaves
+    the work in place, so the caller's clean-up waits for it again.
+    """
+    work = flight.work
+    if work is None:
+        return
+    try:
+        work.wait()
+    except Exception as error:
+        flight.work = None  # never waited twice
+        held = (flight.output, flight.gather_input) if isinstance(flight, Flat) else ()
+        mark_out_of_step(flight.bucket[0].layout.group, error, held)  # its buffers are never freed under it
+        raise
+    flight.work = None
+    if isinstance(flight, Flat):
+        flight.gather_input = None
+
+
+def _wait_all(flights: Sequence[InFlight]) -> BaseException | None:
+    """Wait for every launched collective in ``flights``, each even if another's wait raises; the first error.
+
+    [Note: every posted work is waited for]
+    Whatever raises while buckets are in flight (a staging copy, an
+    allocation, a launch, a copy-out, a ``KeyboardInterrupt``), every
+    collective already launched is waited for before the error propagates,
+    each one even if another's wait raises, and its buffers are held until
+    then: c10d cannot withdraw a posted collective, a buffer freed under one
+    would be written after it is freed, and a collective left unmatched would
+    pair with the next call's. A fault that hits every rank alike raises at
+    the same bucket on each, before that bucket's collective is posted, so the
+    ranks stay in step and the group stays usable. A wait that fails (a
+    timeout, a dead peer) records the group as out of step (see
+    [Note: out of step] in ``_layout``). A work is never waited for twice.
+    """
+    first: BaseException | None = None
+    for flight in flights:
+        try:
+            _arrived(flight)
+        except BaseException as error:  # noqa: BLE001  (KeyboardInterrupt too: the others are still waited for)
+            first = first or error
+            if flight.work is not None:  # interrupted: wait for it once more, uninterrupted this time
+                try:
+                    _arrived(flight)
+                except BaseException:  # noqa: BLE001
+                    pass
+    return first
 
 
 def _finish_bucket(flight: InFlight, keep: bool, out_device: torch.device | None) -> list[torch.Tensor]:
-    """Wait for the bucket's collective or messages and copy each tensor out. See [Note: bucket layout].
+    """Wait for the bucket's collective and copy each tensor out. See [Note: bucket layout].
 
     Called under ``no_grad``.
     """
     _arrived(flight)
-    if isinstance(flight, Landed):  # direct messages, or a group of one: already in place
+    if isinstance(flight, Landed):  # a group of one, or nothing moved: already in place
         return [_on(full, out_device) for full in _in_place_results(flight)] if keep else []
     assert isinstance(flight, Flat)
     if not keep:
@@ -242,14 +266,15 @@ class Gathered(NamedTuple):
 class BucketGather:
     """The one driver: a list of DTensors' buckets, staged ``ahead`` at a time, finished in order.
 
-    Staging copies a bucket in (and posts gloo's messages); launching posts
-    its collective. ``ahead`` buckets are staged beyond the one being
-    finished: ``ahead=1`` is the summon's window, bucket ``k + 1`` in flight
-    while ``k`` is copied out, two at most
-    (see [Note: one bucket in flight]); ``ahead=None`` stages every bucket
-    at once, the stream's, a whole batch in flight
+    Staging copies a bucket in; launching posts its all-gather. ``ahead``
+    buckets are staged beyond the one being finished: ``ahead=1`` is the
+    summon's window, bucket ``k + 1`` in flight while ``k`` is copied out,
+    two at most (see [Note: one bucket in flight]); ``ahead=None`` stages
+    every bucket at once, the stream's, a whole batch in flight
     (see [Note: staged, then launched]). A collective: every rank builds,
-    launches and finishes the same gathers in the same order.
+    launches and finishes the same gathers in the same order. Whatever
+    raises, in construction, ``finish`` or ``abandon``, every launched
+    collective is waited for first (see [Note: every posted work is waited for]).
     """
 
     def __init__(
@@ -259,7 +284,6 @@ class BucketGather:
         cast_to: torch.dtype | None = None,
         bucket_bytes: int | None = None,
         receiver: Receiver = "all",
-        buffers: FullBuffers | None = None,
         ahead: int | None = None,
         launch: bool = True,
         checked: bool = False,
@@ -274,25 +298,32 @@ class BucketGather:
         self._dtensors = list(dtensors)
         self._cast_to = cast_to
         self._receiver = receiver
-        self._buffers = buffers
         self._unstaged = collections.deque(zip(buckets, self.plan.shapes))
         self._ahead = len(buckets) if ahead is None else ahead
         self._flights: collections.deque[InFlight] = collections.deque()
-        self._stage(launch)
+        try:
+            with grad_disabled():
+                self._stage_ahead(launch)
+        except BaseException:
+            self._drop()
+            raise
 
-    def _stage(self, launch: bool) -> None:
-        with grad_disabled():
-            self._stage_ahead(launch)
-
-    def _stage_ahead(self, launch: bool) -> None:
-        while self._unstaged and len(self._flights) < self._ahead:
-            flight = _stage_bucket(*self._unstaged.popleft(), self._receiver, self._buffers)
-            self._flights.append(flight.launched() if launch else flight)
+    def _stage_ahead(self, launch: bool, finishing: int = 0) -> None:
+        """Stage (and launch) buckets until ``ahead`` are in flight beyond the ``finishing`` one."""
+        while self._unstaged and len(self._flights) - finishing < self._ahead:
+            flight = _stage_bucket(*self._unstaged.popleft(), self._receiver)
+            self._flights.append(flight)  # recorded before its collective is posted: never dropped
+            if launch:
+                flight.launched()
 
     def launch(self) -> None:
         """Launch every staged bucket's collective, in bucket order. A collective; a no-op once done."""
-        for flight in self._flights:
-            flight.launched()
+        try:
+            for flight in self._flights:
+                flight.launched()
+        except BaseException:
+            self._drop()
+            raise
 
     def finish(self, *, keep: bool, out_device: torch.device | None = None) -> list[torch.Tensor | None]:
         """Wait and copy out, bucket by bucket (each output freed as soon as it is copied), then the fallbacks."""
@@ -300,35 +331,51 @@ class BucketGather:
 
     def finish_with_layouts(self, *, keep: bool, out_device: torch.device | None = None) -> Gathered:
         """``finish``, with the layout each tensor was gathered by (writeback reuses it)."""
-        with grad_disabled():
-            return self._finish(keep, out_device)
+        try:
+            with grad_disabled():
+                return self._finish(keep, out_device)
+        except BaseException:
+            self._drop()
+            raise
 
     def _finish(self, keep: bool, out_device: torch.device | None) -> Gathered:
         self.launch()
         results: list[torch.Tensor | None] = [None] * len(self._dtensors)
         layouts: list[Dim0Layout | None] = [None] * len(self._dtensors)
-        while self._flights:
-            flight = self._flights.popleft()
+        flights = self._flights
+        while flights:
+            flight = flights[0]  # left in place until it is in: a fault below still waits for it
             if self._unstaged:
-                self._stage_ahead(launch=True)  # the next bucket moves while this one is copied out
+                self._stage_ahead(launch=True, finishing=1)  # the next bucket moves while this one is copied out
             for b in flight.bucket:
                 layouts[b.position] = b.layout
             for b, full in zip(flight.bucket, _finish_bucket(flight, keep, out_device)):
                 results[b.position] = full
+            flights.popleft()
             del flight
         for index in self._fallback:
             results[index] = _gather_fallback(self._dtensors[index], keep, out_device, self._cast_to)
         self._fallback = []
         return Gathered(results, layouts, self.plan)
 
-    def abandon(self) -> None:
-        """Wait for the launched collectives and drop every result; staged ones and the fallbacks never run."""
-        for flight in self._flights:
-            if flight.work is not None:
-                flight.work.wait()
-        self._flights.clear()
+    def _drop(self) -> None:
+        """On an error path: wait for every launched collective, then drop everything; raises nothing."""
+        flights, self._flights = list(self._flights), collections.deque()
         self._unstaged.clear()
         self._fallback = []
+        _wait_all(flights)
+
+    def abandon(self) -> None:
+        """Wait for every launched collective and drop every result; staged ones and the fallbacks never run.
+
+        Raises the first failed wait, after waiting for all of them.
+        """
+        flights, self._flights = list(self._flights), collections.deque()
+        self._unstaged.clear()
+        self._fallback = []
+        error = _wait_all(flights)
+        if error is not None:
+            raise error
 
 
 def gather_full_tensors(
@@ -367,7 +414,6 @@ def start_gather(
     bucket_bytes: int | None = None,
     receiver: Receiver = "all",
     launch: bool = True,
-    buffers: FullBuffers | None = None,
 ) -> BucketGather:
     """Stage every bucket of ``dtensors`` and launch its all-gather now; ``finish`` collects them.
 
@@ -375,9 +421,7 @@ def start_gather(
     does other work: the streaming sync keeps one unit in flight this way.
     With ``launch=False`` the buckets are only staged (copied in, cast) and
     ``BucketGather.launch`` starts their collectives later. Fallback tensors
-    (``full_tensor()``, blocking) are gathered in ``finish``. ``buffers``
-    allocates the full tensors written in place at staging (fresh unless a
-    stream recycles).
+    (``full_tensor()``, blocking) are gathered in ``finish``.
 
     [Note: cast before gather]
     With ``cast_to`` (``iter_full_params(dtype=...)``), each floating local shard
@@ -385,5 +429,4 @@ def start_gather(
     bytes (half of fp32 for bf16) and the full tensor is born in that dtype.
     Casting is elementwise, so this equals casting the gathered full tensor.
     """
-    return BucketGather(dtensors, cast_to=cast_to, bucket_bytes=bucket_bytes, receiver=receiver, buffers=buffers,
-                        launch=launch)
+    return BucketGather(dtensors, cast_to=cast_to, bucket_bytes=bucket_bytes, receiver=receiver, launch=launch)

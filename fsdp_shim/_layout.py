@@ -1,7 +1,7 @@
-"""Planning a gather: the dim-0 layout of each DTensor, its buckets, who receives, which transport.
+"""Planning a gather: the dim-0 layout of each DTensor, its buckets, who receives.
 
 Owns the caches of layouts and mesh dims (keyed weakly by the DTensor spec
-and mesh), the bucket cap, and the transport switch. Reads global metadata
+and mesh), the bucket cap, and the record of groups left out of step. Reads global metadata
 only, so every rank plans the same buckets in the same order. Nothing here
 moves data.
 
@@ -42,7 +42,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from fsdp_shim import _diagnostics
 from fsdp_shim._compat import is_dim0_shard, is_live_group, is_replicate, ungatherable_reason
 
 logger = logging.getLogger("fsdp_shim")
@@ -62,9 +61,8 @@ DEFAULT_BUCKET_MB = 4.0
 #: ``FSDP_SHIM_BUCKET_MB``): the memory is at most what FSDP2's unshard of
 #: that unit holds, and a collective has a fixed cost that grows with the
 #: world size, so several a unit would cost more host time than FSDP2's one
-#: (``docs/host-cost.md``). Point to point (gloo) keeps the cap, measured best
-#: there; a summon of several units keeps it, bounding the memory beyond the
-#: full tensors.
+#: (``docs/host-cost.md``). A summon of several units keeps the cap, bounding
+#: the memory beyond the full tensors.
 UNCAPPED = 1 << 62
 
 
@@ -128,8 +126,37 @@ def mesh_dim_groups(mesh: DeviceMesh) -> list[dist.ProcessGroup]:
     return [_mesh_dim(mesh, dim)[0] for dim in range(mesh.ndim)]
 
 
+#: Process groups a wait failed on (a timeout, a dead peer): what it raised, and the failed collectives'
+#: buffers, held for as long as the group lives. See [Note: out of step].
+_out_of_step: weakref.WeakKeyDictionary[dist.ProcessGroup, tuple[str, list[object]]] = weakref.WeakKeyDictionary()
+
+
+def mark_out_of_step(group: dist.ProcessGroup, error: BaseException, buffers: Iterable[object] = ()) -> None:
+    """Record that a collective posted on ``group`` failed to complete.
+
+    [Note: out of step]
+    A collective whose wait raises (a timeout, a peer that died or never
+    posted its side) leaves the group out of step: this rank has a posted
+    collective the others will never match, or they have one this rank
+    never posted, and c10d has no way to withdraw either. The next
+    collective on the group would pair with the wrong one, hang until it
+    times out, or corrupt memory. So the group is recorded here, and every
+    later summon or stream over it refuses at once (``require_live_groups``),
+    as FSDP1 and FSDP2 would hang. A fault that hits every rank alike
+    raises before its collective is posted, on every rank, so nothing is
+    left posted, nothing is recorded, and the group stays usable.
+    The failed collective's ``buffers`` are held here for as long as the
+    group lives: the transport may still write a late peer's data into a
+    collective it gave up waiting for (gloo does: it aborts the process on
+    a size mismatch, measured, and would write into freed memory on a
+    match), so they are never freed under it.
+    """
+    reason, held = _out_of_step.setdefault(group, (f"{type(error).__name__}: {error}".splitlines()[0][:200], []))
+    held.extend(buffers)
+
+
 def require_live_groups(groups: Iterable[dist.ProcessGroup], user: Callable[[], str]) -> None:
-    """A destroyed (or foreign) process group fails here, clearly, not inside a collective.
+    """A destroyed, foreign or out-of-step process group fails here, clearly, not inside a collective.
 
     ``user()``: what gathers over ``groups``, as the message names it (worked out only to raise).
     """
@@ -138,6 +165,12 @@ def require_live_groups(groups: Iterable[dist.ProcessGroup], user: Callable[[], 
             raise RuntimeError(
                 f"cannot gather {user()}: its device mesh uses a process group that was destroyed or belongs to "
                 "another process group world (was it sharded before destroy_process_group()?)"
+            )
+        if _out_of_step and group in _out_of_step:
+            raise RuntimeError(
+                f"cannot gather {user()}: an earlier gather's collective on its process group never completed "
+                f"({_out_of_step[group][0]}), so the ranks are out of step and the next collective could hang or "
+                "pair with the wrong one. Recreate the process group (docs/troubleshooting.md)."
             )
 
 
@@ -231,7 +264,6 @@ class BucketShape(NamedTuple):
 
     split_sizes: list[int]  # each tensor's padded shard, in elements
     dtype: torch.dtype  # what travels: the stored dtype, or the cast one
-    point_to_point: bool  # ``moves_point_to_point`` of its group (the transport is in the plan's key)
     unpadded: bool  # every shard on this rank fills its padded size: the copy-in is one cat
 
 
@@ -258,8 +290,8 @@ def plan_key(
     dtensors: Sequence[DTensor], bucket_bytes: int, cast_to: torch.dtype | None, collective_bytes: int | None = None,
 ) -> tuple[Any, ...]:
     """Everything a plan depends on: each tensor's spec (by identity: equal meshes may hold other
-    groups) and local shape, dtype and device, the caps, the cast and the transport."""
-    return (bucket_bytes, collective_bytes, cast_to, _transport, *[
+    groups) and local shape, dtype and device, the caps and the cast."""
+    return (bucket_bytes, collective_bytes, cast_to, *[
         (id(d._spec), t.shape, t.dtype, t.device) for d in dtensors for t in (d._local_tensor,)
     ])
 
@@ -275,7 +307,6 @@ def plan_gather(
     buckets, fallback = plan_buckets(dtensors, bucket_bytes, cast_to, collective_bytes)
     shapes = [
         BucketShape([b.layout.padded_numel for b in bucket], gathered_dtype(bucket[0].dtensor, cast_to),
-                    moves_point_to_point(bucket[0].layout.group),
                     fills_padding(bucket))
         for bucket in buckets
     ]
@@ -295,10 +326,6 @@ def plan_buckets(
     and leaves the open bucket open: the small tensors around it (a layer's
     norms and biases around its big matrices) share one collective instead
     of one each between the big ones (a collective has a fixed cost).
-    Where buckets move point to point, a tensor whose shard (in the dtype
-    it travels in) carries at least ``ALONE_BYTES`` travels alone too: it
-    is then sent direct, never copied into a bucket and out again
-    (see [Note: point to point]).
     ``cast_to`` is the dtype floating tensors travel in
     (see [Note: cast before gather]). ``collective_bytes``, if given, is the
     cap where buckets move by a collective (see [Note: one unit, one
@@ -309,7 +336,6 @@ def plan_buckets(
     buckets: list[list[BucketEntry]] = []
     fallback: list[int] = []
     open_buckets: dict[tuple[object, torch.dtype, torch.device], tuple[list[BucketEntry], list[int]]] = {}
-    direct: dict[dist.ProcessGroup, bool] = {}  # whether a group's buckets move point to point
     for index, dtensor in enumerate(dtensors):
         layout = dim0_layout(dtensor)
         if layout is None:
@@ -318,10 +344,8 @@ def plan_buckets(
         dtype = gathered_dtype(dtensor, cast_to)
         key = (layout.group, dtype, dtensor._local_tensor.device)
         nbytes = layout.world_size * layout.padded_numel * dtype.itemsize
-        if layout.group not in direct:
-            direct[layout.group] = moves_point_to_point(layout.group)
-        cap = bucket_bytes if direct[layout.group] or collective_bytes is None else collective_bytes
-        if nbytes > cap or (direct[layout.group] and nbytes >= ALONE_BYTES * layout.world_size):
+        cap = bucket_bytes if collective_bytes is None else collective_bytes
+        if nbytes > cap:
             buckets.append([BucketEntry(index, dtensor, layout)])
             continue
         bucket, size = open_buckets.get(key, (None, [0]))
@@ -337,49 +361,9 @@ def plan_buckets(
 #: Who receives full tensors. ``"all"``: every rank (all-gather). ``"group_rank0"``:
 #: rank 0 of each process group gathered over (FSDP1's ``rank0_only``: each
 #: shard group's). ``"global_rank0"``: global rank 0 alone; buckets over groups
-#: without it are skipped. See [Note: point to point].
+#: without it are skipped. Every rank of a gathered group takes part in its
+#: all-gather; the others drop what they received.
 Receiver = Literal["all", "group_rank0", "global_rank0"]
-
-
-#: ``FSDP_SHIM_TRANSPORT``: ``auto`` (the default: point to point on gloo, the
-#: all-gather elsewhere) or ``all_gather`` (the collective everywhere: on gloo,
-#: the path NCCL users take, which CI's second pass of the suite runs). Read at
-#: import; ``set_transport`` changes it.
-TRANSPORT_ENV = "FSDP_SHIM_TRANSPORT"
-TRANSPORTS = ("auto", "all_gather")
-_transport = "auto"
-
-
-def set_transport(transport: str) -> str:
-    """Choose the transport (``TRANSPORTS``); returns the previous one. Not for use while a gather runs."""
-    global _transport
-    if transport not in TRANSPORTS:
-        raise ValueError(f"{TRANSPORT_ENV} must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
-    previous, _transport = _transport, transport
-    return previous
-
-
-def _transport_from_env() -> None:
-    value = os.environ.get(TRANSPORT_ENV, "").strip().lower() or "auto"
-    try:
-        set_transport(value)
-    except ValueError as exc:
-        _diagnostics.log_warning("fsdp_shim: %s; using auto", exc)
-
-
-def moves_point_to_point(group: dist.ProcessGroup) -> bool:
-    """Whether buckets on ``group`` move by point-to-point messages rather than by a collective.
-
-    gloo: measured faster for every receiver, one or all
-    (see [Note: point to point]), unless the transport is ``all_gather``.
-    Elsewhere (NCCL) the all-gather stays, as FSDP1 and FSDP2 do.
-    """
-    return _transport == "auto" and dist.get_backend(group) == "gloo"
-
-
-#: Where buckets move point to point, a tensor whose shard carries at least
-#: this many bytes gets a bucket of its own, and so is sent direct (``plan_buckets``).
-ALONE_BYTES = 1 << 20
 
 
 def require_gatherable(dtensors: Sequence[DTensor]) -> None:
@@ -395,5 +379,3 @@ def require_gatherable(dtensors: Sequence[DTensor]) -> None:
             require_live_groups(mesh_dim_groups(dtensor.device_mesh),
                                 lambda: f"tensor {index} of shape {tuple(dtensor.shape)}")  # noqa: B023 (called at once)
 
-
-_transport_from_env()

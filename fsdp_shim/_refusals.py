@@ -14,7 +14,8 @@ sent yet.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 import torch.nn as nn
@@ -26,9 +27,12 @@ from fsdp_shim import _registry as registry
 from fsdp_shim._compat import ungatherable_reason, writeback_refusal
 from fsdp_shim._layout import mesh_dim_groups, require_live_groups
 from fsdp_shim._plans import SummonPlan
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 from fsdp_shim._scope import (
     Scope,
-    ScopedParam,
     first_untracked_slot,
     module_label,
     slot_fqn,
@@ -79,12 +83,7 @@ def refuse_before_anything(
     meshes) are skipped for the specs it passed before (see [Note: summon
     plans] in ``_plans``); the rest runs on every call.
     """
-    busy = fsdp2.busy_training_state(scope.states, list(scope.groups))
-    if busy is not None:
-        raise AssertionError(
-            f"{FORWARD_BACKWARD_ERROR}: summon_full_params({module_label(module)}) during FSDP2 "
-            f"forward/backward (training state {busy})"
-        )
+    refuse_busy(lambda: f"summon_full_params({module_label(module)})", scope.states, list(scope.groups))
     if registry.has_live_slots():  # a context open in any thread: are any of ours in another one's?
         for entry in scope.params:
             for slot in entry.slots:
@@ -111,24 +110,44 @@ def refuse_before_anything(
     if groups is not None:
         require_live_groups(groups, lambda: f"the scope of summon_full_params({module_label(module)})")
         return groups, shardeds
-    meshes: dict[int, tuple[ScopedParam, DTensor]] = {}  # one DTensor a mesh
-    for entry, sharded in zip(scope.params, shardeds):
-        placements = sharded.placements
+    named = ((lambda e=entry: slot_fqn(module, e.slots[0]), sharded) for entry, sharded in zip(scope.params, shardeds))
+    groups = refuse_placements(named, writeback)
+    if plan is not None:
+        plan.passed(specs, writeback, groups)
+    return groups, shardeds
+
+
+def refuse_busy(call: Callable[[], str], states: list[FSDPState], groups: list[FSDPParamGroup]) -> None:
+    """A forward or backward in progress: FSDP1's ``AssertionError``, its sentence first. ``call()`` names the call."""
+    busy = fsdp2.busy_training_state(states, groups)
+    if busy is not None:
+        raise AssertionError(f"{FORWARD_BACKWARD_ERROR}: {call()} during FSDP2 forward/backward (training state {busy})")
+
+
+def refuse_placements(
+    named: Iterable[tuple[Callable[[], str], DTensor]], writeback: bool
+) -> list[dist.ProcessGroup]:
+    """Every placement this torch cannot gather (or, under ``writeback``, write back), and every dead or
+    out-of-step group, refused before anything moves; the process groups the DTensors gather over.
+
+    ``named``: each DTensor with a function that names it (worked out only to raise). The summon
+    and the stream both ask here, so they refuse the same things in the same words.
+    """
+    meshes: dict[int, tuple[Callable[[], str], DTensor]] = {}  # one DTensor a mesh
+    for name, dtensor in named:
+        placements = dtensor.placements
         reason = ungatherable_reason(placements)
         if reason is None and writeback:
             reason = writeback_refusal(placements)
         if reason is not None:
-            raise NotImplementedError(f"cannot summon {slot_fqn(module, entry.slots[0])!r}: {reason}")
-        meshes.setdefault(id(sharded.device_mesh), (entry, sharded))
-    groups = []
-    for entry, sharded in meshes.values():
-        mesh_groups = mesh_dim_groups(sharded.device_mesh)
-        require_live_groups(mesh_groups, lambda: repr(slot_fqn(module, entry.slots[0])))  # noqa: B023
+            raise NotImplementedError(f"cannot summon {name()!r}: {reason}")
+        meshes.setdefault(id(dtensor.device_mesh), (name, dtensor))
+    groups: list[dist.ProcessGroup] = []
+    for name, dtensor in meshes.values():
+        mesh_groups = mesh_dim_groups(dtensor.device_mesh)
+        require_live_groups(mesh_groups, lambda: repr(name()))  # noqa: B023
         groups += mesh_groups
-    groups = list({id(g): g for g in groups}.values())
-    if plan is not None:
-        plan.passed(specs, writeback, groups)
-    return groups, shardeds
+    return list({id(g): g for g in groups}.values())
 
 
 def refuse_writeback_inside_no_writeback(module: nn.Module, enclosing: Iterable[registry.LiveContext]) -> None:
@@ -141,10 +160,10 @@ def refuse_writeback_inside_no_writeback(module: nn.Module, enclosing: Iterable[
         )
 
 
-def group_in_use(module: nn.Module) -> RuntimeError:
-    """The refusal when ``_registry.enter`` finds a process group in use by another thread's context."""
+def group_in_use(call: str) -> RuntimeError:
+    """The refusal when ``_registry.enter`` finds a process group in use by another thread's context or stream."""
     return RuntimeError(
-        f"summon_full_params({module_label(module)}) refused: another thread has a summon_full_params "
-        "context open on the same process group, and two threads issuing collectives on "
+        f"{call} refused: another thread has a summon_full_params context or an iter_full_params stream "
+        "open on the same process group, and two threads issuing collectives on "
         "one group corrupt each other. Use one thread per rank for collectives."
     )

@@ -137,9 +137,9 @@ def has_live_context(thread: int) -> bool:
     return _depth.get(thread, 0) > 0
 
 
-def enter(thread: int, groups: Iterable[dist.ProcessGroup]) -> bool:
-    """Claim ``groups`` for this thread's new context; False, claiming nothing, if another thread
-    uses one of them (``_refusals.group_in_use`` says why that is refused)."""
+def claim(thread: int, groups: Iterable[dist.ProcessGroup]) -> bool:
+    """Claim ``groups`` for this thread (a context or a stream); False, claiming nothing, if another
+    thread uses one of them (``_refusals.group_in_use`` says why that is refused)."""
     groups = list(groups)
     with _lock:
         for group in groups:
@@ -149,11 +149,11 @@ def enter(thread: int, groups: Iterable[dist.ProcessGroup]) -> bool:
         for group in groups:
             owner = _groups.get(id(group))
             _groups[id(group)] = (thread, 1 if owner is None else owner[1] + 1)
-        _depth[thread] = _depth.get(thread, 0) + 1
     return True
 
 
-def leave(thread: int, groups: Iterable[dist.ProcessGroup]) -> None:
+def release(groups: Iterable[dist.ProcessGroup]) -> None:
+    """Give back one claim on each of ``groups``."""
     with _lock:
         for group in groups:
             owner = _groups.get(id(group))
@@ -163,6 +163,21 @@ def leave(thread: int, groups: Iterable[dist.ProcessGroup]) -> None:
                 del _groups[id(group)]
             else:
                 _groups[id(group)] = (owner[0], owner[1] - 1)
+
+
+def enter(thread: int, groups: Iterable[dist.ProcessGroup]) -> bool:
+    """``claim`` for a new context of this thread, which then has one more live context."""
+    if not claim(thread, groups):
+        return False
+    with _lock:
+        _depth[thread] = _depth.get(thread, 0) + 1
+    return True
+
+
+def leave(thread: int, groups: Iterable[dist.ProcessGroup]) -> None:
+    """Undo ``enter``."""
+    release(groups)
+    with _lock:
         remaining = _depth.get(thread, 0) - 1
         if remaining > 0:
             _depth[thread] = remaining

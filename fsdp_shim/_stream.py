@@ -14,20 +14,19 @@ an inference engine) without a context and without swapping anything:
 * *One batch in flight, the next one staged.* Batch ``k + 1`` is staged
   (copied in and cast, see [Note: staged, then launched] in ``_engine``)
   before batch ``k`` is waited for, so the CPU's copies overlap batch ``k``'s
-  transfer. On gloo its point-to-point messages are posted while it is
-  staged; a collective (NCCL) is launched, all of batch ``k + 1``'s, as
-  soon as batch ``k`` is in and before it is handed out. Either way batch
+  transfer. Its collectives are launched, all of batch ``k + 1``'s, as
+  soon as batch ``k`` is in and before it is handed out. So batch
   ``k + 1`` transfers while the caller sends batch ``k``, and is finished
   only when the caller asks for it.
 * *Bounded memory.* The generator holds two adjacent batches: batch ``k``'s
   full tensors (and, while they are copied out, its bucket buffers) and
   batch ``k + 1``'s staged or in-flight buffers, plus padding (at most
-  ``W - 1`` rows a tensor). A tensor handed out is dropped by the generator
-  at the next step, so a caller that keeps no reference stays at that
-  bound whatever the model's size.
-* *Recycled buffers.* On the CPU batch ``k + 1`` takes batch ``k - 1``'s
-  buffers, those nobody holds any more, instead of fresh memory (see
-  [Note: recycled buffers] in ``_host_buffers``).
+  ``W - 1`` rows a tensor); it drops each tensor at the next step.
+* *Fresh memory.* Every full tensor handed out is fresh memory nothing
+  else writes: a caller may keep it, or anything that reaches its memory.
+* *Refused up front, never dropped.* The stream refuses what the summon
+  refuses (``_refusals``) before its first batch, claims its groups until
+  it ends, and on any error or early stop waits for every batch in flight.
 * *Cast before gather.* With ``dtype``, floating shards are cast as they are
   copied into the bucket (see [Note: cast before gather] in ``_engine.start_gather``).
   ``keep_dtype`` exempts chosen parameters (an MoE router's gate, kept fp32
@@ -37,7 +36,7 @@ an inference engine) without a context and without swapping anything:
   separate anyway (a bucket holds one dtype), so this costs no collective.
 * *What is read.* The sharded parameters FSDP2 and the optimizer hold (fp32
   masters under a ``param_dtype`` policy), also when a forward left a unit
-  unsharded. Nothing in the model changes, so no FSDP2 state is touched.
+  unsharded. No FSDP2 state is touched.
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -58,9 +57,9 @@ from fsdp_shim import _fsdp2_internals as fsdp2
 from fsdp_shim import _receivers as receivers
 from fsdp_shim import _registry as registry
 from fsdp_shim._engine import BucketGather, start_gather
-from fsdp_shim._host_buffers import RecycledBuffers
 from fsdp_shim._layout import Receiver, bucket_bytes_from_env, gathered_dtype
-from fsdp_shim._scope import fsdp_slot_owners, slot_key, untracked_parameter
+from fsdp_shim._refusals import group_in_use, refuse_busy, refuse_placements
+from fsdp_shim._scope import fsdp_slot_owners, module_label, slot_key, untracked_parameter
 
 logger = logging.getLogger("fsdp_shim")
 
@@ -196,26 +195,27 @@ class _InFlightBatch:
 
     One gather per dtype the batch's DTensors travel in (cast, and kept by
     ``keep_dtype``), in the batch's order of first appearance, so every rank
-    starts and finishes them alike.
+    starts and finishes them alike. If starting one raises, those already
+    started are waited for first (see [Note: every posted work is waited for]
+    in ``_engine``).
     """
 
-    def __init__(
-        self, batch: _Batch, bucket_bytes: int, receiver: Receiver, launch: bool = True,
-        recycled: Sequence[tuple[torch.Tensor, int]] = (),
-    ):
+    def __init__(self, batch: _Batch, bucket_bytes: int, receiver: Receiver, launch: bool = True):
         self.batch = batch
-        #: Its full tensors' buffers, reusing ``recycled`` (see [Note: recycled buffers] in ``_host_buffers``).
-        self.buffers = RecycledBuffers(recycled)
         by_cast: dict[torch.dtype | None, list[int]] = {}
         for index, (tensor, cast) in enumerate(zip(batch.tensors, batch.casts)):
             if isinstance(tensor, DTensor):
                 by_cast.setdefault(cast, []).append(index)
-        self._pending: list[tuple[list[int], BucketGather]] = [
-            (indices, start_gather([batch.tensors[i] for i in indices], cast_to=cast,  # type: ignore[misc]
-                                   bucket_bytes=bucket_bytes, receiver=receiver, launch=launch, buffers=self.buffers))
-            for cast, indices in by_cast.items()
-        ]
-        self.buffers.forget_earlier()
+        self._pending: list[tuple[list[int], BucketGather]] = []
+        try:
+            for cast, indices in by_cast.items():
+                dtensors = [batch.tensors[i] for i in indices]
+                self._pending.append((indices, start_gather(dtensors, cast_to=cast,  # type: ignore[arg-type]
+                                                            bucket_bytes=bucket_bytes, receiver=receiver,
+                                                            launch=launch)))
+        except BaseException:
+            self.drop()
+            raise
 
     def launch(self) -> None:
         """Launch the staged collectives (a collective: every rank, in batch order)."""
@@ -224,10 +224,14 @@ class _InFlightBatch:
 
     def finish(self, keep: bool, out_device: torch.device | None) -> list[torch.Tensor | None]:
         fulls: list[torch.Tensor | None] = [None] * len(self.batch.tensors)
-        pending_gathers, self._pending = self._pending, []
-        for indices, pending in pending_gathers:
-            for index, full in zip(indices, pending.finish(keep=keep, out_device=out_device)):
-                fulls[index] = full
+        try:
+            for indices, pending in self._pending:
+                for index, full in zip(indices, pending.finish(keep=keep, out_device=out_device)):
+                    fulls[index] = full
+        except BaseException:
+            self.drop()
+            raise
+        self._pending = []
         if keep:
             for index, (tensor, cast) in enumerate(zip(self.batch.tensors, self.batch.casts)):
                 if fulls[index] is None and not isinstance(tensor, DTensor):
@@ -235,11 +239,32 @@ class _InFlightBatch:
                     fulls[index] = tensor.detach().to(device=out_device or tensor.device, dtype=dtype)
         return fulls
 
-    def abandon(self) -> None:
-        """Wait for the launched gathers and drop them (the caller stopped early)."""
+    def drop(self) -> BaseException | None:
+        """Wait for every launched gather, each even if another's wait raises, and drop them; the first error."""
         pending_gathers, self._pending = self._pending, []
+        first: BaseException | None = None
         for _, pending in pending_gathers:
-            pending.abandon()
+            try:
+                pending.abandon()
+            except BaseException as error:  # noqa: BLE001  (the rest are still waited for)
+                first = first or error
+        return first
+
+
+def _drop_all(in_flight: list[_InFlightBatch], groups: list[Any], raising: bool = False) -> None:
+    """The stream's end: every launched gather waited for, then its group claims released.
+
+    ``raising``: raise the first failed wait (on an error path the error already propagating wins).
+    """
+    error = None
+    try:
+        for pending in in_flight:
+            error = pending.drop() or error
+    finally:
+        in_flight.clear()
+        registry.release(groups)
+    if raising and error is not None:
+        raise error
 
 
 def check_stream_args(model: object, dtype: object, bucket_mb: float | None, keep_dtype: object = None) -> None:
@@ -268,32 +293,38 @@ def stream_full_params(
 ) -> FullParams:
     """The generator behind ``fsdp_shim.iter_full_params`` (arguments already checked)."""
     bucket_bytes = bucket_bytes_from_env(bucket_mb, STREAM_BUCKET_MB)
+    call = f"iter_full_params({module_label(model)})"
+    states = [state for state in (fsdp2.fsdp_state_of(m) for m in model.modules()) if state is not None]
+    refuse_busy(lambda: call, states, [group for state in states for group in fsdp2.param_groups(state)])
     batches = batch_params(model, bucket_bytes, dtype, name_matcher(keep_dtype))
+    groups = refuse_placements(
+        ((lambda n=name: n, t) for b in batches for name, t in zip(b.names, b.tensors) if isinstance(t, DTensor)),
+        writeback=False,
+    )
     receiver, keep = receivers.for_stream(rank0_only)
+    if not registry.claim(registry.current_thread(), groups):
+        raise group_in_use(call)
     started = time.perf_counter()
-    in_flight = [_InFlightBatch(batches[0], bucket_bytes, receiver)] if batches else []
-    recyclable: list[tuple[torch.Tensor, int]] = []  # batch k - 1's buffers, handed out at the last step
+    in_flight: list[_InFlightBatch] = []
     sent_bytes = 0
     try:
+        if batches:
+            in_flight.append(_InFlightBatch(batches[0], bucket_bytes, receiver))
         for index, batch in enumerate(batches):
-            following = None
             if index + 1 < len(batches):  # staged while batch k arrives, launched once it is in
-                following = _InFlightBatch(batches[index + 1], bucket_bytes, receiver, launch=False,
-                                           recycled=recyclable)
-                in_flight.append(following)
-            recyclable = []  # what batch k + 1 did not take is freed
-            arrived = in_flight.pop(0)
-            fulls = arrived.finish(keep, device)
-            recyclable = arrived.buffers.taken
-            if following is not None:
-                following.launch()
+                in_flight.append(_InFlightBatch(batches[index + 1], bucket_bytes, receiver, launch=False))
+            fulls = in_flight[0].finish(keep, device)  # left in the list until it is in: see below
+            in_flight.pop(0)
+            if in_flight:
+                in_flight[0].launch()
             sent_bytes += batch.nbytes
             for position, name in enumerate(batch.names):
                 yield name, fulls[position]
                 fulls[position] = None  # valid until the next step: see [Note: streaming]
-    finally:
-        for pending in in_flight:
-            pending.abandon()
+    except BaseException:
+        _drop_all(in_flight, groups)  # failed, or the caller stopped early (GeneratorExit)
+        raise
+    _drop_all(in_flight, groups, raising=True)
     logger.debug(
         "iter_full_params: %d batches, %.1f MiB gathered (%s), kept on this rank: %s, %.1f ms",
         len(batches), sent_bytes / 2**20, dtype or "stored dtypes", keep, (time.perf_counter() - started) * 1e3,

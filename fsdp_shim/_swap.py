@@ -80,13 +80,17 @@ class DTensorSummon:
     - A failure inside the body (the body reached means every value arrived)
       keeps FSDP1's rule: writeback still applies to the edits made there, all
       or nothing (see [Note: exit checks] in ``_exit_checks``), and the body's exception propagates.
-    After a one-sided fault the process group is out of step (the other ranks'
-    matching collective is still posted, or timed out): as with FSDP1 and
-    FSDP2, the next collective on it may hang or time out.
-    ``docs/troubleshooting.md`` says what to do.
+    Every collective already posted is waited for before the error leaves
+    (see [Note: every posted work is waited for] in ``_engine``), so a fault
+    that hits every rank alike leaves the group usable. After a one-sided
+    fault the group is out of step (the other ranks' matching collective is
+    still posted, or timed out): a rank whose wait failed records it, and
+    its later summons and streams over that group refuse at once (see
+    [Note: out of step] in ``_layout``); ``docs/troubleshooting.md`` says
+    what to do.
     """
 
-    __slots__ = ("_args", "_swap", "_leave")
+    __slots__ = ("_args", "_swap")
 
     def __init__(
         self,
@@ -104,7 +108,6 @@ class DTensorSummon:
         self._args: tuple[Any, ...] | None = (
             module, recurse, writeback, rank0_only, offload_to_cpu, with_grads, bucket_bytes, modules, bucket_chosen)
         self._swap: _Swap | None = None
-        self._leave: tuple[int, list[dist.ProcessGroup]] | None = None
 
     def __enter__(self) -> None:
         if self._args is None:
@@ -117,57 +120,57 @@ class DTensorSummon:
             return  # no-op: nothing distributed in scope, or all summoned by an enclosing call
         # 1. refuse: misuse raises here, alike on every rank, before any change or collective.
         groups, shardeds = refuse_before_anything(module, scope, writeback, thread, plan)
-        if not registry.enter(thread, groups):
-            raise group_in_use(module)
+        swap = _Swap.of(scope, writeback, with_grads, thread)
         try:
+            if not registry.enter(thread, groups):
+                raise group_in_use(f"summon_full_params({module_label(module)})")
+            swap.claimed = groups
             started = time.perf_counter()
             # 2. prepare: FSDP2's groups in a known state; the DTensors to gather, resolved once.
             dtensors = _prepare(scope, shardeds)
             receiver, keep = receivers.for_summon(scope, rank0_only)
             out_device = torch.device("cpu") if offload_to_cpu else None
             collective_bytes = None if chosen or not _one_unit(scope) else UNCAPPED  # [Note: one unit, one collective]
-            swap = _Swap.of(scope, writeback, with_grads, thread)
-            try:
-                # 3. gather: every value is in when it returns.
-                gathered = gather_full_tensors(dtensors, keep=keep, out_device=out_device, bucket_bytes=bucket_bytes,
-                                               receiver=receiver, checked=True, plan=plan and plan.gather,
-                                               collective_bytes=collective_bytes)
-                if plan is not None:
-                    plan.gather = gathered.plan
-                grads = (_gather_grads(dtensors, keep, out_device, bucket_bytes, receiver, collective_bytes)
-                         if with_grads else {})
-                # 4. install: full parameters in every slot, groups marked, forward hooks.
-                if keep:
-                    swap.swap_in(dtensors, gathered, grads)
-                    swap.mark_groups()
-                    swap.convert_inside()
-                del gathered, grads
-                install_forward_hooks(scope, swap.swapped, swap.hooks, rank0_only, keep)
-            except BaseException:
-                swap.exit()  # the body never ran: nothing is written back (see [Note: faults])
-                raise
+            # 3. gather: every value is in when it returns.
+            gathered = gather_full_tensors(dtensors, keep=keep, out_device=out_device, bucket_bytes=bucket_bytes,
+                                           receiver=receiver, checked=True, plan=plan and plan.gather,
+                                           collective_bytes=collective_bytes)
+            if plan is not None:
+                plan.gather = gathered.plan
+            grads = (_gather_grads(dtensors, keep, out_device, bucket_bytes, receiver, collective_bytes)
+                     if with_grads else {})
+            # 4. install: full parameters in every slot, groups marked, forward hooks.
+            if keep:
+                swap.swap_in(dtensors, gathered, grads)
+                swap.mark_groups()
+                swap.convert_inside()
+            del gathered, grads
+            install_forward_hooks(scope, swap.swapped, swap.hooks, rank0_only, keep)
+            if logger.isEnabledFor(logging.DEBUG):
+                nbytes = sum(d.numel() * d.element_size() for d in dtensors)
+                logger.debug(
+                    "summon_full_params(%s): route=dtensor, %d tensors, %.1f MiB gathered in %.1f ms "
+                    "(rank0_only=%s, full tensors on this rank=%s)", module_label(module), len(dtensors),
+                    nbytes / 2**20, (time.perf_counter() - started) * 1e3, rank0_only, keep,
+                )
+            self._swap = swap
+            swap.body_ran = True  # See [Note: faults]
         except BaseException:
-            registry.leave(thread, groups)
+            self._swap = None
+            swap.exit()  # the body never ran: nothing is written back (see [Note: faults]); claims released
             raise
-        if logger.isEnabledFor(logging.DEBUG):
-            nbytes = sum(d.numel() * d.element_size() for d in dtensors)
-            logger.debug(
-                "summon_full_params(%s): route=dtensor, %d tensors, %.1f MiB gathered in %.1f ms "
-                "(rank0_only=%s, full tensors on this rank=%s)", module_label(module), len(dtensors),
-                nbytes / 2**20, (time.perf_counter() - started) * 1e3, rank0_only, keep,
-            )
-        self._swap, self._leave = swap, (thread, groups)
-        swap.body_ran = True  # See [Note: faults]
 
-    def __exit__(self, *exc_info: object) -> None:
-        swap, leave = self._swap, self._leave
-        if swap is None or leave is None:
+    def __exit__(self, exc_type: object, body_error: BaseException | None, traceback: object) -> None:
+        swap = self._swap
+        if swap is None:
             return  # no-op context
-        self._swap = self._leave = None
+        self._swap = None
         try:
-            swap.exit()
-        finally:
-            registry.leave(*leave)
+            swap.exit()  # raising or not, everything is restored first: see [Note: exit always restores]
+        except BaseException as error:
+            if body_error is not None and error is not body_error and error.__context__ is None:
+                error.__context__ = body_error  # Python does not chain an error raised from inside torch's C++
+            raise
 
 
 def _scope_of_call(
@@ -265,6 +268,8 @@ class _Swap:
     conversions: list[tuple[nn.Module, tuple[Any, ...], dict[str, Any]]] = field(default_factory=list)
     #: Whether the context's body was reached: only then may a writeback happen. See [Note: faults].
     body_ran: bool = False
+    #: The process groups this context claimed in the registry (``registry.enter``), released on exit.
+    claimed: list[dist.ProcessGroup] | None = None
 
     @classmethod
     def of(cls, scope: Scope, writeback: bool, with_grads: bool, thread: int) -> _Swap:
@@ -338,48 +343,79 @@ class _Swap:
 
     # -- exit ------------------------------------------------------------
     def exit(self) -> None:
-        """Undo the entry, in order: hooks off, inspect, restore, replay, then writeback if the body ran.
+        """Undo the entry: hooks off, inspect, release, then replay and writeback if the body ran.
 
-        ``inspect`` reads what the slots hold, so it must come before
-        ``restore`` gives them their objects back; the writeback comes last,
-        onto the restored shards. The registry forgets the full tensors
-        whatever raises.
+        [Note: exit always restores]
+        ``inspect`` reads what the slots hold, so it comes before the slots
+        get their objects back; the writeback comes last, onto the restored
+        shards. Whatever raises on the way (the inspection of a slot that
+        cannot be read, a replayed conversion, a refused or failing
+        writeback, a ``KeyboardInterrupt``), ``_release`` runs first and in
+        full: every slot holds its original object, FSDP2's marks and
+        suspended hooks are undone, the forward hooks are off, and the
+        registry forgets the context and its group claims. Only then does
+        the error propagate (Python chains the body's own error, if any, as
+        its ``__context__``). A failed inspection writes nothing back: what
+        changed is unknown, so the writeback's all or nothing is nothing.
+        Grad mode is put back too: an interrupt inside a ``no_grad`` block's
+        own exit (the writeback runs under one) would leave it off for the
+        thread. Python lets no library shield the release itself (a few dict
+        stores and flag resets) or the first bytecodes of ``__exit__`` from an
+        asynchronous interrupt; every call between them is covered.
         """
+        inspected, grad_enabled = False, torch.is_grad_enabled()
         try:
-            self.remove_hooks()
-            self.inspect()
-            self.restore()
-            self.replay_conversions()
-            if self.writeback and self.body_ran:
-                self.write_back(self.with_grads)
+            try:
+                self.remove_hooks()
+                self.inspect()
+                inspected = True
+            finally:
+                self._release()
+            if inspected:
+                self.carry_requires_grad()
+                self.replay_conversions()
+                if self.writeback and self.body_ran:
+                    self.write_back(self.with_grads)
         finally:
-            self.forget()
+            self.swapped.clear()
+            if torch.is_grad_enabled() is not grad_enabled:
+                torch._C._set_grad_enabled(grad_enabled)
 
     def inspect(self) -> None:
-        """Record what the slots hold and, under writeback, what changed: before ``restore`` and before
+        """Record what the slots hold and, under writeback, what changed: before the release and before
         any conversion is replayed on the shards. See [Note: exit checks] in ``_exit_checks``."""
         inspect_slots(self.swapped)
         if self.writeback:
             for item in self.swapped:
                 judge_changes(item)
 
-    def restore(self) -> None:
-        """Every slot gets back the exact object it held; marks and suspended hooks undone.
-
-        ``requires_grad`` set inside carries over to the sharded parameter, as
-        FSDP1 (``use_orig_params=True``) keeps it on its one object.
-        """
+    def _release(self) -> None:
+        """Every slot gets back the exact object it held; marks, suspended hooks, ``_apply`` overrides,
+        forward hooks, registry entries and group claims undone. Each step runs even if another raised;
+        the first error is raised after all of them. See [Note: exit always restores]."""
         for entry, module, name, original in reversed(self.originals):
             (module._buffers if entry.is_buffer else module._parameters)[name] = original
-        registry.remove_slots(self.live)
         self.originals.clear()
-        for mark in reversed(self.marks):
-            mark.unmark()
-        self.marks.clear()
-        self.suspended.resume()
-        for unit in self.converting:
+        converting, self.converting = self.converting, []
+        for unit in converting:
             unit.__dict__.pop("_apply", None)
-        self.converting.clear()
+        marks, self.marks = self.marks, []
+        claimed, self.claimed = self.claimed, None
+        live = self.live
+        first: BaseException | None = None
+        for step in (*(mark.unmark for mark in reversed(marks)), self.suspended.resume, self.remove_hooks,
+                     lambda: registry.remove_slots(live), lambda: registry.remove_fulls(live),
+                     lambda: claimed is not None and registry.leave(live.thread, claimed)):
+            try:
+                step()
+            except BaseException as error:  # noqa: BLE001  (the rest still run; the first is raised)
+                first = first or error
+        if first is not None:
+            raise first
+
+    def carry_requires_grad(self) -> None:
+        """``requires_grad`` set inside carries over to the sharded parameter, as FSDP1
+        (``use_orig_params=True``) keeps it on its one object."""
         for item in self.swapped:
             current = item.current
             if item.entry.is_buffer or not isinstance(current, torch.Tensor):
@@ -406,14 +442,11 @@ class _Swap:
     def write_back(self, with_grads: bool) -> None:
         write_back(self.swapped, self.name, with_grads)
 
-    def forget(self) -> None:
-        registry.remove_fulls(self.live)
-        self.swapped.clear()
-
     def remove_hooks(self) -> None:
-        for handle in self.hooks:
-            handle.remove()
-        self.hooks.clear()
+        hooks = self.hooks
+        while hooks:  # one at a time: if a removal is interrupted, the release removes the rest
+            hooks[-1].remove()
+            hooks.pop()
 
 
 def sharded_param(param: torch.Tensor) -> nn.Parameter | None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 
 #: This package's version (setup.cfg reads it from here, without importing torch).
-__version__ = "0.8.1"
+__version__ = "0.9.0"
 
 #: The lowest torch release supported (inclusive) and the first one not yet
 #: verified (exclusive).

@@ -5,6 +5,21 @@
     python scripts/stress.py --seconds 80 summon_all stream_all
     python scripts/stress.py --width 768 stream_rank0
     python scripts/stress.py --seconds 120 faults  # random faults; shards checked against a twin each round
+    python scripts/stress.py --minutes 10 --chunk 60 --malloc alternate summon_all per_unit_rank0 \
+        stream_all stream_rank0 unshard fsdp1      # each bench contender alone, under glibc's checks
+
+Besides the shim's own modes, ``unshard`` (FSDP2's ``unshard()``/``reshard()``
+of every unit) and ``fsdp1`` (FSDP1's own ``summon_full_params``) run the
+same loop without the shim's gather, so an abort can be pinned on a
+contender. ``--minutes`` runs each mode for that long in fresh ranks of
+``--chunk`` seconds each and counts aborts per mode. ``--malloc`` sets
+glibc's checks in the ranks: ``debug`` preloads ``libc_malloc_debug.so.0``
+with ``MALLOC_CHECK_=3`` (glibc 2.34 and later ignore ``MALLOC_CHECK_``
+without it; it also turns the tcache off), ``perturb`` sets
+``MALLOC_PERTURB_`` on plain malloc (freed memory filled, so a use after free
+reads a pattern, and the tcache stays on: the original "unaligned tcache
+chunk" message can only appear here), ``alternate`` switches between the two
+every chunk.
 
 Each mode runs in fresh ranks for ``--seconds`` and prints how many rounds
 every rank finished, or how it failed. This is how the heap corruption behind
@@ -17,11 +32,10 @@ ran clean, 1 otherwise.
 
 ``faults`` checks [Note: faults] in ``fsdp_shim/_swap.py`` the long way: each
 round, on a fresh process group (a fault leaves one out of step) with a 2 s
-timeout, it shards a copy of an unsharded twin and summons it, on a transport
-drawn at random (point to point, all-gather), with ``writeback`` on or off and
-either no fault (then a random edit, made on the twin too) or one drawn from:
-an exception in a send, a receive or an all-gather, on rank 0, rank 1 or
-both, at a random call; a peer that never enters. After every round each
+timeout, it shards a copy of an unsharded twin and summons it, with
+``writeback`` on or off and either no fault (then a random edit, made on the
+twin too) or one drawn from: an exception in an all-gather, on rank 0, rank 1
+or both, at a random call; a peer that never enters. After every round each
 rank compares its local shards, bit for bit, with its rows of the twin. It
 prints rounds, faults injected and mismatches (which must be 0). It uses the
 tests' fault harness (``tests/_faults.py``).
@@ -30,13 +44,16 @@ tests' fault harness (``tests/_faults.py``).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable
 
 from fsdp_shim._launch import RankError, run_on_ranks
 
-MODES = ["summon_all", "summon_rank0", "per_unit_all", "stream_all", "stream_rank0", "faults"]
+MODES = ["summon_all", "summon_rank0", "per_unit_all", "per_unit_rank0", "stream_all", "stream_rank0", "unshard",
+         "fsdp1", "faults"]
+MALLOC_DEBUG = "/lib/x86_64-linux-gnu/libc_malloc_debug.so.0"
 TESTS = str(__import__("pathlib").Path(__file__).resolve().parent.parent / "tests")
 
 
@@ -52,7 +69,7 @@ def _fault_rounds(width: int, seconds: float) -> tuple[int, int, int]:
     from fsdp_shim._models import LMConfig, build_lm, shard_lm
 
     sys.path.insert(0, TESTS)
-    from _faults import InjectedFault, inject, short_timeout_mesh, transport
+    from _faults import InjectedFault, inject, short_timeout_mesh
 
     twin = build_lm(LMConfig(vocab=97, width=width, layers=3, heads=4))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -64,9 +81,7 @@ def _fault_rounds(width: int, seconds: float) -> tuple[int, int, int]:
         if not go.item():
             return rounds, faults, mismatches
         draw = random.Random(rounds)  # the same draw on every rank
-        how = draw.choice(["auto", "all_gather"])
-        fault = draw.choice(["none", "stall", "isend", "irecv", "all_gather"] if how == "auto"
-                            else ["none", "stall", "all_gather"])
+        fault = draw.choice(["none", "stall", "all_gather"])
         where = draw.choice(["rank 0", "rank 1", "every rank"])
         faulty = where == "every rank" or int(where[-1]) == rank
         writeback = draw.random() < 0.5
@@ -76,7 +91,7 @@ def _fault_rounds(width: int, seconds: float) -> tuple[int, int, int]:
         if fault == "none":
             name, param = draw.choice(list(twin.named_parameters()))
             factor = draw.choice([0.5, 2.0, -1.0])
-            with transport(how), fsdp_shim.summon_full_params(model, writeback=writeback, bucket_mb=0.002):
+            with fsdp_shim.summon_full_params(model, writeback=writeback, bucket_mb=0.002):
                 with torch.no_grad():
                     model.get_parameter(name).mul_(factor)
             if writeback:
@@ -88,14 +103,14 @@ def _fault_rounds(width: int, seconds: float) -> tuple[int, int, int]:
                 pass  # this rank never enters; the other one times out
             else:
                 try:
-                    with transport(how), fsdp_shim.summon_full_params(model, writeback=writeback):
+                    with fsdp_shim.summon_full_params(model, writeback=writeback):
                         pass
                 except RuntimeError:
                     pass
         else:
             faults += faulty
             try:
-                with transport(how), inject(fault, after=after if faulty else 10**9):
+                with inject(fault, after=after if faulty else 10**9):
                     with fsdp_shim.summon_full_params(model, writeback=writeback, bucket_mb=0.002):
                         pass
             except (InjectedFault, RuntimeError):
@@ -106,7 +121,7 @@ def _fault_rounds(width: int, seconds: float) -> tuple[int, int, int]:
             local = param._local_tensor
             if not torch.equal(local[: rows.shape[0]], rows):
                 mismatches += 1
-                print(f"rank {rank} round {rounds}: {name} differs ({how}, {fault}, {where}, wb={writeback})",
+                print(f"rank {rank} round {rounds}: {name} differs ({fault}, {where}, wb={writeback})",
                       file=sys.stderr, flush=True)
         rounds += 1
 
@@ -120,21 +135,33 @@ def _rounds(mode: str, width: int, seconds: float) -> int:
 
     import fsdp_shim
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from fsdp_shim._models import LMConfig, build_lm, shard_lm
+    from fsdp_shim._models import LMConfig, build_lm, shard_lm, wrap_lm_fsdp1
 
     if mode == "faults":
         return _fault_rounds(width, seconds)  # type: ignore[return-value]
-    model = shard_lm(build_lm(LMConfig(vocab=1000, width=width, layers=12, heads=4)))
+    config = LMConfig(vocab=1000, width=width, layers=12, heads=4)
+    model = shard_lm(build_lm(config))
     units = [unit for _, unit in fsdp_shim.fsdp_units(model)]
+    fsdp1_model = wrap_lm_fsdp1(build_lm(config), torch.device("cpu")) if mode == "fsdp1" else None
 
     def summon(rank0_only: bool) -> None:
         with FSDP.summon_full_params(model, writeback=False, rank0_only=rank0_only):
             pass
 
-    def per_unit() -> None:
+    def per_unit(rank0_only: bool) -> None:
         for unit in units:
-            with FSDP.summon_full_params(unit, recurse=False, writeback=False, rank0_only=False):
+            with FSDP.summon_full_params(unit, recurse=False, writeback=False, rank0_only=rank0_only):
                 pass
+
+    def unshard() -> None:
+        for unit in units:
+            unit.unshard()  # type: ignore[operator]
+        for unit in units:
+            unit.reshard()  # type: ignore[operator]
+
+    def fsdp1() -> None:
+        with FSDP.summon_full_params(fsdp1_model, writeback=False):
+            pass
 
     def stream(rank0_only: bool) -> None:
         for dtype in (None, torch.bfloat16):
@@ -144,7 +171,10 @@ def _rounds(mode: str, width: int, seconds: float) -> int:
     one_round: Callable[[], None] = {
         "summon_all": lambda: summon(False),
         "summon_rank0": lambda: summon(True),
-        "per_unit_all": per_unit,
+        "per_unit_all": lambda: per_unit(False),
+        "per_unit_rank0": lambda: per_unit(True),
+        "unshard": unshard,
+        "fsdp1": fsdp1,
         "stream_all": lambda: stream(False),
         "stream_rank0": lambda: stream(True),
     }[mode]
@@ -159,30 +189,74 @@ def _rounds(mode: str, width: int, seconds: float) -> int:
         rounds += 1
 
 
+def _malloc_env(kind: str, chunk: int) -> dict[str, str]:
+    """glibc's checks for the ranks of one chunk (see the module docstring)."""
+    if kind == "alternate":
+        kind = "debug" if chunk % 2 == 0 else "perturb"
+    if kind == "debug":
+        return {"LD_PRELOAD": MALLOC_DEBUG, "MALLOC_CHECK_": "3"}
+    if kind == "perturb":
+        return {"MALLOC_PERTURB_": str(0x5A + chunk % 7)}
+    return {}
+
+
+def _run_mode(mode: str, args: argparse.Namespace, seconds: float, env: dict[str, str]) -> tuple[bool, str]:
+    """One run of ``mode`` in fresh ranks with ``env`` set for them: (clean, what to print)."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)  # the spawned ranks inherit it
+    try:
+        rounds = run_on_ranks(_rounds, args.ranks, (mode, args.width, seconds), on_progress=None,
+                              timeout_s=seconds + 300)
+    except RankError as exc:
+        return False, f"FAILED\n{exc}"
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    if mode == "faults":
+        done, injected = rounds[0][0], sum(r[1] for r in rounds)
+        bad = sum(r[2] for r in rounds)
+        return not bad, (f"{'clean' if not bad else 'MISMATCHES'}, {done} rounds, {injected} faults injected "
+                         f"(rank-faults, stalls counted once), {bad} shard mismatches")
+    return True, f"clean, {rounds[0]} rounds"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("modes", nargs="*", choices=MODES, default=MODES, metavar="MODE",
                         help=f"any of {', '.join(MODES)} (default: all)")
-    parser.add_argument("--seconds", type=float, default=60.0, help="per mode (default 60)")
+    parser.add_argument("--seconds", type=float, default=60.0, help="per mode, without --minutes (default 60)")
+    parser.add_argument("--minutes", type=float, default=None,
+                        help="run each mode this long, in fresh ranks every --chunk seconds, counting aborts")
+    parser.add_argument("--chunk", type=float, default=60.0, help="seconds per run with --minutes (default 60)")
+    parser.add_argument("--malloc", choices=["plain", "debug", "perturb", "alternate"], default="plain",
+                        help="glibc's checks in the ranks (default plain)")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--width", type=int, default=256, help="hidden size of the 12-layer model (default 256)")
     args = parser.parse_args(argv)
+    if args.malloc in ("debug", "alternate") and not os.path.exists(MALLOC_DEBUG):
+        parser.error(f"--malloc {args.malloc} needs {MALLOC_DEBUG} (glibc 2.34 or later)")
     failed = 0
+    summary = []
     for mode in args.modes:
-        try:
-            rounds = run_on_ranks(_rounds, args.ranks, (mode, args.width, args.seconds), on_progress=None,
-                                  timeout_s=args.seconds + 300)
-            if mode == "faults":
-                done, injected = rounds[0][0], sum(r[1] for r in rounds)
-                bad = sum(r[2] for r in rounds)
-                failed += bad > 0
-                print(f"faults: {'clean' if not bad else 'MISMATCHES'}, {done} rounds, {injected} faults injected "
-                      f"(rank-faults, stalls counted once), {bad} shard mismatches", flush=True)
-                continue
-            print(f"{mode}: clean, {rounds[0]} rounds", flush=True)
-        except RankError as exc:
-            failed += 1
-            print(f"{mode}: FAILED\n{exc}", flush=True)
+        chunks = 1 if args.minutes is None else max(1, round(args.minutes * 60 / args.chunk))
+        seconds = args.seconds if args.minutes is None else args.chunk
+        runs = aborts = 0
+        started = time.monotonic()
+        for chunk in range(chunks):
+            env = _malloc_env(args.malloc, chunk)
+            clean, said = _run_mode(mode, args, seconds, env)
+            runs, aborts = runs + 1, aborts + (not clean)
+            label = " ".join(f"{k}={v}" for k, v in env.items()) or "plain malloc"
+            print(f"{mode} [{chunk + 1}/{chunks}, {label}]: {said}", flush=True)
+        failed += aborts > 0
+        summary.append((mode, runs, aborts, (time.monotonic() - started) / 60))
+    if args.minutes is not None:
+        print("\nmode              runs  aborts  minutes")
+        for mode, runs, aborts, minutes in summary:
+            print(f"{mode:<16} {runs:>5} {aborts:>7} {minutes:>8.1f}")
     return 1 if failed else 0
 
 

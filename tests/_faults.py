@@ -1,10 +1,10 @@
 """Fault injection at the ``torch.distributed`` boundary, for the tests (imported inside spawned ranks).
 
 Faults are injected where any caller meets c10d, never in the shim's own
-functions, so they survive refactors of the gather engine: ``isend``,
-``irecv`` and the all-gather (``all_gather_single``, ``all_gather_into_tensor``
-before torch 2.13) are wrapped on ``torch.distributed`` for the duration of
-a ``with inject(...)`` block. The shim looks all three up there at each call.
+functions, so they survive refactors of the gather engine: the all-gather
+every bucket moves by (``all_gather_single``, ``all_gather_into_tensor``
+before torch 2.13) is wrapped on ``torch.distributed`` for the duration of
+a ``with inject(...)`` block. The shim looks both names up there at each call.
 
 Also here: a process group with a short timeout (so a one-sided fault ends in
 seconds, not the pool's minutes), and the checks every fault test makes.
@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import itertools
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -25,12 +26,10 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.tensor import DTensor
 
 from fsdp_shim import _fsdp2_internals as fsdp2
-from fsdp_shim import _layout, _registry
+from fsdp_shim import _registry
 
 #: The operations ``inject`` can fail, each the names it wraps on ``torch.distributed``.
 OPERATIONS = {
-    "isend": ("isend",),
-    "irecv": ("irecv",),
     "all_gather": ("all_gather_single", "all_gather_into_tensor"),
 }
 
@@ -67,13 +66,27 @@ def inject(operation: str, *, after: int = 0, exception: type[BaseException] = I
 
 
 @contextlib.contextmanager
-def transport(name: str) -> Iterator[None]:
-    """The gather engine's transport for a while: ``auto`` (gloo: point to point) or ``all_gather`` (NCCL's path)."""
-    previous = _layout.set_transport(name)
+def inject_allocation(*, after: int = 0) -> Iterator[list[int]]:
+    """Make the ``after + 1``-th ``torch.empty`` the shim itself calls raise, as an allocation failure would.
+
+    Only calls made from ``fsdp_shim``'s own code count (torch's internals allocate too). Yields a
+    one-element list: how many such calls were made.
+    """
+    calls = [0]
+    original = torch.empty
+
+    def empty(*args, **kwargs):
+        if sys._getframe(1).f_globals.get("__name__", "").startswith("fsdp_shim."):
+            calls[0] += 1
+            if calls[0] == after + 1:
+                raise InjectedFault(f"injected allocation failure (call {calls[0]})")
+        return original(*args, **kwargs)
+
+    torch.empty = empty
     try:
-        yield
+        yield calls
     finally:
-        _layout.set_transport(previous)
+        torch.empty = original
 
 
 _meshes_made = itertools.count()

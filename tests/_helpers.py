@@ -17,7 +17,7 @@ from fsdp_shim._models import LMConfig, TinyLM, build_lm, shard_lm, tokens_for
 
 __all__ = [
     "LMConfig", "TinyLM", "build_lm", "shard_lm", "tokens_for",
-    "assert_params_equal", "full_state", "mesh1d", "patched", "direct_always", "snapshot",
+    "assert_params_equal", "full_state", "mesh1d", "patched", "snapshot",
     "assert_unchanged", "rank", "patch_state_restored",
 ]
 
@@ -28,19 +28,6 @@ def rank() -> int:
 
 def mesh1d():
     return init_device_mesh("cpu", (dist.get_world_size(),))
-
-
-@contextlib.contextmanager
-def direct_always() -> Iterator[None]:
-    """Every gloo bucket sent direct, shard to full tensor (test models are too small to choose it by size)."""
-    from fsdp_shim import _gloo
-
-    saved = _gloo.DIRECT_BYTES
-    _gloo.DIRECT_BYTES = 0
-    try:
-        yield
-    finally:
-        _gloo.DIRECT_BYTES = saved
 
 
 @contextlib.contextmanager

@@ -1,10 +1,9 @@
 """A fault on the way in never writes back: shards stay bit-identical (2 gloo ranks). See [Note: faults].
 
 Faults are injected at the ``torch.distributed`` boundary (``tests/_faults.py``):
-an exception or ``KeyboardInterrupt`` in a send, a receive or an all-gather,
-on one rank or on every rank, and a peer that never enters the context. Each
-runs on both transports: gloo's point to point, and the all-gather NCCL users
-take. Each test checks the local shards bit for bit, the parameter objects,
+an exception or ``KeyboardInterrupt`` in the all-gather every bucket moves
+by, on one rank or on every rank, and a peer that never enters the context.
+Each test checks the local shards bit for bit, the parameter objects,
 FSDP2's state (idle, sharded) and the registry (empty), with ``writeback``
 True and False. A one-sided fault leaves the process group out of step, so
 each test runs on a fresh group with a 3 s timeout and never uses it again.
@@ -14,17 +13,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 import fsdp_shim
-from _faults import InjectedFault, assert_untouched, inject, local_shards, short_timeout_mesh, transport
+from _faults import InjectedFault, assert_untouched, inject, local_shards, short_timeout_mesh
 from _helpers import assert_params_equal, build_lm, patched, rank, shard_lm, tokens_for
 
-TRANSPORTS = ["auto", "all_gather"]  # gloo: point to point, then the collective NCCL users take
-#: The operation each transport moves buckets with.
-OPERATIONS = {"auto": ("isend", "irecv"), "all_gather": ("all_gather",)}
+#: The operation every bucket moves by.
+OPERATION = "all_gather"
 
 
 def _summon_fails(model, writeback: bool) -> BaseException:
@@ -38,13 +35,13 @@ def _summon_fails(model, writeback: bool) -> BaseException:
     raise AssertionError("no fault reached the caller")
 
 
-def rank_a_stalled_peer_writes_nothing(how: str, writeback: bool):
+def rank_a_stalled_peer_writes_nothing(writeback: bool):
     mesh = short_timeout_mesh()
     model = shard_lm(build_lm(), mesh)
     before = local_shards(model)
     if rank() == 1:
         return "stalled"  # never enters: a slow or stuck peer
-    with patched(), transport(how):
+    with patched():
         with pytest.raises(RuntimeError):  # gloo's timeout (DistBackendError is a RuntimeError)
             with FSDP.summon_full_params(model, writeback=writeback):
                 pass
@@ -53,12 +50,11 @@ def rank_a_stalled_peer_writes_nothing(how: str, writeback: bool):
 
 
 @pytest.mark.parametrize("writeback", [True, False], ids=["writeback", "no-writeback"])
-@pytest.mark.parametrize("how", TRANSPORTS)
-def test_a_stalled_peer_writes_nothing(dist_run, how, writeback):
-    assert dist_run(2, rank_a_stalled_peer_writes_nothing, how, writeback) == ["timed out", "stalled"]
+def test_a_stalled_peer_writes_nothing(dist_run, writeback):
+    assert dist_run(2, rank_a_stalled_peer_writes_nothing, writeback) == ["timed out", "stalled"]
 
 
-def rank_an_injected_fault_writes_nothing(how: str, operation: str, where: str, writeback: bool, interrupt: bool):
+def rank_an_injected_fault_writes_nothing(where: str, writeback: bool, interrupt: bool):
     mesh = short_timeout_mesh()
     model = shard_lm(build_lm(), mesh)
     with torch.no_grad():
@@ -66,9 +62,9 @@ def rank_an_injected_fault_writes_nothing(how: str, operation: str, where: str, 
     before = local_shards(model)
     faulty = where == "every rank" or rank() == 0
     exception = KeyboardInterrupt if interrupt else InjectedFault
-    with patched(), transport(how), inject(operation, after=1 if faulty else 10**9, exception=exception) as calls:
+    with patched(), inject(OPERATION, after=1 if faulty else 10**9, exception=exception) as calls:
         caught = _summon_fails(model, writeback)
-    assert calls[0] >= 1, f"the gather never called {operation}: the test would prove nothing ({caught!r})"
+    assert calls[0] >= 1, f"the gather never called {OPERATION}: the test would prove nothing ({caught!r})"
     if faulty:
         assert isinstance(caught, exception), repr(caught)
     else:
@@ -78,25 +74,21 @@ def rank_an_injected_fault_writes_nothing(how: str, operation: str, where: str, 
 
 
 FAULTS = [
-    pytest.param(how, operation, where, writeback, False, id=f"{how}-{operation}-{where}-wb{int(writeback)}")
-    for how in TRANSPORTS for operation in OPERATIONS[how] for where in ("rank 0", "every rank")
-    for writeback in (True, False)
-] + [
-    pytest.param(how, OPERATIONS[how][0], "every rank", True, True, id=f"{how}-KeyboardInterrupt")
-    for how in TRANSPORTS
-]
+    pytest.param(where, writeback, False, id=f"{where}-wb{int(writeback)}")
+    for where in ("rank 0", "every rank") for writeback in (True, False)
+] + [pytest.param("every rank", True, True, id="KeyboardInterrupt")]
 
 
-@pytest.mark.parametrize("how, operation, where, writeback, interrupt", FAULTS)
-def test_an_injected_fault_writes_nothing(dist_run, how, operation, where, writeback, interrupt):
-    dist_run(2, rank_an_injected_fault_writes_nothing, how, operation, where, writeback, interrupt)
+@pytest.mark.parametrize("where, writeback, interrupt", FAULTS)
+def test_an_injected_fault_writes_nothing(dist_run, where, writeback, interrupt):
+    dist_run(2, rank_an_injected_fault_writes_nothing, where, writeback, interrupt)
 
 
-def rank_a_fault_in_the_body_still_writes_back_its_edits(how: str):
+def rank_a_fault_in_the_body_still_writes_back_its_edits():
     """FSDP1's rule inside the body: the body's exception propagates, its edits are written back."""
     ref = build_lm()
     model = shard_lm(build_lm())
-    with patched(), transport(how), pytest.raises(ValueError, match="in the body"):
+    with patched(), pytest.raises(ValueError, match="in the body"):
         with FSDP.summon_full_params(model, writeback=True), torch.no_grad():
             model.norm.weight.mul_(2.0)
             raise ValueError("in the body")
@@ -106,18 +98,16 @@ def rank_a_fault_in_the_body_still_writes_back_its_edits(how: str):
         assert_params_equal(model, ref)
 
 
-@pytest.mark.parametrize("how", TRANSPORTS)
-def test_a_fault_in_the_body_still_writes_back_its_edits(dist_run, how):
-    dist_run(2, rank_a_fault_in_the_body_still_writes_back_its_edits, how)
+def test_a_fault_in_the_body_still_writes_back_its_edits(dist_run):
+    dist_run(2, rank_a_fault_in_the_body_still_writes_back_its_edits)
 
 
-def rank_the_stream_stays_read_only_under_faults(how: str, where: str):
+def rank_the_stream_stays_read_only_under_faults(where: str):
     mesh = short_timeout_mesh()
     model = shard_lm(build_lm(), mesh)
     before = local_shards(model)
-    operation = OPERATIONS[how][0]
     faulty = where == "every rank" or rank() == 0
-    with patched(), transport(how), inject(operation, after=1 if faulty else 10**9):
+    with patched(), inject(OPERATION, after=1 if faulty else 10**9):
         with pytest.raises(RuntimeError):  # InjectedFault, or the peer's timeout
             for _ in fsdp_shim.iter_full_params(model, rank0_only=False, bucket_mb=0.002):
                 pass
@@ -125,9 +115,8 @@ def rank_the_stream_stays_read_only_under_faults(how: str, where: str):
 
 
 @pytest.mark.parametrize("where", ["rank 0", "every rank"])
-@pytest.mark.parametrize("how", TRANSPORTS)
-def test_the_stream_stays_read_only_under_faults(dist_run, how, where):
-    dist_run(2, rank_the_stream_stays_read_only_under_faults, how, where)
+def test_the_stream_stays_read_only_under_faults(dist_run, where):
+    dist_run(2, rank_the_stream_stays_read_only_under_faults, where)
 
 
 def rank_a_meta_model_is_refused_before_fsdp2_changes():

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor
 
-from _helpers import LMConfig, build_lm, direct_always, patched, rank, shard_lm, tokens_for
+from _helpers import LMConfig, build_lm, patched, rank, shard_lm, tokens_for
 from fsdp_shim._models import wrap_lm_fsdp1
 
 CASES = [
@@ -78,10 +76,9 @@ def rank_same_view_as_fsdp1():
         fsdp1, fsdp2 = _fsdp1(), shard_lm(build_lm())
         for model in (fsdp1, fsdp2):
             model(tokens).sum().backward()
-        for kwargs, direct in [(kwargs, direct) for direct in (False, True) for kwargs in CASES]:
+        for kwargs in CASES:
             one = _seen(fsdp1, kwargs)
-            with direct_always() if direct else contextlib.nullcontext():  # [Note: point to point]'s two forms
-                two = _seen(fsdp2, kwargs)
+            two = _seen(fsdp2, kwargs)
             _judge(kwargs, one, two)
         for kwargs in MISUSE:
             errors = []

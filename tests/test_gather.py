@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from _faults import transport
-from _helpers import mesh1d, direct_always
+from _helpers import mesh1d
 from fsdp_shim._compat import STRIDED_SHARD_FULL_TENSOR_BROKEN
 from fsdp_shim._engine import gather_full_tensors, start_gather
 from fsdp_shim._layout import BUCKET_ENV, DEFAULT_BUCKET_MB, bucket_bytes_from_env, dim0_layout, plan_buckets
-from fsdp_shim._staging import AllOf, Flat, Landed
+from fsdp_shim._staging import Flat, Landed
 from fsdp_shim._writeback import write_back_locals
 
 
@@ -76,21 +73,13 @@ def rank_bucket_boundaries():
     assert _check_roundtrip(few, 1 << 20) == ([[0, 1]], [])
     empty = [((0,), torch.float32, s0), ((0, 2), torch.float32, s0)]
     assert _check_roundtrip(empty, 1 << 20) == ([[0, 1]], [])
-    # point to point (gloo's transport), a tensor with at least 1 MiB of shard a rank travels alone, sent
-    # direct, under any cap; the all-gather (NCCL's) keeps it with the others under the cap
+    # a tensor with 1 MiB of shard a rank stays with the small ones under the cap: one all-gather, one output
     alone = [((4,), torch.float32, s0), ((world * 256, 1024), torch.float32, s0), ((4,), torch.float32, s0)]
-    with transport("all_gather"):
-        assert _check_roundtrip(alone, 64 << 20) == ([[0, 1, 2]], [])
-    with transport("auto"):
-        assert _check_roundtrip(alone, 64 << 20) == ([[0, 2], [1]], [])
-        flights = start_gather(_tensors(alone)[1], bucket_bytes=64 << 20)._flights
-        assert [type(f) for f in flights] == [Flat, Landed]  # packed into one output; sent direct
-        for flight in flights:
-            flight.work.wait()
-    with transport("auto"), direct_always():  # [Note: point to point]: every shard straight into every rank's full tensors
-        assert _check_roundtrip(uneven, 1 << 20) == ([[0, 1, 2]], [])
-        assert _check_roundtrip(mixed, 1 << 20) == ([[0, 3], [1], [2]], [])
-        assert _check_roundtrip(big, cap) == ([[0, 2], [1], [3]], [])
+    assert _check_roundtrip(alone, 64 << 20) == ([[0, 1, 2]], [])
+    fulls, dtensors = _tensors(alone)
+    pending = start_gather(dtensors, bucket_bytes=64 << 20)
+    assert [type(f) for f in pending._flights] == [Flat]
+    assert all(torch.equal(got, full) for got, full in zip(pending.finish(keep=True), fulls))
 
 
 def rank_fallback_placements_are_bit_identical():
@@ -154,8 +143,6 @@ def rank_non_contiguous_shards_and_broken_layouts():
     assert dim0_layout(dtensor) is not None
     got, layouts, _ = gather_full_tensors([dtensor])
     assert torch.equal(got[0], full)
-    with direct_always():
-        assert torch.equal(gather_full_tensors([dtensor]).tensors[0], full)
     write_back_locals([(dtensor, got[0] * 2, layouts[0])])
     assert torch.equal(dtensor._local_tensor, full[4 * me: 4 * me + 4] * 2)
     # a Shard(0) DTensor whose shards are not torch.chunk slices: refused on every rank
@@ -202,36 +189,21 @@ def test_bucket_size_from_keyword_env_and_default(monkeypatch):
 
 
 def rank_receivers_deliver_to_exactly_the_ranks_named():
-    """[Note: point to point]: group rank 0 of each shard group, or global rank 0 alone (others skip)."""
+    """Group rank 0 of each shard group, or global rank 0 alone (others skip). See ``Receiver`` in ``_layout``."""
     from torch.distributed.device_mesh import init_device_mesh
-
-    from fsdp_shim._layout import moves_point_to_point
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
     fulls = [torch.randn(shape) for shape in ((5, 3), (4,), (64, 8), (1, 2))]  # uneven, tiny, solo-sized
     dtensors = [distribute_tensor(f.clone(), mesh, [Replicate(), Shard(0)]) for f in fulls]
     shard_rank = mesh.get_local_rank("shard")
-    with transport("auto"):
-        assert moves_point_to_point(mesh.get_group("shard"))  # gloo
-        _deliver_to_exactly_the_ranks_named(mesh, fulls, dtensors, shard_rank)
+    _deliver_to_exactly_the_ranks_named(mesh, fulls, dtensors, shard_rank)
 
 
 def _deliver_to_exactly_the_ranks_named(mesh, fulls, dtensors, shard_rank):
     from fsdp_shim._engine import start_gather
 
     for receiver, keeps in (("all", True), ("group_rank0", shard_rank == 0), ("global_rank0", dist.get_rank() == 0)):
-        with direct_always():  # every bucket sent direct, straight into the receivers' full tensors
-            got, _, _ = gather_full_tensors(dtensors, keep=keeps, receiver=receiver, bucket_bytes=300)
-            for full, out in zip(fulls, got):
-                assert (out is not None) == keeps, receiver
-                assert out is None or torch.equal(out, full), receiver
-            flights = list(start_gather(dtensors, receiver=receiver, bucket_bytes=300)._flights)
-            # every receiver's full tensors are the messages' destinations, "all" included
-            assert all(isinstance(f, Landed) for f in flights)
-            for flight in flights:
-                if flight.work is not None:
-                    flight.work.wait()
         got, _, _ = gather_full_tensors(dtensors, keep=keeps, receiver=receiver, bucket_bytes=300)
         for full, out in zip(fulls, got):
             assert (out is not None) == keeps, receiver
@@ -241,17 +213,14 @@ def _deliver_to_exactly_the_ranks_named(mesh, fulls, dtensors, shard_rank):
         received = [(flight.padded_fulls if isinstance(flight, Landed) else flight.output) is not None
                     for flight in flights]
         moved = [flight.work is not None for flight in flights]
-        # [Note: point to point]: small tensors travel packed, each sender's block into one output, copied out
+        # small tensors share a bucket: one all-gather into one output, copied out
         assert any(len(flight.bucket) > 1 for flight in flights)
-        assert all(isinstance(flight, Flat) for flight in flights if flight.work is not None)  # what moves, packed
-        assert all(isinstance(flight.work, (AllOf, type(None))) for flight in flights)
-        if receiver == "all":
+        assert all(isinstance(flight, Flat) for flight in flights if flight.work is not None)  # what moves
+        if receiver in ("all", "group_rank0"):  # every rank of a gathered group takes part, and receives
             assert all(received) and all(moved)
             assert all(isinstance(flight, Flat) and flight.output is not None for flight in flights)
-        elif receiver == "group_rank0":  # only each shard group's rank 0 allocates an output
-            assert all(r == (shard_rank == 0) for r in received) and all(moved)
-        else:  # ranks 2 and 3 (the other replica) move nothing at all
-            assert all(r == (dist.get_rank() == 0) for r in received)
+        else:  # rank 0's shard group takes part (rank 1 drops what it got); ranks 2 and 3 move nothing at all
+            assert all(r == (dist.get_rank() < 2) for r in received)
             assert all(m == (dist.get_rank() < 2) for m in moved)
         got = pending.finish(keep=keeps)
         assert all(out is None or torch.equal(out, f) for out, f in zip(got, fulls))
@@ -267,38 +236,33 @@ def test_receivers_deliver_to_exactly_the_ranks_named(dist_run):
 
 
 # --------------------------------------------------------------------------- staged, then launched
-def rank_staged_buckets_launch_later_and_in_order(how: str):
+def rank_staged_buckets_launch_later_and_in_order():
     """[Note: staged, then launched]: a staged gather moves nothing until launched; order and values hold."""
     specs = [((37, 5), torch.float32, [Shard(0)]), ((64, 3), torch.float32, [Shard(0)]), ((9,), torch.float32, [Shard(0)])]
     fulls, dtensors = _tensors(specs)
     for receiver in ("all", "global_rank0"):
-        for forced in (False, True):
-            with transport(how), direct_always() if forced else contextlib.nullcontext():
-                first = start_gather(dtensors[:2], cast_to=torch.bfloat16, bucket_bytes=64, receiver=receiver)
-                staged = start_gather(dtensors[1:], bucket_bytes=1 << 20, receiver=receiver, launch=False)
-                if how == "all_gather":  # staged: every bucket's collective waits for launch(), none posted
-                    assert all(f.launch is not None and f.work is None for f in staged._flights)
-                else:  # point to point: outside the collective order, every bucket's messages go at once
-                    assert all(getattr(f, "launch", None) is None and isinstance(f.work, AllOf) for f in staged._flights)
-                keeps = receiver == "all" or dist.get_rank() == 0
-                got_first = first.finish(keep=keeps)
-                staged.launch()
-                assert all(getattr(f, "launch", None) is None and f.work is not None for f in staged._flights)
-                got_staged = staged.finish(keep=keeps)
-            if keeps:
-                for full, got in zip(fulls[:2], got_first):
-                    assert torch.equal(got, full.to(torch.bfloat16))
-                for full, got in zip(fulls[1:], got_staged):
-                    assert torch.equal(got, full)
-            else:
-                assert got_first == [None, None] and got_staged == [None, None]
-    with transport(how):
-        _launched_then_dropped(dtensors, fulls)
+        first = start_gather(dtensors[:2], cast_to=torch.bfloat16, bucket_bytes=64, receiver=receiver)
+        staged = start_gather(dtensors[1:], bucket_bytes=1 << 20, receiver=receiver, launch=False)
+        # staged: every bucket's collective waits for launch(), none posted
+        assert all(f.launch is not None and f.work is None for f in staged._flights)
+        keeps = receiver == "all" or dist.get_rank() == 0
+        got_first = first.finish(keep=keeps)
+        staged.launch()
+        assert all(getattr(f, "launch", None) is None and f.work is not None for f in staged._flights)
+        got_staged = staged.finish(keep=keeps)
+        if keeps:
+            for full, got in zip(fulls[:2], got_first):
+                assert torch.equal(got, full.to(torch.bfloat16))
+            for full, got in zip(fulls[1:], got_staged):
+                assert torch.equal(got, full)
+        else:
+            assert got_first == [None, None] and got_staged == [None, None]
+    _launched_then_dropped(dtensors, fulls)
 
 
 def _launched_then_dropped(dtensors, fulls):
     again = start_gather(dtensors, receiver="all")
-    for flight in again._flights:  # a gloo message's work waited for twice would block forever
+    for flight in again._flights:  # each bucket's all-gather launched; waited for here (twice), finish still copies out
         assert flight.work is not None and flight.work.wait() and flight.work.wait()
     assert all(torch.equal(g, f) for g, f in zip(again.finish(keep=True), fulls))
     dropped = start_gather(dtensors, receiver="all", launch=False)
@@ -306,41 +270,13 @@ def _launched_then_dropped(dtensors, fulls):
     assert [torch.equal(g, f) for g, f in zip(gather_full_tensors(dtensors).tensors, fulls)] == [True] * 3
 
 
-@pytest.mark.parametrize("how", ["auto", "all_gather"])
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_staged_buckets_launch_later_and_in_order(dist_run, world_size, how):
-    dist_run(world_size, rank_staged_buckets_launch_later_and_in_order, how)
+def test_staged_buckets_launch_later_and_in_order(dist_run, world_size):
+    dist_run(world_size, rank_staged_buckets_launch_later_and_in_order)
 
 
-# --------------------------------------------------------------------------- transports
-def rank_each_transport_moves_what_it_says(how: str):
-    """gloo's point to point sends messages and no collective; the all-gather (NCCL's path) the reverse."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    import fsdp_shim
-    from _faults import inject
-    from _helpers import assert_params_equal, build_lm, patched, shard_lm
-
-    ref, model = build_lm(), shard_lm(build_lm())
-    never = 10**9
-    with patched(), transport(how), inject("isend", after=never) as sends, inject("irecv", after=never) as receives, \
-            inject("all_gather", after=never) as gathers:
-        with FSDP.summon_full_params(model, writeback=False):
-            assert_params_equal(model, ref)
-        streamed = dict(fsdp_shim.iter_full_params(model, rank0_only=False))
-    assert all(torch.equal(streamed[n], p) for n, p in ref.named_parameters())
-    if how == "auto":
-        assert sends[0] > 0 and receives[0] > 0 and gathers[0] == 0, (sends, receives, gathers)
-    else:
-        assert gathers[0] > 0 and sends[0] == receives[0] == 0, (sends, receives, gathers)
-
-
-@pytest.mark.parametrize("how", ["auto", "all_gather"])
-def test_each_transport_moves_what_it_says(dist_run, how):
-    dist_run(2, rank_each_transport_moves_what_it_says, how)
-
-
-def rank_summon_window_holds_two_buckets_at_most(how: str):
+# --------------------------------------------------------------------------- the summon's window
+def rank_summon_window_holds_two_buckets_at_most():
     """[Note: one bucket in flight]: the summon's driver stages one bucket beyond the one it copies out."""
     from fsdp_shim import _engine
 
@@ -350,27 +286,25 @@ def rank_summon_window_holds_two_buckets_at_most(how: str):
     original = _engine._finish_bucket
 
     def recording(flight, keep, out_device):
-        alive.append(1 + len(gather._flights))  # the one being finished and those staged beyond it
+        alive.append(len(gather._flights))  # the one being finished (held there until it is in) and those beyond it
         return original(flight, keep, out_device)
 
     _engine._finish_bucket = recording
     try:
-        with transport(how):
-            gather = _engine.BucketGather(dtensors, bucket_bytes=64, ahead=1)  # one tensor a bucket
-            assert len(gather._flights) == 1
-            got = gather.finish(keep=True)
-            whole = _engine.BucketGather(dtensors, bucket_bytes=64)  # the stream's: every bucket at once
-            assert len(whole._flights) == len(specs)
-            whole.finish(keep=True)
+        gather = _engine.BucketGather(dtensors, bucket_bytes=64, ahead=1)  # one tensor a bucket
+        assert len(gather._flights) == 1
+        got = gather.finish(keep=True)
+        whole = _engine.BucketGather(dtensors, bucket_bytes=64)  # the stream's: every bucket at once
+        assert len(whole._flights) == len(specs)
+        whole.finish(keep=True)
     finally:
         _engine._finish_bucket = original
     assert alive[: len(specs)] == [2] * (len(specs) - 1) + [1]
     assert all(torch.equal(g, f) for g, f in zip(got, fulls))
 
 
-@pytest.mark.parametrize("how", ["auto", "all_gather"])
-def test_summon_window_holds_two_buckets_at_most(dist_run, how):
-    dist_run(2, rank_summon_window_holds_two_buckets_at_most, how)
+def test_summon_window_holds_two_buckets_at_most(dist_run):
+    dist_run(2, rank_summon_window_holds_two_buckets_at_most)
 
 
 def rank_one_unit_takes_one_collective():
@@ -409,7 +343,7 @@ def rank_one_unit_takes_one_collective():
                     assert not isinstance(full, DTensor) and torch.equal(full, want), name
         return summon
 
-    with patched(), transport("all_gather"):
+    with patched():
         assert collectives(check(model[0], ref[0], recurse=False)) == 1
         assert collectives(check(model[0], ref[0], recurse=False, bucket_mb=1)) > 1  # chosen: the cap holds
         assert collectives(check(model, ref)) > 2  # several units: capped, more than one a unit

@@ -3,8 +3,8 @@
 The script is how issue 22's figures are made; this keeps it runnable, for
 a flat mesh and an HSDP one, with several runs. It asserts no timing
 (timings here are noise), only that each contender ran and was counted.
-The fake backend moves no data, so values are not checked here: the suite
-checks them on both transports.
+The fake backend moves no data, so values are not checked here: the rest
+of the suite checks them on gloo.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The package's house rules, checked on its source: sizes, docstrings, and import direction.
 
-No module over 450 lines and no module docstring over 40: notes live next to
-the code they explain, figures in ``docs/``. The runtime import graph among
+No module docstring over 40 lines: notes live next to the code they explain,
+figures in ``docs/``. (0.8.1's 450-line cap per module is gone: it split the
+house by size, not by object, and FSDP2's own files run to 1,100 lines.) The runtime import graph among
 the package's modules (imports at module level, outside ``TYPE_CHECKING``)
 has no cycle, and ``_registry`` imports nothing of the package: it is data
 the swap fills in, never a caller back into it.
@@ -37,11 +38,6 @@ def _runtime_imports(path: Path) -> set[str]:
                 found.update(a.name for a in sub.names if a.name.startswith("fsdp_shim."))
     found.discard(_module_name(path))
     return found
-
-
-def test_no_module_is_over_450_lines():
-    sizes = {path.name: len(path.read_text().splitlines()) for path in MODULES}
-    assert {name: n for name, n in sizes.items() if n > 450} == {}
 
 
 def test_no_module_docstring_is_over_40_lines():

@@ -11,7 +11,6 @@ import torch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from _faults import transport
 from _helpers import assert_params_equal, build_lm, full_state, patched, shard_lm, tokens_for
 
 
@@ -22,10 +21,10 @@ def _train_step(model, ref, tokens):
         optimizer.step()
 
 
-def rank_summon_under_inference_mode(writeback: bool, recurse: bool, how: str):
+def rank_summon_under_inference_mode(writeback: bool, recurse: bool):
     ref, model = build_lm(), shard_lm(build_lm())
     tokens = tokens_for(ref.config)
-    with patched(), transport(how), torch.inference_mode():
+    with patched(), torch.inference_mode():
         with FSDP.summon_full_params(model, writeback=writeback, recurse=recurse):
             assert torch.equal(model(tokens), ref(tokens))  # a forward inside
             assert torch.equal(model.generate(tokens, 4), ref.generate(tokens, 4))
@@ -47,11 +46,10 @@ def rank_summon_under_inference_mode(writeback: bool, recurse: bool, how: str):
         assert torch.equal(value, dict(ref.named_parameters())[name].detach()), name
 
 
-@pytest.mark.parametrize("how", ["auto", "all_gather"])
 @pytest.mark.parametrize("recurse", [True, False], ids=["recurse", "no-recurse"])
 @pytest.mark.parametrize("writeback", [True, False], ids=["writeback", "no-writeback"])
-def test_summon_under_inference_mode(dist_run, writeback, recurse, how):
-    dist_run(2, rank_summon_under_inference_mode, writeback, recurse, how)
+def test_summon_under_inference_mode(dist_run, writeback, recurse):
+    dist_run(2, rank_summon_under_inference_mode, writeback, recurse)
 
 
 def rank_inference_mode_with_mixed_precision_forward():
@@ -103,7 +101,7 @@ def rank_a_summon_after_one_under_inference_mode_edits_and_writes_back():
     outside inference mode, which an inference tensor refuses.
     """
     ref, model = build_lm(), shard_lm(build_lm())
-    with patched(), transport("all_gather"):  # multi-tensor buckets
+    with patched():  # multi-tensor buckets, copied out of one all-gather output
         with torch.inference_mode(), FSDP.summon_full_params(model, writeback=False):
             pass
         with FSDP.summon_full_params(model, writeback=True), torch.no_grad():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import gc
 import logging
@@ -17,12 +16,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from _faults import transport
 from _helpers import (
-    LMConfig, assert_unchanged, build_lm, direct_always, rank, shard_lm, snapshot, tokens_for,
+    LMConfig, assert_unchanged, build_lm, rank, shard_lm, snapshot, tokens_for,
 )
 import fsdp_shim
-from fsdp_shim import _host_buffers, _layout
+from fsdp_shim import _layout
 from fsdp_shim._stream import batch_params
 
 
@@ -65,12 +63,7 @@ def rank_stream_names_values_and_ties():
     _check_stream(model, ref, dtype=torch.bfloat16, rank0_only=False)  # == full.to(bf16)
     _check_stream(model, ref, bucket_mb=0.01)  # many small buckets: same answer
     _check_stream(model, ref, device="cpu")
-    with direct_always():  # [Note: point to point]: shards sent straight into the receivers' full tensors
-        _check_stream(model, ref)
-        _check_stream(model, ref, dtype=torch.bfloat16)
-        _check_stream(model, ref, bucket_mb=0.01)
-        _check_stream(model, ref, rank0_only=False)
-        _check_stream(model, ref, dtype=torch.bfloat16, rank0_only=False)
+    _check_stream(model, ref, dtype=torch.bfloat16)  # rank0_only and cast
     assert_unchanged(model, before)
     model.double()  # FSDP2 swaps parameters (swap_tensors): the stream must leave no weakref on them
     _check_stream(model, ref.double(), rank0_only=False)
@@ -94,9 +87,8 @@ def rank_stream_on_hsdp():
     before = snapshot(model)
     _check_stream(model, ref)  # only global rank 0 receives
     _check_stream(model, ref, rank0_only=False, dtype=torch.bfloat16)
-    with direct_always():
-        _check_stream(model, ref, dtype=torch.bfloat16)
-        _check_stream(model, ref, rank0_only=False)
+    _check_stream(model, ref, dtype=torch.bfloat16)
+    _check_stream(model, ref, rank0_only=False)
     assert_unchanged(model, before)
 
 
@@ -144,30 +136,29 @@ def test_stream_reads_fp32_masters_of_units_left_unsharded(dist_run):
 
 
 # --------------------------------------------------------------------------- cast before gather
-def rank_cast_before_gather_moves_half_the_bytes(how: str):
-    """What each rank hands c10d: its shard, sent point to point (gloo) or all-gathered (NCCL's path)."""
+def rank_cast_before_gather_moves_half_the_bytes():
+    """What each rank hands c10d: its shard, all-gathered."""
     model = shard_lm(build_lm())
     moved: list[tuple[torch.dtype, int]] = []
-    names = ("isend",) if how == "auto" else ("all_gather_single", "all_gather_into_tensor")
+    names = ("all_gather_single", "all_gather_into_tensor")
     originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
 
-    def recording(original, sent_at):
+    def recording(original):
         def record(*args, **kwargs):
-            tensor = args[sent_at]
+            tensor = args[1]  # (output, input)
             moved.append((tensor.dtype, tensor.numel() * tensor.element_size()))
             return original(*args, **kwargs)
         return record
 
     for name, original in originals.items():
-        setattr(dist, name, recording(original, 0 if name == "isend" else 1))  # all-gather: (output, input)
+        setattr(dist, name, recording(original))
     try:
         by_dtype = {}
-        with transport(how):
-            for dtype in (None, torch.bfloat16):
-                moved.clear()
-                for _ in fsdp_shim.iter_full_params(model, dtype=dtype, rank0_only=False):  # every rank receives
-                    pass
-                by_dtype[dtype] = list(moved)
+        for dtype in (None, torch.bfloat16):
+            moved.clear()
+            for _ in fsdp_shim.iter_full_params(model, dtype=dtype, rank0_only=False):  # every rank receives
+                pass
+            by_dtype[dtype] = list(moved)
     finally:
         for name, original in originals.items():
             setattr(dist, name, original)
@@ -176,13 +167,12 @@ def rank_cast_before_gather_moves_half_the_bytes(how: str):
     assert sum(n for _, n in by_dtype[torch.bfloat16]) * 2 == sum(n for _, n in by_dtype[None]) > 0
 
 
-@pytest.mark.parametrize("how", ["auto", "all_gather"])
-def test_cast_before_gather_moves_half_the_bytes(dist_run, how):
-    dist_run(2, rank_cast_before_gather_moves_half_the_bytes, how)
+def test_cast_before_gather_moves_half_the_bytes(dist_run):
+    dist_run(2, rank_cast_before_gather_moves_half_the_bytes)
 
 
 # --------------------------------------------------------------------------- fp32 exceptions
-def rank_stream_keeps_chosen_params_uncast(how: str):
+def rank_stream_keeps_chosen_params_uncast():
     """``keep_dtype``: chosen parameters travel in their stored fp32, exact; the rest as ``full.to(bf16)``."""
     ref, model = build_lm(), shard_lm(build_lm())
     reference = dict(ref.named_parameters())
@@ -194,31 +184,29 @@ def rank_stream_keeps_chosen_params_uncast(how: str):
         ["blocks.*.fc1.weight", "lm_head.weight"],
         lambda name: name.endswith(".fc1.weight") or name == "lm_head.weight",
     )
-    with transport(how):
-        for keep_dtype in choices:
-            for rank0_only in (True, False):
-                names = []
-                for name, full in fsdp_shim.iter_full_params(
-                    model, dtype=torch.bfloat16, keep_dtype=keep_dtype, rank0_only=rank0_only
-                ):
-                    names.append(name)
-                    if rank0_only and rank() != 0:
-                        assert full is None, name
-                        continue
-                    want = reference[name].detach()
-                    want = want if name in kept else want.to(torch.bfloat16)
-                    assert full is not None and full.dtype == want.dtype, (name, full)
-                    assert torch.equal(full, want), f"{name} differs"
-                assert names == order  # the same names in the same order as without exceptions
-        for name, full in fsdp_shim.iter_full_params(model, dtype=torch.bfloat16, keep_dtype="*.fc1.weight"):
-            if rank() == 0:  # one pattern, no tie named: embed goes bf16
-                assert full is not None and full.dtype == (torch.float32 if name in fc1 else torch.bfloat16), name
+    for keep_dtype in choices:
+        for rank0_only in (True, False):
+            names = []
+            for name, full in fsdp_shim.iter_full_params(
+                model, dtype=torch.bfloat16, keep_dtype=keep_dtype, rank0_only=rank0_only
+            ):
+                names.append(name)
+                if rank0_only and rank() != 0:
+                    assert full is None, name
+                    continue
+                want = reference[name].detach()
+                want = want if name in kept else want.to(torch.bfloat16)
+                assert full is not None and full.dtype == want.dtype, (name, full)
+                assert torch.equal(full, want), f"{name} differs"
+            assert names == order  # the same names in the same order as without exceptions
+    for name, full in fsdp_shim.iter_full_params(model, dtype=torch.bfloat16, keep_dtype="*.fc1.weight"):
+        if rank() == 0:  # one pattern, no tie named: embed goes bf16
+            assert full is not None and full.dtype == (torch.float32 if name in fc1 else torch.bfloat16), name
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("how", ["auto", "all_gather"])
-def test_stream_keeps_chosen_params_uncast(dist_run, world_size, how):
-    dist_run(world_size, rank_stream_keeps_chosen_params_uncast, how)
+def test_stream_keeps_chosen_params_uncast(dist_run, world_size):
+    dist_run(world_size, rank_stream_keeps_chosen_params_uncast)
 
 
 def test_keep_dtype_takes_patterns_or_a_predicate():
@@ -268,7 +256,7 @@ def _live_tensor_bytes() -> int:
     return sum(storages.values())
 
 
-def rank_stream_memory_is_bounded_by_two_units(hsdp: bool, direct: bool):
+def rank_stream_memory_is_bounded_by_two_units(hsdp: bool):
     config = LMConfig(vocab=64, width=64, layers=8)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if hsdp else None
     model = shard_lm(build_lm(config), mesh)
@@ -282,77 +270,19 @@ def rank_stream_memory_is_bounded_by_two_units(hsdp: bool, direct: bool):
     base = _live_tensor_bytes()
     peak = 0
     count = 0
-    with direct_always() if direct else contextlib.nullcontext():  # direct: buffers recycled, kept between steps
-        for name, full in fsdp_shim.iter_full_params(model, rank0_only=False, bucket_mb=bucket_mb):
-            count += 1
-            if name in firsts:
-                peak = max(peak, _live_tensor_bytes() - base)
-            del full
+    for name, full in fsdp_shim.iter_full_params(model, rank0_only=False, bucket_mb=bucket_mb):
+        count += 1
+        if name in firsts:
+            peak = max(peak, _live_tensor_bytes() - base)
+        del full
     assert count == len(list(model.parameters()))
     assert model_bytes > 3 * largest_two  # the bound says something
     assert peak <= largest_two + 2 * bucket_mb * 2**20 + padding, (peak, largest_two, model_bytes)
 
 
-@pytest.mark.parametrize(
-    "world_size, hsdp, direct", [(2, False, False), (2, False, True), (3, False, False), (4, True, False)]
-)
-def test_stream_memory_is_bounded_by_two_units(dist_run, world_size, hsdp, direct):
-    dist_run(world_size, rank_stream_memory_is_bounded_by_two_units, hsdp, direct)
-
-
-# --------------------------------------------------------------------------- recycled buffers
-def test_recycled_buffer_is_reused_only_once_nothing_holds_it():
-    cpu = torch.device("cpu")
-    first = _host_buffers.RecycledBuffers()
-    buffer = first.take(64, torch.float32, cpu)
-    view = buffer[:8].view(2, 4)  # what a caller keeps: a view of the buffer
-    assert _host_buffers.RecycledBuffers(first.taken).take(64, torch.float32, cpu) is not buffer  # never written under it
-    work_like = [buffer.narrow(0, 8, 8)]  # a pending send holds a view just the same
-    del view
-    assert _host_buffers.RecycledBuffers(first.taken).take(64, torch.float32, cpu) is not buffer
-    del work_like
-    again = _host_buffers.RecycledBuffers(first.taken)
-    assert again.take(64, torch.float32, cpu) is buffer  # alone again: reused
-    assert again.take(64, torch.float32, cpu) is not buffer  # once
-    assert [b for b, _ in again.taken][0] is buffer  # and handed on to the batch after next
-    for size, dtype in ((32, torch.float32), (64, torch.bfloat16)):  # another size or dtype: the earlier ones go
-        other = _host_buffers.RecycledBuffers(first.taken)
-        assert other.take(size, dtype, cpu) is not buffer
-        assert other.take(64, torch.float32, cpu) is not buffer  # freed before the fresh one was taken
-
-
-def rank_stream_recycles_only_buffers_nobody_holds():
-    config = LMConfig(width=32, layers=6)
-    ref, model = build_lm(config), shard_lm(build_lm(config))
-    reference = {name: p.detach() for name, p in ref.named_parameters()}
-    fresh: list[int] = []
-    original = _host_buffers.FullBuffers.take
-
-    def counting(self, numel, dtype, device):
-        fresh.append(numel)
-        return original(self, numel, dtype, device)
-
-    _host_buffers.FullBuffers.take = counting
-    try:
-        with transport("auto"), direct_always():  # every full tensor allocated at staging: all recyclable
-            for name, full in fsdp_shim.iter_full_params(model, rank0_only=False, bucket_mb=0.001):
-                assert torch.equal(full, reference[name]), name
-                del full  # the contract: nothing kept past the step
-            dropped = len(fresh)
-            fresh.clear()
-            kept = list(fsdp_shim.iter_full_params(model, rank0_only=False, bucket_mb=0.001))
-            kept_fresh = len(fresh)
-    finally:
-        _host_buffers.FullBuffers.take = original
-    for name, full in kept:  # a caller that keeps everything: no buffer was written twice
-        assert torch.equal(full, reference[name]), f"{name} was overwritten by a recycled buffer"
-    per_block = len(list(model.blocks[0].parameters()))
-    assert kept_fresh == len(kept)  # every one fresh: each was still held
-    assert dropped <= kept_fresh - 3 * per_block  # blocks 2 to 5 took only recycled buffers, at least three
-
-
-def test_stream_recycles_only_buffers_nobody_holds(dist_run):
-    dist_run(2, rank_stream_recycles_only_buffers_nobody_holds)
+@pytest.mark.parametrize("world_size, hsdp", [(2, False), (3, False), (4, True)])
+def test_stream_memory_is_bounded_by_two_units(dist_run, world_size, hsdp):
+    dist_run(world_size, rank_stream_memory_is_bounded_by_two_units, hsdp)
 
 
 # --------------------------------------------------------------------------- stopping early, misuse

@@ -8,7 +8,7 @@ rank 0 alone broadcasts every full parameter on the model-update group
 engine (rank 2) must receive exactly what it receives from FSDP1, in order,
 and nobody may hang: every group here has a short timeout, so a wait that
 would hang raises instead, and a dropped rank ends in an error on the
-others. Both transports; ``iter_full_params`` in the same shape. See
+others. ``iter_full_params`` in the same shape. See
 ``docs/troubleshooting.md`` for the ordering rule this relies on.
 """
 
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 import fsdp_shim
-from _faults import InjectedFault, assert_untouched, inject, local_shards, transport
+from _faults import InjectedFault, assert_untouched, inject, local_shards
 from _helpers import patch_state_restored, patched, rank
 from fsdp_shim._launch import rank_device
 from fsdp_shim._models import gloo_average_sums
@@ -80,7 +80,7 @@ def _assert_same(got, want) -> None:
 
 
 # --------------------------------------------------------------------------- compose-rl's loop
-def rank_engine_receives_what_fsdp1_sends(layout: str, tie: bool, how: str):
+def rank_engine_receives_what_fsdp1_sends(layout: str, tie: bool):
     train, update = _groups()
     started = time.monotonic()
     if rank() == ENGINE:
@@ -90,17 +90,16 @@ def rank_engine_receives_what_fsdp1_sends(layout: str, tie: bool, how: str):
         lm = reference.model.lm_backbone if layout == "ppo" else reference.model
         assert len(on_fsdp2) == len(list(lm.named_parameters())) > 0
         return [r[0] for r in on_fsdp2], time.monotonic() - started
-    with patched(), transport(how):
+    with patched():
         _sync(lambda: fsdp1_model(layout, tie, train, _device()), layout, update)
         _sync(lambda: fsdp2_model(layout, tie, _mesh(train)), layout, update)
     return None, time.monotonic() - started
 
 
-@pytest.mark.parametrize("how", ["auto", "all_gather"])
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("layout", ["ppo", "grpo"])
-def test_engine_receives_what_fsdp1_sends(dist_run, layout, tie, how):
-    results = dist_run(3, rank_engine_receives_what_fsdp1_sends, layout, tie, how)
+def test_engine_receives_what_fsdp1_sends(dist_run, layout, tie):
+    results = dist_run(3, rank_engine_receives_what_fsdp1_sends, layout, tie)
     names = results[ENGINE][0]
     assert ("lm_head.weight" in names) and ("model.embed_tokens.weight" in names) != tie
     assert all(elapsed < 3 * TIMEOUT_S for _, elapsed in results)  # a liveness bound, not a timing
@@ -151,7 +150,7 @@ def test_fsdp1_sends_the_same_with_and_without_the_shim(dist_run, layout):
 
 
 # --------------------------------------------------------------------------- iter_full_params
-def rank_stream_to_the_engine(how: str, dtype: torch.dtype | None):
+def rank_stream_to_the_engine(dtype: torch.dtype | None):
     """New code: ``iter_full_params`` on the training ranks, rank 0 broadcasting each tensor as it comes."""
     train, update = _groups()
     reference = dict(ComposerModel("grpo", True).model.named_parameters())
@@ -167,7 +166,7 @@ def rank_stream_to_the_engine(how: str, dtype: torch.dtype | None):
         return len(received)
     model = fsdp2_model("grpo", True, _mesh(train))
     handle = weight_sync_module().EngineHandle(update)
-    with patched(), transport(how):
+    with patched():
         for name, full in fsdp_shim.iter_full_params(model.model, dtype=dtype):
             if rank() == 0:
                 handle.update_weight.remote(name, dtype=full.dtype, shape=full.shape)
@@ -178,16 +177,13 @@ def rank_stream_to_the_engine(how: str, dtype: torch.dtype | None):
 
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("how", ["auto", "all_gather"])
-def test_stream_to_an_engine_on_a_second_group(dist_run, how, dtype):
-    assert dist_run(3, rank_stream_to_the_engine, how, dtype)[ENGINE] > 0
+def test_stream_to_an_engine_on_a_second_group(dist_run, dtype):
+    assert dist_run(3, rank_stream_to_the_engine, dtype)[ENGINE] > 0
 
 
 # --------------------------------------------------------------------------- a dropped rank
-def _shim_gathers_to_skip(model, how: str) -> int:
-    """How many calls of the faulted operation the sync makes before the shim's first gather (its dummy forward)."""
-    if how == "auto":
-        return 0  # FSDP2 never sends point to point: every isend counted is the shim's
+def _shim_gathers_to_skip(model) -> int:
+    """How many all-gathers the sync makes before the shim's first gather (its dummy forward: FSDP2's own)."""
     dummy = {"obs": torch.zeros(1, 1, dtype=torch.long)}
     with torch.no_grad():
         model(dummy)  # the first forward (lazy init) leaves the root unsharded: the sync's is a later one
@@ -196,7 +192,7 @@ def _shim_gathers_to_skip(model, how: str) -> int:
     return calls[0]
 
 
-def rank_a_dropped_rank_ends_in_an_error(who: str, how: str):
+def rank_a_dropped_rank_ends_in_an_error(who: str):
     """``trainer``: rank 1 dies in its third gather. ``engine``: rank 2 leaves after two weights.
 
     Every other rank must end in an error within the groups' timeout, and the
@@ -217,14 +213,13 @@ def rank_a_dropped_rank_ends_in_an_error(who: str, how: str):
             vllm_utils.serve_engine(update, torch.device("cpu"))  # rank 0 never closes
         return "timed out", time.monotonic() - started
     model = fsdp2_model("grpo", True, _mesh(train))
-    skip = _shim_gathers_to_skip(model, how)
+    skip = _shim_gathers_to_skip(model)
     before = local_shards(model)
-    operation = "isend" if how == "auto" else "all_gather"
     outcome = "finished"
-    with patched(), transport(how):
+    with patched():
         try:
             if who == "trainer" and rank() == 1:
-                with inject(operation, after=skip + 2):
+                with inject("all_gather", after=skip + 2):
                     _sync(lambda: model, "grpo", update, close=False)
             else:
                 _sync(lambda: model, "grpo", update, close=False)
@@ -236,10 +231,9 @@ def rank_a_dropped_rank_ends_in_an_error(who: str, how: str):
     return outcome, time.monotonic() - started
 
 
-@pytest.mark.parametrize("how", ["auto", "all_gather"])
 @pytest.mark.parametrize("who", ["trainer", "engine"])
-def test_a_dropped_rank_ends_in_an_error_on_the_others(dist_run, who, how):
-    results = dist_run(3, rank_a_dropped_rank_ends_in_an_error, who, how)
+def test_a_dropped_rank_ends_in_an_error_on_the_others(dist_run, who):
+    results = dist_run(3, rank_a_dropped_rank_ends_in_an_error, who)
     outcomes = [outcome for outcome, _ in results]
     if who == "trainer":
         assert outcomes == ["error: RuntimeError", "dropped", "timed out"]
