@@ -11,6 +11,7 @@ mechanism, and how to add one, is in ``_instrumentor``.
 from __future__ import annotations
 
 import logging
+import sys
 from types import ModuleType
 from typing import Any
 
@@ -184,8 +185,111 @@ class ComposerFSDPGate(Instrumentation):
         wrapt.unwrap_object(module, self._GATE, self._handle, missing_ok=True)
 
 
+def _mpt_blocks(model: Any) -> list[nn.Module] | None:
+    """``model.transformer.blocks`` where no block is FSDP1's wrapper (FSDP2 units, or unwrapped); else None:
+    FSDP1's blocks, no transformer or no blocks, where compose-rl's helpers run as installed."""
+    blocks = getattr(getattr(model, "transformer", None), "blocks", None)
+    if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
+        return None
+    if any(hasattr(block, "_fsdp_wrapped_module") for block in blocks):
+        return None
+    return list(blocks)
+
+
+def _flag_holder(block: nn.Module) -> nn.Module:
+    """The module whose ``use_pad_tok_in_ffn`` an FSDP2 block's generation toggles: the block itself, or the
+    module its activation-checkpoint wrapper holds (FSDP1's helpers reach the same one through the wrapper)."""
+    return getattr(block, "_checkpoint_wrapped_module", block)
+
+
+def _flip_in_ffn(blocks: list[nn.Module]) -> None:
+    for block in blocks:
+        holder = _flag_holder(block)
+        holder.use_pad_tok_in_ffn = not holder.use_pad_tok_in_ffn
+
+
+def _fsdp2_aware_flip_for_generate(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``flip_pad_token_usage_for_generate(model)``: on FSDP2 blocks, turn the flag on everywhere if the
+    first block has it off, and say whether it flipped, as the installed helper does on FSDP1."""
+    blocks = _mpt_blocks(args[0] if args else kwargs.get("model"))
+    if blocks is None:
+        return wrapped(*args, **kwargs)
+    flip = not _flag_holder(blocks[0]).use_pad_tok_in_ffn
+    if flip:
+        _flip_in_ffn(blocks)
+    return flip
+
+
+def _fsdp2_aware_flip_in_ffn(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``flip_pad_token_usage_in_ffn(model)``: on FSDP2 blocks, toggle every block's flag."""
+    blocks = _mpt_blocks(args[0] if args else kwargs.get("model"))
+    if blocks is None:
+        return wrapped(*args, **kwargs)
+    _flip_in_ffn(blocks)
+    return None
+
+
+class ComposeRLPadTokenFlip(Instrumentation):
+    """compose-rl's MPT generation helpers reach an FSDP2 block itself, not FSDP1's wrapper.
+
+    Read at databricks/compose-rl ae56991, ``compose_rl/utils/utils.py``:
+    ``flip_pad_token_usage_for_generate(model)`` and
+    ``flip_pad_token_usage_in_ffn(model)`` toggle llm-foundry MPT's
+    ``use_pad_tok_in_ffn`` around generation (``hf_generate``), reaching every
+    block of ``model.transformer.blocks`` through ``block._fsdp_wrapped_module``
+    (and its ``_checkpoint_wrapped_module`` under activation checkpointing).
+    On FSDP2 the block is the unit itself, so both raise ``AttributeError``.
+
+    - Both are wrapped (wrapt). Where a block has no ``_fsdp_wrapped_module``,
+      the block itself (or its ``_checkpoint_wrapped_module``) is the module
+      whose flag is toggled; the helpers' contract (flip on if the first
+      block has it off, report it; flip every block) is unchanged.
+    - FSDP1 models, and models without ``transformer.blocks``, reach the
+      installed helpers unchanged.
+    - Why not give FSDP2 units a ``_fsdp_wrapped_module``: FSDP1 code, torch's
+      own state-dict helpers among it, reads that attribute as "this is an
+      FSDP1 wrapper" (``docs/migration.md``).
+    - ``from compose_rl.utils import ...`` binds copies of both names: the
+      re-export ``compose_rl.utils`` and ``hf_generate``'s module are rebound
+      if imported first, and get the wrappers if imported after.
+    """
+
+    name = "compose_rl_mpt"
+    module = "compose_rl.utils.utils"
+    upstream = "databricks/compose-rl ae56991: flip_pad_token_usage_for_generate, flip_pad_token_usage_in_ffn"
+    expects = ("flip_pad_token_usage_for_generate", "flip_pad_token_usage_in_ffn")
+    binders = (
+        "compose_rl.utils",
+        "compose_rl.algorithms.online.generation_utils.generation_utils",
+    )
+    _WRAPPERS = {
+        "flip_pad_token_usage_for_generate": _fsdp2_aware_flip_for_generate,
+        "flip_pad_token_usage_in_ffn": _fsdp2_aware_flip_in_ffn,
+    }
+
+    def _apply(self, module: ModuleType) -> None:
+        self._originals = {name: getattr(module, name) for name in self._WRAPPERS}
+        self._handles = {name: wrapt.wrap_function_wrapper(module, name, wrapper)
+                         for name, wrapper in self._WRAPPERS.items()}
+
+    def _rebind(self, binder: ModuleType) -> None:
+        for name, handle in self._handles.items():
+            if getattr(binder, name, None) is self._originals[name]:
+                setattr(binder, name, handle)
+
+    def _undo(self, module: ModuleType) -> None:
+        # Every binder holding a wrapper gets the original back: rebound ones, and those that imported the
+        # name from the instrumented module (or its re-export) after the wrapper was in place.
+        for binder in (sys.modules.get(name) for name in self.binders):
+            for name, handle in self._handles.items():
+                if binder is not None and getattr(binder, name, None) is handle:
+                    setattr(binder, name, self._originals[name])
+        for name, handle in self._handles.items():
+            wrapt.unwrap_object(module, name, handle, missing_ok=True)
+
+
 INSTRUMENTATIONS: tuple[Instrumentation, ...] = (
-    ComposeRLWeightSync(), ComposerFSDPGate(), ModelOutputFlatten(), FSDP2ForwardCast(),
+    ComposeRLWeightSync(), ComposerFSDPGate(), ComposeRLPadTokenFlip(), ModelOutputFlatten(), FSDP2ForwardCast(),
 )
 
 

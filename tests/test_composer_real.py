@@ -41,10 +41,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(tmp_path: Path, how: str, env: dict[str, str]) -> dict:
+def _launch(tmp_path: Path, how: str, env: dict[str, str], job: str = "composer_job.py") -> dict:
     out = tmp_path / f"{how}.json"
     command = [LAUNCHER, "-n", "2", "--master_port", str(_free_port()),
-               "-m", "fsdp_shim.run", str(ROOT / "tests" / "composer_job.py"), str(out), how]
+               "-m", "fsdp_shim.run", str(ROOT / "tests" / job), str(out), how]
     full_env = {**os.environ, "MASTER_ADDR": "127.0.0.1", **env}
     full_env.pop("PYTHONPATH", None)
     proc = subprocess.run(command, cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=600)
@@ -83,3 +83,25 @@ def test_composer_generate_without_the_cast_instrumentation(tmp_path):
         assert not report["generate_tokens_equal"] or report["generate_max_logit_diff"] > 0.0, report
     else:
         assert report["generate_tokens_equal"] and report["generate_max_logit_diff"] == 0.0, report
+
+
+@pytest.mark.parametrize("how", ["plain", "checkpointed"])
+def test_composer_mpt_generation_through_compose_rl_helpers(tmp_path, how):
+    """compose-rl's MPT helpers on Composer's own FSDP2 (``tests/composer_mpt_job.py``): the flag is on in every
+    block while generating and off after, as on FSDP1; tokens and logits equal the unsharded model's."""
+    report = _launch(tmp_path, how, {}, job="composer_mpt_job.py")
+    assert report["shim_imported"]
+    assert "FSDPMPTBlock" in report["units"], report["units"]
+    if how == "checkpointed":
+        assert all(name.endswith("CheckpointWrapper") for name in report["blocks"]), report["blocks"]
+    assert "error" not in report, report
+    assert report["tokens_equal"] and report["logits_equal"], report
+    assert report["flags_while_generating"] == report["reference_flags_while_generating"] == [[True] * 3] * 4
+    assert report["flags_after"] == [False] * 3
+
+
+def test_composer_mpt_generation_without_the_instrumentation(tmp_path):
+    """The control: with ``compose_rl_mpt`` switched off, compose-rl's helpers fail on Composer's FSDP2 blocks."""
+    report = _launch(tmp_path, "plain", {"FSDP_SHIM_DISABLE_COMPOSE_RL_MPT": "1"}, job="composer_mpt_job.py")
+    assert "_fsdp_wrapped_module" in report.get("error", ""), report
+    assert report["flags_after_error"] == [False] * 3
