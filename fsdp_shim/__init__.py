@@ -46,19 +46,16 @@ import logging
 import pkgutil
 import sys
 import threading
+import wrapt
+from fsdp_shim import _compat as _diagnostics, _versions
 from typing import TYPE_CHECKING, Any, ContextManager
 
-import wrapt
-
-from fsdp_shim import _diagnostics, _versions
-
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator, Sequence
-
     import torch
     import torch.nn as nn
+    from collections.abc import Callable, Iterator, Sequence
+    from fsdp_shim._patching import fsdp_units, is_fsdp_module, param_fqn
 
-    from fsdp_shim._units import fsdp_units, is_fsdp_module, param_fqn
 
 __version__ = _versions.__version__
 
@@ -107,7 +104,7 @@ def _environment_problem() -> tuple[str | None, str | None]:
     allowed = _versions.env_flag(_versions.ALLOW_UNSUPPORTED_TORCH_ENV)
     override = f"set {_versions.ALLOW_UNSUPPORTED_TORCH_ENV}=1 to gather anyway, at your own risk"
     try:
-        from fsdp_shim import _fsdp2_probe  # noqa: PLC0415
+        from fsdp_shim import _fsdp2 as _fsdp2_probe  # noqa: PLC0415
     except ImportError as exc:  # the FSDP2 internals we rely on moved
         return None, f"torch {version} lacks the FSDP2 internals fsdp_shim uses ({exc})"
     if _versions.is_supported_torch(version):
@@ -147,7 +144,7 @@ def _activate() -> str | None:
     first, so nothing observable depends on the order of the imports, and
     ``fsdp-shim --help`` answers without loading torch.
 
-    A submodule imported first (``import fsdp_shim._swap``) imports FSDP part
+    A submodule imported first (``import fsdp_shim._summon``) imports FSDP part
     way through its own import, so the hook fires while the package is half
     built, and patching would import that very module. The hook then waits:
     each submodule has a post-import hook of its own (wrapt again), and the
@@ -200,9 +197,21 @@ def _on_submodule_imported(module: Any) -> None:
         _activate()
 
 
-for _submodule in pkgutil.iter_modules(__path__):
-    if _submodule.name != "__main__":
-        wrapt.when_imported(f"{__name__}.{_submodule.name}")(_on_submodule_imported)
+def _submodule_names() -> list[str]:
+    """Every submodule's dotted name, subpackages' too, found on disk: nothing is imported to list them."""
+    names = []
+    for found in pkgutil.iter_modules(__path__):
+        if found.name == "__main__":
+            continue
+        names.append(f"{__name__}.{found.name}")
+        if found.ispkg:
+            names += [f"{__name__}.{found.name}.{sub.name}"
+                      for sub in pkgutil.iter_modules([f"{__path__[0]}/{found.name}"])]
+    return names
+
+
+for _submodule in _submodule_names():
+    wrapt.when_imported(_submodule)(_on_submodule_imported)
 
 
 def __getattr__(name: str) -> Any:
@@ -210,7 +219,7 @@ def __getattr__(name: str) -> Any:
     if name == "unsupported_reason":
         return _activate()
     if name in _UNITS_API:
-        from fsdp_shim import _units  # noqa: PLC0415
+        from fsdp_shim import _patching as _units  # noqa: PLC0415
 
         return getattr(_units, name)
     raise AttributeError(f"module 'fsdp_shim' has no attribute {name!r}")
@@ -277,7 +286,7 @@ def sharded_param(param: torch.Tensor) -> nn.Parameter | None:
     """
     if _activate() is not None:
         return None
-    from fsdp_shim._swap import sharded_param as _sharded_param  # noqa: PLC0415
+    from fsdp_shim._summon import sharded_param as _sharded_param  # noqa: PLC0415
 
     return _sharded_param(param)
 
@@ -312,7 +321,7 @@ def summon_full_params(
         AssertionError: called during FSDP2 forward or backward (FSDP1 raises the same).
     """
     _require_support()
-    from fsdp_shim._dispatch import summon  # noqa: PLC0415
+    from fsdp_shim._summon import summon  # noqa: PLC0415
 
     return summon(
         module, recurse, writeback, rank0_only, offload_to_cpu, with_grads, bucket_mb=bucket_mb

@@ -1,3 +1,8 @@
-from fsdp_shim.cli import main
+""""""
+
+from __future__ import annotations
+
+from fsdp_shim.tools.cli import main
+
 
 raise SystemExit(main())

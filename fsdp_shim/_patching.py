@@ -36,14 +36,14 @@ from __future__ import annotations
 import inspect
 import logging
 import threading
-from typing import Any
-
 import torch.nn as nn
 import wrapt
+from collections.abc import Iterator
+from fsdp_shim import _compat as _diagnostics
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
+from typing import Any
 
-from fsdp_shim import _diagnostics
 
 logger = logging.getLogger("fsdp_shim")
 
@@ -150,14 +150,14 @@ def patch(refusal: str | None = None) -> bool:
             return False
         _refusal = refusal
         if refusal is None:
-            from fsdp_shim._dispatch import summon  # noqa: PLC0415  (needs the FSDP2 internals)
+            from fsdp_shim._summon import summon  # noqa: PLC0415  (needs the FSDP2 internals)
 
             _summon = summon
         _handle = wrapt.wrap_function_wrapper(_TARGET, _NAME, _summon_full_params_wrapper)
         _install_instance_form()
         if refusal is None:
-            from fsdp_shim import _instrumentation  # noqa: PLC0415
-            from fsdp_shim._fsdp2_internals import FSDPState  # noqa: PLC0415
+            from fsdp_shim import instrumentations as _instrumentation  # noqa: PLC0415
+            from fsdp_shim._fsdp2 import FSDPState  # noqa: PLC0415
 
             if _guard_handle is None:
                 _guard_handle = wrapt.wrap_function_wrapper(FSDPState, "__init__", _refuse_fully_shard_inside)
@@ -176,8 +176,8 @@ def unpatch() -> bool:
         _handle = None
         _remove_instance_form()
         if _refusal is None:
-            from fsdp_shim._fsdp2_internals import FSDPState  # noqa: PLC0415
-            from fsdp_shim._instrumentation import uninstrument_all  # noqa: PLC0415
+            from fsdp_shim._fsdp2 import FSDPState  # noqa: PLC0415
+            from fsdp_shim.instrumentations import uninstrument_all  # noqa: PLC0415
 
             uninstrument_all()
             if _guard_handle is not None:
@@ -188,3 +188,47 @@ def unpatch() -> bool:
             return False
         logger.debug("restored FullyShardedDataParallel.summon_full_params")
         return True
+
+
+# ---- from _units.py ----------------------------------------
+# FSDP unit discovery that treats FSDP1 and FSDP2 alike.
+#
+# FSDP1-era code often gates on ``isinstance(m, FullyShardedDataParallel)``,
+# which is never true for FSDP2 modules (and must stay so: FSDP1 code paths
+# would then reach for flat parameters). These helpers are the one-line
+# replacement for such gates.
+
+
+_UNIT_TYPES: tuple[type, ...] = (FullyShardedDataParallel, FSDPModule)
+
+#: The prefix FSDP1 wrappers add to every name below them.
+FSDP1_PREFIX = "_fsdp_wrapped_module."
+
+
+def is_fsdp_module(module: nn.Module) -> bool:
+    """True for FSDP1 wrappers and FSDP2 (``fully_shard``) units."""
+    return isinstance(module, _UNIT_TYPES)
+
+
+def clean_fqn(name: str) -> str:
+    """A name without FSDP1's wrapper prefixes: the name in the unwrapped model."""
+    return name.replace(FSDP1_PREFIX, "")
+
+
+def fsdp_units(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``(fqn, unit)`` for every FSDP1 or FSDP2 unit in ``model``, outermost first."""
+    for name, module in model.named_modules():
+        if is_fsdp_module(module):
+            yield clean_fqn(name), module
+
+
+def param_fqn(model: nn.Module, param: nn.Parameter) -> str:
+    """The first name under which ``param`` (this very object) is reachable in ``model`` now.
+
+    Inside ``summon_full_params`` the full parameters are new objects, so look
+    them up there, not in a map built before the context.
+    """
+    for name, candidate in model.named_parameters(remove_duplicate=False):
+        if candidate is param:
+            return clean_fqn(name)
+    raise KeyError("parameter is not reachable from this module right now")

@@ -14,16 +14,16 @@ or change.
 from __future__ import annotations
 
 import threading
+import torch
+import torch.distributed as dist
+import torch.nn as nn
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-
 if TYPE_CHECKING:
     from fsdp_shim._scope import SlotKey
+
 
 _lock = threading.Lock()
 

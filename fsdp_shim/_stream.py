@@ -44,22 +44,20 @@ from __future__ import annotations
 import fnmatch
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
-
 import torch
 import torch.nn as nn
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from fsdp_shim import _fsdp2 as fsdp2, _registry as registry
+from fsdp_shim._gather import layout as receivers
+from fsdp_shim._gather.engine import BucketGather, start_gather
+from fsdp_shim._gather.layout import Receiver, bucket_bytes_from_env, gathered_dtype
+from fsdp_shim._scope import fsdp_slot_owners, module_label, slot_key, untracked_parameter
+from fsdp_shim._summon import group_in_use, refuse_busy, refuse_placements
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
+from typing import Any, NamedTuple
 
-from fsdp_shim import _fsdp2_internals as fsdp2
-from fsdp_shim import _receivers as receivers
-from fsdp_shim import _registry as registry
-from fsdp_shim._engine import BucketGather, start_gather
-from fsdp_shim._layout import Receiver, bucket_bytes_from_env, gathered_dtype
-from fsdp_shim._refusals import group_in_use, refuse_busy, refuse_placements
-from fsdp_shim._scope import fsdp_slot_owners, module_label, slot_key, untracked_parameter
 
 logger = logging.getLogger("fsdp_shim")
 

@@ -72,7 +72,7 @@ def _one(world: str, model_name: str, reps: int, device: str) -> dict:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import fully_shard
 
-    from fsdp_shim._models import LMConfig, build_lm
+    from fsdp_shim.tools.models import LMConfig, build_lm
 
     dims = tuple(int(d) for d in world.split("x"))
     size = 1

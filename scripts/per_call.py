@@ -26,7 +26,7 @@ import statistics
 import sys
 import time
 
-from fsdp_shim._launch import RankError, run_on_ranks
+from fsdp_shim.tools.launch import RankError, run_on_ranks
 
 MODELS = {"12 units": (12, 0), "96 units": (96, 0), "12 units + 5,000 parameters": (12, 5000)}
 
@@ -38,7 +38,7 @@ def _per_call_ms(reps: int) -> list[tuple[str, bool, float, float, float]]:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     import fsdp_shim
-    from fsdp_shim._models import Block, LMConfig, build_lm, shard_lm, wrap_lm_fsdp1
+    from fsdp_shim.tools.models import Block, LMConfig, build_lm, shard_lm, wrap_lm_fsdp1
 
     fsdp_shim.patch()
 

@@ -49,7 +49,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from fsdp_shim._launch import RankError, run_on_ranks
+from fsdp_shim.tools.launch import RankError, run_on_ranks
 
 MODES = ["summon_all", "summon_rank0", "per_unit_all", "per_unit_rank0", "stream_all", "stream_rank0", "unshard",
          "fsdp1", "faults"]
@@ -66,7 +66,7 @@ def _fault_rounds(width: int, seconds: float) -> tuple[int, int, int]:
     import torch.distributed as dist
 
     import fsdp_shim
-    from fsdp_shim._models import LMConfig, build_lm, shard_lm
+    from fsdp_shim.tools.models import LMConfig, build_lm, shard_lm
 
     sys.path.insert(0, TESTS)
     from _faults import InjectedFault, inject, short_timeout_mesh
@@ -135,7 +135,7 @@ def _rounds(mode: str, width: int, seconds: float) -> int:
 
     import fsdp_shim
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from fsdp_shim._models import LMConfig, build_lm, shard_lm, wrap_lm_fsdp1
+    from fsdp_shim.tools.models import LMConfig, build_lm, shard_lm, wrap_lm_fsdp1
 
     if mode == "faults":
         return _fault_rounds(width, seconds)  # type: ignore[return-value]

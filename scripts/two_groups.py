@@ -34,7 +34,7 @@ def main() -> int:
         return 0
     import test_weight_sync as shape  # noqa: PLC0415
 
-    from fsdp_shim._launch import RankPool  # noqa: PLC0415
+    from fsdp_shim.tools.launch import RankPool  # noqa: PLC0415
 
     backend = "nccl" if args.device == "cuda" else "gloo"
     cases = [

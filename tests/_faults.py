@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.tensor import DTensor
 
-from fsdp_shim import _fsdp2_internals as fsdp2
+from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim import _registry
 
 #: The operations ``inject`` can fail, each the names it wraps on ``torch.distributed``.

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import fsdp_shim
-from fsdp_shim._models import LMConfig, TinyLM, build_lm, shard_lm, tokens_for
+from fsdp_shim.tools.models import LMConfig, TinyLM, build_lm, shard_lm, tokens_for
 
 __all__ = [
     "LMConfig", "TinyLM", "build_lm", "shard_lm", "tokens_for",
@@ -86,7 +86,7 @@ def snapshot(model: nn.Module) -> dict[str, object]:
     releases. A snapshot is of the initialised model, through FSDP2's own
     ``_lazy_init`` of the root.
     """
-    from fsdp_shim import _fsdp2_internals as fsdp2
+    from fsdp_shim import _fsdp2 as fsdp2
 
     root_state = fsdp2.fsdp_state_of(model)
     if root_state is not None and root_state._is_root is None:

@@ -17,7 +17,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from fsdp_shim._launch import RankPool  # noqa: E402
+from fsdp_shim.tools.launch import RankPool  # noqa: E402
 
 _pools: dict[int, RankPool] = {}
 

@@ -9,7 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from fsdp_shim._launch import free_port
+from fsdp_shim.tools.launch import free_port
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
@@ -58,7 +58,7 @@ def test_bench_table_lists_every_contender_with_its_page_faults():
 
 
 def test_minor_faults_count_fresh_memory():
-    from fsdp_shim._bench import _minor_faults
+    from fsdp_shim.tools.bench import _minor_faults
 
     before = _minor_faults()
     fresh = bytearray(64 * 2**20)  # larger than glibc's largest mmap threshold: new pages, zeroed on first touch
@@ -124,7 +124,7 @@ def test_rank_output_on_stdout_never_reaches_the_report(tmp_path):
     """Backends print banners on a rank's stdout (gloo 2.8-2.10); `bench --json` must stay JSON."""
     code = textwrap.dedent('''
         import json, os
-        from fsdp_shim._launch import run_on_ranks
+        from fsdp_shim.tools.launch import run_on_ranks
 
         def banner():
             os.write(1, b"[Gloo] Rank 0 is connected to 1 peer ranks\\n")
@@ -200,7 +200,7 @@ def test_timeout_bounds_the_whole_run_and_progress_comes_from_rank_0(tmp_path):
     """A chatty rank neither restarts the clock nor duplicates its lines per rank."""
     code = textwrap.dedent('''
         import json, sys, time
-        from fsdp_shim._launch import RankError, report_progress, run_on_ranks
+        from fsdp_shim.tools.launch import RankError, report_progress, run_on_ranks
 
         def chatty(seconds):
             end = time.monotonic() + seconds

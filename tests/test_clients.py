@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_shim
 from _helpers import patched, rank
-from fsdp_shim._models import Block, exact_gradients
+from fsdp_shim.tools.models import Block, exact_gradients
 
 STAND_INS = str(Path(__file__).parent / "stand_ins")
 WEIGHT_SYNC = "compose_rl.algorithms.online.generation_utils.vllm_utils"
@@ -123,7 +123,7 @@ def weight_sync_module():
 def rank_instrumentation_round_trip():
     from torch.distributed.fsdp import FullyShardedDataParallel  # noqa: PLC0415
 
-    from fsdp_shim._instrumentation import FSDPUnitGate, NamesOfSummonedParams, statuses  # noqa: PLC0415
+    from fsdp_shim.instrumentations import FSDPUnitGate, NamesOfSummonedParams, statuses  # noqa: PLC0415
 
     vllm_utils = weight_sync_module()
     model = fsdp2_model("grpo", False)
@@ -147,7 +147,7 @@ def test_instrumentation_is_undone_by_unpatch_and_redone_by_patch(dist_run):
 
 def test_instrumentation_leaves_an_unexpected_module_alone(tmp_path, monkeypatch):
     """A module at the instrumented path that does not look as read: logged, unchanged."""
-    from fsdp_shim._instrumentation import ComposeRLWeightSync  # noqa: PLC0415
+    from fsdp_shim.instrumentations import ComposeRLWeightSync  # noqa: PLC0415
 
     package = tmp_path / "fake"
     package.mkdir()

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_shim
 from _helpers import patch_state_restored, rank
-from fsdp_shim._models import Block, exact_gradients
+from fsdp_shim.tools.models import Block, exact_gradients
 from test_clients import STAND_INS, CausalLM
 
 GATE = "composer.utils.misc"
@@ -195,7 +195,7 @@ def test_without_the_instrumentation_the_clients_fail(dist_run, case, how):
 
 
 def rank_gate_round_trip():
-    from fsdp_shim._instrumentation import statuses
+    from fsdp_shim.instrumentations import statuses
 
     with patch_state_restored():
         clients = _import_clients("composer first")
@@ -221,7 +221,7 @@ def test_gate_is_undone_by_unpatch_and_redone_by_patch(dist_run):
 
 def rank_a_gate_that_knows_fsdp2_is_left_alone():
     """Composer main's gate (#3907) already answers for FSDP2: decided by asking it, nothing is wrapped."""
-    from fsdp_shim._instrumentation import statuses
+    from fsdp_shim.instrumentations import statuses
 
     with patch_state_restored():
         clients = _import_clients("composer first")

@@ -123,7 +123,7 @@ def rank_a_meta_model_is_refused_before_fsdp2_changes():
     ref = build_lm()
     with torch.device("meta"):
         model = shard_lm(build_lm())
-    from fsdp_shim import _fsdp2_internals as fsdp2
+    from fsdp_shim import _fsdp2 as fsdp2
 
     root = fsdp2.fsdp_state_of(model)
     with patched(), pytest.raises(RuntimeError, match="'embed.weight' is still on the meta device"):

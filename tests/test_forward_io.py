@@ -1,4 +1,4 @@
-"""FSDP2's walk over forward inputs and outputs (``fsdp_shim._forward_io``): PPO's output, generation's KV cache.
+"""FSDP2's walk over forward inputs and outputs (``fsdp_shim.instrumentations.forward_io``): PPO's output, generation's KV cache.
 
 compose-rl's actor-critic output (``CausalLMOutputWithPastAndValues``, a
 ``ModelOutput`` with a ``values`` field) and transformers' ``DynamicCache``
@@ -27,7 +27,7 @@ from torch.utils import _pytree
 
 import fsdp_shim
 from _helpers import patch_state_restored
-from fsdp_shim._models import Block, exact_gradients
+from fsdp_shim.tools.models import Block, exact_gradients
 from test_clients import STAND_INS
 
 transformers = pytest.importorskip("transformers")
@@ -275,7 +275,7 @@ def test_without_the_instrumentation_fsdp2_rebuilds_inputs(dist_run):
 
 
 def test_the_instrumentations_are_listed_and_undone():
-    from fsdp_shim._instrumentation import statuses  # noqa: PLC0415
+    from fsdp_shim.instrumentations import statuses  # noqa: PLC0415
 
     with patch_state_restored():
         fsdp_shim.patch()

@@ -8,7 +8,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor
 
 from _helpers import LMConfig, build_lm, patched, rank, shard_lm, tokens_for
-from fsdp_shim._models import wrap_lm_fsdp1
+from fsdp_shim.tools.models import wrap_lm_fsdp1
 
 CASES = [
     dict(recurse=True, writeback=False),

@@ -19,8 +19,8 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor, Shard
 
 from _helpers import assert_params_equal, assert_unchanged, build_lm, patched, snapshot, tokens_for
-from fsdp_shim import _fsdp2_internals as fsdp2
-from fsdp_shim._models import exact_gradients
+from fsdp_shim import _fsdp2 as fsdp2
+from fsdp_shim.tools.models import exact_gradients
 
 try:
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult

@@ -10,10 +10,10 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from _helpers import mesh1d
 from fsdp_shim._compat import STRIDED_SHARD_FULL_TENSOR_BROKEN
-from fsdp_shim._engine import gather_full_tensors, start_gather
-from fsdp_shim._layout import BUCKET_ENV, DEFAULT_BUCKET_MB, bucket_bytes_from_env, dim0_layout, plan_buckets
-from fsdp_shim._staging import Flat, Landed
-from fsdp_shim._writeback import write_back_locals
+from fsdp_shim._gather.engine import gather_full_tensors, start_gather
+from fsdp_shim._gather.layout import BUCKET_ENV, DEFAULT_BUCKET_MB, bucket_bytes_from_env, dim0_layout, plan_buckets
+from fsdp_shim._gather.staging import Flat, Landed
+from fsdp_shim._exit import write_back_locals
 
 
 def _tensors(specs, seed=0):
@@ -201,7 +201,7 @@ def rank_receivers_deliver_to_exactly_the_ranks_named():
 
 
 def _deliver_to_exactly_the_ranks_named(mesh, fulls, dtensors, shard_rank):
-    from fsdp_shim._engine import start_gather
+    from fsdp_shim._gather.engine import start_gather
 
     for receiver, keeps in (("all", True), ("group_rank0", shard_rank == 0), ("global_rank0", dist.get_rank() == 0)):
         got, _, _ = gather_full_tensors(dtensors, keep=keeps, receiver=receiver, bucket_bytes=300)
@@ -278,7 +278,7 @@ def test_staged_buckets_launch_later_and_in_order(dist_run, world_size):
 # --------------------------------------------------------------------------- the summon's window
 def rank_summon_window_holds_two_buckets_at_most():
     """[Note: one bucket in flight]: the summon's driver stages one bucket beyond the one it copies out."""
-    from fsdp_shim import _engine
+    from fsdp_shim._gather import engine as _engine
 
     specs = [((13, 7), torch.float32, [Shard(0)])] * 6
     fulls, dtensors = _tensors(specs)

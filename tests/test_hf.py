@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_shim
 from _helpers import patched, rank
-from fsdp_shim._models import exact_gradients
+from fsdp_shim.tools.models import exact_gradients
 
 transformers = pytest.importorskip("transformers")
 

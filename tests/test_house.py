@@ -14,11 +14,16 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "fsdp_shim"
-MODULES = sorted(PACKAGE.glob("*.py"))
+MODULES = sorted(PACKAGE.rglob("*.py"))
 
 
 def _module_name(path: Path) -> str:
-    return "fsdp_shim" if path.stem == "__init__" else f"fsdp_shim.{path.stem}"
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+NAMES = {_module_name(path) for path in MODULES}
+PACKAGES = {_module_name(path) for path in MODULES if path.name == "__init__.py"}
 
 
 def _runtime_imports(path: Path) -> set[str]:
@@ -30,8 +35,9 @@ def _runtime_imports(path: Path) -> set[str]:
             continue
         for sub in ast.walk(node) if isinstance(node, (ast.If, ast.Try)) else [node]:
             if isinstance(sub, ast.ImportFrom) and sub.module and sub.module.startswith("fsdp_shim"):
-                if sub.module == "fsdp_shim":
-                    found.update(f"fsdp_shim.{alias.name}" for alias in sub.names)
+                if sub.module in PACKAGES:
+                    found.update(f"{sub.module}.{alias.name}" if f"{sub.module}.{alias.name}" in NAMES
+                                 else sub.module for alias in sub.names)
                 else:
                     found.add(sub.module)
             elif isinstance(sub, ast.Import):

@@ -17,7 +17,7 @@ from _helpers import (
     tokens_for,
 )
 import fsdp_shim
-from fsdp_shim._layout import dim0_layout
+from fsdp_shim._gather.layout import dim0_layout
 
 
 class Odd(nn.Module):

@@ -30,7 +30,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from _helpers import patch_state_restored, patched
-from fsdp_shim._models import exact_gradients
+from fsdp_shim.tools.models import exact_gradients
 
 STAND_INS = str(Path(__file__).parent / "stand_ins")
 HELPERS = "compose_rl.utils.utils"

@@ -14,7 +14,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 import fsdp_shim
 from fsdp_shim import _versions
-from fsdp_shim._dispatch import _route
+from fsdp_shim._summon import _route
 
 ORIGINAL = inspect.getattr_static(FSDP, "summon_full_params")
 while isinstance(ORIGINAL, wrapt.FunctionWrapper):  # the import patched it
@@ -118,7 +118,7 @@ def test_import_order_does_not_matter_and_the_import_is_light(first):
 def test_help_and_version_do_not_import_torch():
     code = (
         "import sys\n"
-        "from fsdp_shim.cli import main\n"
+        "from fsdp_shim.tools.cli import main\n"
         "for argv in (['--help'], ['check', '--help'], ['bench', '--help'], ['--version']):\n"
         "    try:\n"
         "        main(argv)\n"
@@ -240,7 +240,7 @@ def test_internals_that_cannot_be_imported_refuse_dtensor_summons():
 
 
 def test_the_internals_probe_lists_what_it_reads_and_finds_it_all_here():
-    from fsdp_shim import _fsdp2_probe
+    from fsdp_shim import _fsdp2 as _fsdp2_probe
 
     assert _fsdp2_probe.missing_internals() == []
     assert "FSDPParamGroup._to_sharded" in _fsdp2_probe.READS and "FSDPParam.param_dtype or mp_policy" in _fsdp2_probe.READS

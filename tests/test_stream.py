@@ -20,7 +20,7 @@ from _helpers import (
     LMConfig, assert_unchanged, build_lm, rank, shard_lm, snapshot, tokens_for,
 )
 import fsdp_shim
-from fsdp_shim import _layout
+from fsdp_shim._gather import layout as _layout
 from fsdp_shim._stream import batch_params
 
 

@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from fsdp_shim import _plans, _swap
+from fsdp_shim import _scope as _plans, _summon as _swap
 from _helpers import LMConfig, assert_params_equal, build_lm, mesh1d, patched, shard_lm, tokens_for
 
 
@@ -173,7 +173,7 @@ def test_a_destroyed_group_after_a_plan_fails_clearly(dist_run):
 
 
 def _kept(unit: nn.Module) -> dict:
-    from fsdp_shim import _fsdp2_internals as fsdp2
+    from fsdp_shim import _fsdp2 as fsdp2
 
     return fsdp2.kept_plans(fsdp2.fsdp_state_of(unit))
 
@@ -230,7 +230,7 @@ def test_a_plan_pins_nothing_removed_from_its_unit(dist_run):
 
 def rank_a_module_that_is_not_a_unit_gets_no_plan():
     """A submodule inside a unit has no FSDP2 state to keep a plan on: no plan is made or stored."""
-    from fsdp_shim import _fsdp2_internals as fsdp2
+    from fsdp_shim import _fsdp2 as fsdp2
 
     ref, model = build_lm(), shard_lm(build_lm())
     fc1 = model.blocks[0].fc1

@@ -366,7 +366,7 @@ def rank_unsharded_units_are_summoned_from_master_weights():
 
 
 def _sharded_params(model):
-    from fsdp_shim import _fsdp2_internals as fsdp2
+    from fsdp_shim import _fsdp2 as fsdp2
 
     for m in model.modules():
         state = fsdp2.fsdp_state_of(m)

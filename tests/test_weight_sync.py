@@ -26,8 +26,8 @@ from torch.distributed.device_mesh import DeviceMesh
 import fsdp_shim
 from _faults import InjectedFault, assert_untouched, inject, local_shards
 from _helpers import patch_state_restored, patched, rank
-from fsdp_shim._launch import rank_device
-from fsdp_shim._models import gloo_average_sums
+from fsdp_shim.tools.launch import rank_device
+from fsdp_shim.tools.models import gloo_average_sums
 from test_clients import ComposerModel, fsdp1_model, fsdp2_model, weight_sync_module
 
 #: Every group's timeout: long enough for a loaded CI machine, short enough that a hang fails fast.

@@ -12,8 +12,8 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-
 from fsdp_shim import _versions
+
 
 EPILOG = """exit status: 0 success; 1 a scenario or run failed; 2 bad usage, or the
 ranks could not be started. Environment: FSDP_SHIM_DISABLE=1 turns the shim
@@ -63,8 +63,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     import torch  # noqa: PLC0415
 
     import fsdp_shim  # noqa: PLC0415
-    from fsdp_shim._check import check_on_rank  # noqa: PLC0415
-    from fsdp_shim._launch import RankError, run_on_ranks  # noqa: PLC0415
+    from fsdp_shim.tools.check import check_on_rank  # noqa: PLC0415
+    from fsdp_shim.tools.launch import RankError, run_on_ranks  # noqa: PLC0415
 
     if _versions.env_flag(_versions.DISABLE_ENV):
         print(f"fsdp-shim check: {_versions.DISABLE_ENV}={os.environ[_versions.DISABLE_ENV]} is set, so the shim "
@@ -77,8 +77,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     print(f"fsdp-shim check: {_environment_line(args.ranks, args.device)}")
     if args.verbose:
-        from fsdp_shim import _fsdp2_probe  # noqa: PLC0415
-        from fsdp_shim._instrumentation import statuses  # noqa: PLC0415
+        from fsdp_shim import _fsdp2 as _fsdp2_probe  # noqa: PLC0415
+        from fsdp_shim.instrumentations import statuses  # noqa: PLC0415
 
         verified = "verified" if _versions.is_verified_torch(torch.__version__) else (
             "supported, not itself verified" if _versions.is_supported_torch(torch.__version__) else
@@ -119,8 +119,8 @@ def _format_bytes(n: float) -> str:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from fsdp_shim._bench import BenchConfig, memory_on_rank, time_on_rank  # noqa: PLC0415
-    from fsdp_shim._launch import RankError, run_on_ranks  # noqa: PLC0415
+    from fsdp_shim.tools.bench import BenchConfig, memory_on_rank, time_on_rank  # noqa: PLC0415
+    from fsdp_shim.tools.launch import RankError, run_on_ranks  # noqa: PLC0415
 
     cfg = BenchConfig(
         layers=args.layers, width=args.width, vocab=args.vocab, reps=args.reps, warmup=args.warmup,

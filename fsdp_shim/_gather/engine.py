@@ -44,26 +44,15 @@ from __future__ import annotations
 import collections
 import functools
 import logging
-from collections.abc import Sequence
-from typing import NamedTuple, cast
-
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
-
+from collections.abc import Sequence
 from fsdp_shim._compat import all_gather_single, grad_disabled
-from fsdp_shim._layout import (
-    BucketShape,
-    Dim0Layout,
-    GatherPlan,
-    Receiver,
-    bucket_bytes_from_env,
-    gathered_dtype,
-    mark_out_of_step,
-    plan_gather,
-    require_gatherable,
-)
-from fsdp_shim._staging import BucketEntry, Flat, InFlight, Landed, copy_in
+from fsdp_shim._gather.layout import BucketShape, Dim0Layout, GatherPlan, Receiver, bucket_bytes_from_env, gathered_dtype, mark_out_of_step, plan_gather, require_gatherable
+from fsdp_shim._gather.staging import BucketEntry, Flat, InFlight, Landed, copy_in
+from torch.distributed.tensor import DTensor
+from typing import NamedTuple, cast
+
 
 logger = logging.getLogger("fsdp_shim")
 

@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import logging
 import sys
+import torch.nn as nn
+import wrapt
+from fsdp_shim._summon import original_params
+from fsdp_shim.instrumentations.base import Instrumentation
+from fsdp_shim.instrumentations.forward_io import FSDP2ForwardCast, ModelOutputFlatten
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from types import ModuleType
 from typing import Any
 
-import torch.nn as nn
-import wrapt
-from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
-from fsdp_shim._forward_io import FSDP2ForwardCast, ModelOutputFlatten
-from fsdp_shim._instrumentor import Instrumentation
-from fsdp_shim._swap import original_params
 
 logger = logging.getLogger("fsdp_shim")
 

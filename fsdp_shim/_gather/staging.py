@@ -7,13 +7,11 @@ copy-in.
 
 from __future__ import annotations
 
+import torch
 from collections.abc import Callable
 from dataclasses import dataclass
+from fsdp_shim._gather.layout import BucketEntry, fills_padding
 from typing import Any, Protocol
-
-import torch
-
-from fsdp_shim._layout import BucketEntry, fills_padding
 
 
 class Waitable(Protocol):

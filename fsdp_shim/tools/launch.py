@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from torch import device as torch_device
 
+
 FunctionOnRank = Callable[..., Any]
 ProgressSink = Callable[[str], None]
 

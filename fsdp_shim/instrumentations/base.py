@@ -25,12 +25,11 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import wrapt
+from fsdp_shim import _compat as _diagnostics, _versions
 from types import ModuleType
 from typing import Any, ClassVar
 
-import wrapt
-
-from fsdp_shim import _diagnostics, _versions
 
 logger = logging.getLogger("fsdp_shim")
 

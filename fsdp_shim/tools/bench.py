@@ -11,31 +11,27 @@ live before the contender.
 from __future__ import annotations
 
 import ctypes
+import fsdp_shim
 import gc
 import platform
 import random
 import resource
 import statistics
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import cast
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.tensor import DTensor
-
 import wrapt
-
-import fsdp_shim
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from fsdp_shim._compat import all_gather_single
-from fsdp_shim._layout import bucket_bytes_from_env
-from fsdp_shim._launch import rank_device, report_progress
-from fsdp_shim._models import LMConfig, build_lm, shard_lm, tokens_for, wrap_lm_fsdp1
+from fsdp_shim._gather.layout import bucket_bytes_from_env
+from fsdp_shim.tools.launch import rank_device, report_progress
+from fsdp_shim.tools.models import LMConfig, build_lm, shard_lm, tokens_for, wrap_lm_fsdp1
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel as FSDP
+from torch.distributed.tensor import DTensor
+from typing import cast
 
 
 @dataclass(frozen=True)
