@@ -46,14 +46,18 @@ import logging
 import pkgutil
 import sys
 import threading
-import wrapt
-from fsdp_shim import _compat as _diagnostics, _versions
 from typing import TYPE_CHECKING, Any, ContextManager
 
+import wrapt
+
+from fsdp_shim import _versions
+
 if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator, Sequence
+
     import torch
     import torch.nn as nn
-    from collections.abc import Callable, Iterator, Sequence
+
     from fsdp_shim._patching import fsdp_units, is_fsdp_module, param_fqn
 
 
@@ -104,15 +108,15 @@ def _environment_problem() -> tuple[str | None, str | None]:
     allowed = _versions.env_flag(_versions.ALLOW_UNSUPPORTED_TORCH_ENV)
     override = f"set {_versions.ALLOW_UNSUPPORTED_TORCH_ENV}=1 to gather anyway, at your own risk"
     try:
-        from fsdp_shim import _fsdp2 as _fsdp2_probe  # noqa: PLC0415
+        from fsdp_shim import _fsdp2  # noqa: PLC0415
     except ImportError as exc:  # the FSDP2 internals we rely on moved
         return None, f"torch {version} lacks the FSDP2 internals fsdp_shim uses ({exc})"
     if _versions.is_supported_torch(version):
         return None, None
     if _versions.is_newer_than_supported(version):
-        missing = _fsdp2_probe.missing_internals()
+        missing = _fsdp2.missing_internals()
         if not missing:
-            _diagnostics.log_warning(
+            _versions.log_warning(
                 "fsdp_shim: torch %s is newer than the verified %s; every FSDP2 internal fsdp_shim reads is "
                 "present, so it is active. Run `fsdp-shim check` to verify this release.",
                 version, _versions.SUPPORTED_TORCH,
@@ -123,7 +127,7 @@ def _environment_problem() -> tuple[str | None, str | None]:
         problem = f"torch {version} is outside the supported {_versions.SUPPORTED_TORCH}"
     if not allowed:
         return None, f"{problem} ({override})"
-    _diagnostics.log_warning("fsdp_shim: gathering although %s, because %s is set",
+    _versions.log_warning("fsdp_shim: gathering although %s, because %s is set",
                              problem, _versions.ALLOW_UNSUPPORTED_TORCH_ENV)
     return None, None
 
@@ -164,10 +168,10 @@ def _activate() -> str | None:
         unsupported_reason, _refusal = inactive or refusal, refusal
         _activation = "done"
         if inactive is not None:
-            _diagnostics.log_warning("fsdp_shim is inactive: %s", inactive)
+            _versions.log_warning("fsdp_shim is inactive: %s", inactive)
         elif not _versions.env_flag(_versions.DISABLE_ENV):
             if refusal is not None:
-                _diagnostics.log_warning(
+                _versions.log_warning(
                     "fsdp_shim refuses DTensor summons here (FSDP1 and plain modules are unaffected): %s", refusal)
             from fsdp_shim import _patching  # noqa: PLC0415
 

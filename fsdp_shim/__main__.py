@@ -4,5 +4,4 @@ from __future__ import annotations
 
 from fsdp_shim.tools.cli import main
 
-
 raise SystemExit(main())

@@ -3,7 +3,7 @@
 A summon's exit reads, before anything is restored or replayed, what each
 summoned tensor's slots hold (``inspect_slots``) and, under ``writeback=True``,
 what changed where (``judge_changes``); ``write_back`` then writes all or
-nothing. ``_swap`` calls them in that order.
+nothing. ``_summon`` calls them in that order.
 
 [Note: exit checks]
 Before the slots are restored, each summoned tensor's slots are read: they
@@ -42,16 +42,17 @@ counted either way.
 
 from __future__ import annotations
 
-import torch
-import torch.nn as nn
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate
+
 from fsdp_shim._compat import WRITABLE_PARTIAL_OPS, partial_reduce_op
 from fsdp_shim._gather.layout import Dim0Layout, dim0_layout
 from fsdp_shim._scope import ScopedParam
-from torch.distributed.tensor import DTensor, Replicate
-from typing import Any
-
 
 #: What a slot of a summoned tensor holds at exit when it holds nothing (deleted inside).
 MISSING = object()
@@ -183,7 +184,7 @@ def write_back(swapped: list[SwappedParam], name: Callable[[SwappedParam], str],
         ])
 
 
-# ---- from _writeback.py ----------------------------------------
+# -- the writeback ---------------------------------------------------------------------------------
 # The local writeback: an edited full tensor back into this rank's shard, in place, with no collective.
 #
 # [Note: writeback needs no collective]

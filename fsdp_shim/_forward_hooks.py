@@ -11,14 +11,16 @@ list and comes off at exit.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
 import torch
 import torch.nn as nn
-from collections.abc import Callable
-from fsdp_shim import _fsdp2 as fsdp2
-from fsdp_shim._scope import Scope, module_label, states_of
 from torch.utils._pytree import tree_map
 from torch.utils.hooks import RemovableHandle
-from typing import TYPE_CHECKING, Any
+
+from fsdp_shim import _fsdp2 as fsdp2
+from fsdp_shim._scope import Scope, module_label, states_of
 
 if TYPE_CHECKING:
     from fsdp_shim._exit import SwappedParam

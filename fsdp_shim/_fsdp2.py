@@ -1,4 +1,4 @@
-"""Every touch of FSDP2's private state, in one place.
+"""Every touch of FSDP2's private state, in one place, and the probe of it.
 
 FSDP2 (``torch.distributed.fsdp.fully_shard``) exposes ``unshard()`` and
 ``reshard()`` but not the per-parameter bookkeeping a faithful
@@ -7,8 +7,8 @@ and nothing else in the package does.
 
 Read against torch 2.7.0 through 2.15.0 (``_fully_shard/_fsdp_state.py``,
 ``_fsdp_param_group.py``, ``_fsdp_param.py``) and exercised on each by the
-version matrix. ``_fsdp2_probe.READS`` lists every name read here; on a torch newer than
-the verified range ``_fsdp2_probe.missing_internals`` checks them all once, at
+version matrix. ``READS`` lists every name read here; on a torch newer than
+the verified range ``missing_internals`` checks them all once, at
 activation (see [Note: version policy] in ``_versions``). The differences that matter,
 each handled where named:
 
@@ -30,18 +30,18 @@ each handled where named:
 from __future__ import annotations
 
 import sys
-import torch
-import torch.nn as nn
 import types
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
 from torch.distributed._composable_state import _module_state_mapping
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, ParamModuleInfo, ShardedState
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState, _get_module_fsdp_state
-from typing import Any
-
 
 __all__ = [
     "FSDPParam",
@@ -56,7 +56,7 @@ __all__ = [
     "busy_training_state",
     "fsdp_state_of",
     "is_fsdp2_module",
-    "kept_plans",
+    "summon_cache",
     "lazy_init_root",
     "mark_summoned",
     "SuspendedHooks",
@@ -134,17 +134,17 @@ def sharded_behind(fsdp_param: FSDPParam, group: FSDPParamGroup, value: Any) -> 
     return None
 
 
-#: Where fsdp_shim keeps a unit's summon plans on its FSDP2 state (see [Note: summon plans] in ``_plans``).
-_PLANS_ATTR = "_fsdp_shim_summon_plans"
+#: Where fsdp_shim keeps a unit's cached summons on its FSDP2 state (see [Note: summon cache] in ``_scope``).
+_CACHE_ATTR = "_fsdp_shim_summon_cache"
 
 
-def kept_plans(state: FSDPState) -> dict[Any, Any]:
-    """The dict fsdp_shim keeps summon plans in, on ``state`` (made on first use): it lives as long as
+def summon_cache(state: FSDPState) -> dict[Any, Any]:
+    """The dict fsdp_shim keeps cached summons in, on ``state`` (made on first use): it lives as long as
     the unit does, where a global map would keep every model alive."""
-    plans = state.__dict__.get(_PLANS_ATTR)
-    if plans is None:
-        plans = state.__dict__[_PLANS_ATTR] = {}
-    return plans
+    cache = state.__dict__.get(_CACHE_ATTR)
+    if cache is None:
+        cache = state.__dict__[_CACHE_ATTR] = {}
+    return cache
 
 
 def unsharded_param_if_any(fsdp_param: FSDPParam) -> nn.Parameter | None:
@@ -268,7 +268,7 @@ def reshard_group(group: FSDPParamGroup) -> None:
     Used for units an earlier forward left unsharded (the root, or
     ``reshard_after_forward=False``); ``state_dict()``'s pre-hook does the
     same. The next forward all-gathers again. See [Note: units left unsharded]
-    in ``_swap._prepare``.
+    in ``_summon._prepare``.
     """
     if not group.is_sharded:
         group._to_sharded()
@@ -426,15 +426,9 @@ def group_modules(group: FSDPParamGroup) -> tuple[nn.Module, ...]:
     return tuple(group.modules)
 
 
-# ---- from _fsdp2_probe.py ----------------------------------------
-# What the package reads of FSDP2 and c10d, and whether this torch has it all: a static probe.
-#
-# ``READS`` names every FSDP2 (and c10d) internal ``_fsdp2_internals`` and the
-# rest of the package read; ``missing_internals`` checks them against the
-# installed torch. It runs without a process group, once, at activation on a
-# torch newer than the verified range (see [Note: version policy] in
-# ``_versions``), and ``fsdp-shim check -v`` lists ``READS``.
-
+# -- the probe: what this module reads, and whether this torch has it all ----------------------
+# ``READS`` names every FSDP2 (and c10d) internal read above; ``missing_internals``
+# checks them against the installed torch, without a process group.
 
 # [Note: internals probe]
 # What this package reads of FSDP2 and c10d, by owner. A method must be an

@@ -1,4 +1,11 @@
-"""The patch lifecycle: ``FullyShardedDataParallel.summon_full_params`` through wrapt.
+"""The patch lifecycle, and which FSDP serves a module: FSDP1's, or the shim's DTensor summon.
+
+Owns the decision "is this an FSDP1 tree" (``is_fsdp1_tree``): the patch's
+wrapper, in both modes, and the stream ask it; ``_summon.summon`` routes
+the rest. Also the public unit helpers (``fsdp_units``, ``is_fsdp_module``,
+``param_fqn``), which treat FSDP1 and FSDP2 units alike. Everything here
+reads public torch only, so refusing mode can import it (see [Note:
+refusing mode]).
 
 [Note: one handle]
 ``wrap_function_wrapper`` returns the ``FunctionWrapper`` it installs; that
@@ -18,17 +25,17 @@ so ``patch`` gives ``FSDPModule`` one (a staticmethod that routes like the
 class form) if, and only if, no class in its MRO defines it: torch's own
 attribute is never replaced. ``unpatch`` removes it, by identity.
 
-``patch`` also installs the client instrumentations (``_instrumentation``) and
+``patch`` also installs the client instrumentations (``instrumentations``) and
 the ``fully_shard`` guard (``_refuse_fully_shard_inside``); ``unpatch``
 removes them.
 
 [Note: refusing mode]
 ``patch(refusal)`` with a reason installs the same wrapper, routing to
-``_refusing_summon`` instead of ``_dispatch``: FSDP1 trees and plain modules
+``_refusing_summon`` instead of ``_summon.summon``: FSDP1 trees and plain modules
 reach FSDP1's original, a module holding DTensors (or an FSDP2 unit) raises.
 It reads only public torch (``FSDPModule``, ``DTensor``), so it works on a
-torch whose FSDP2 internals moved; nothing else of the package is imported
-(no instrumentations, no guard). See [Note: version policy] in ``_versions``.
+torch whose FSDP2 internals moved; nothing of the package but ``_versions``
+is imported (no instrumentations, no guard). See [Note: version policy] in ``_versions``.
 """
 
 from __future__ import annotations
@@ -36,14 +43,15 @@ from __future__ import annotations
 import inspect
 import logging
 import threading
-import torch.nn as nn
-import wrapt
 from collections.abc import Iterator
-from fsdp_shim import _compat as _diagnostics
-from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-from torch.distributed.tensor import DTensor
 from typing import Any
 
+import torch.nn as nn
+import wrapt
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.distributed.tensor import DTensor
+
+from fsdp_shim import _versions
 
 logger = logging.getLogger("fsdp_shim")
 
@@ -53,7 +61,7 @@ _NAME = "summon_full_params"
 _lock = threading.Lock()
 _handle: wrapt.FunctionWrapper | None = None
 _refusal: str | None = None  # see [Note: refusing mode]
-_summon: Any = None  # _dispatch.summon, bound by patch() when not refusing
+_summon: Any = None  # _summon.summon, bound by patch() when not refusing
 
 
 def _fsdp1_arguments(
@@ -69,18 +77,24 @@ def _fsdp1_arguments(
 
 
 def _summon_full_params_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Dispatch one ``FSDP.summon_full_params(...)`` call (see ``_dispatch``)."""
+    """Route one ``FSDP.summon_full_params(...)`` call (see [Note: summon lifecycle] in ``_summon``)."""
     bound = _fsdp1_arguments(*args, **kwargs)
     if _refusal is not None:
         return _refusing_summon(wrapped, _refusal, *bound)
     return _summon(*bound, fsdp1=wrapped)
 
 
+def is_fsdp1_tree(module: nn.Module, recurse: bool) -> bool:
+    """Whether FSDP1 serves ``summon_full_params(module, recurse)``: the module is an FSDP1 wrapper, or,
+    with ``recurse``, holds one. The one test, for routing in both modes and for the stream's refusal."""
+    if isinstance(module, FullyShardedDataParallel):
+        return True
+    return recurse and any(isinstance(m, FullyShardedDataParallel) for m in module.modules())
+
+
 def _refusing_summon(wrapped: Any, refusal: str, module: Any, recurse: bool, *rest: Any) -> Any:
     """FSDP1's own context, unless the module holds DTensors: then raise. See [Note: refusing mode]."""
-    if isinstance(module, FullyShardedDataParallel) or (
-        recurse and isinstance(module, nn.Module) and any(isinstance(m, FullyShardedDataParallel) for m in module.modules())
-    ):
+    if not isinstance(module, nn.Module) or is_fsdp1_tree(module, recurse):
         return wrapped(module, recurse, *rest)
     if isinstance(module, FSDPModule) or (isinstance(module, nn.Module) and any(
         isinstance(t, DTensor) for t in (*module.parameters(), *module.buffers())
@@ -184,15 +198,13 @@ def unpatch() -> bool:
                 wrapt.unwrap_object(FSDPState, "__init__", _guard_handle, missing_ok=True)
                 _guard_handle = None
         if removed is None:
-            _diagnostics.log_warning("summon_full_params was replaced by someone else; nothing to unpatch")
+            _versions.log_warning("summon_full_params was replaced by someone else; nothing to unpatch")
             return False
         logger.debug("restored FullyShardedDataParallel.summon_full_params")
         return True
 
 
-# ---- from _units.py ----------------------------------------
-# FSDP unit discovery that treats FSDP1 and FSDP2 alike.
-#
+# -- units, FSDP1 and FSDP2 alike (public: ``fsdp_units``, ``is_fsdp_module``, ``param_fqn``) ------
 # FSDP1-era code often gates on ``isinstance(m, FullyShardedDataParallel)``,
 # which is never true for FSDP2 modules (and must stay so: FSDP1 code paths
 # would then reach for flat parameters). These helpers are the one-line

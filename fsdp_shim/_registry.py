@@ -14,12 +14,13 @@ or change.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from fsdp_shim._scope import SlotKey
@@ -29,7 +30,7 @@ _lock = threading.Lock()
 
 
 class Summoned(Protocol):
-    """What the registry reads of one summoned tensor's record (``_exit_checks.SwappedParam``)."""
+    """What the registry reads of one summoned tensor's record (``_exit.SwappedParam``)."""
 
     @property
     def full(self) -> torch.Tensor: ...
@@ -41,41 +42,49 @@ class Summoned(Protocol):
     def is_buffer(self) -> bool: ...
 
 
-@dataclass(eq=False, slots=True)
-class LiveContext:
-    """One live context as the registry sees it: plain data, filled in by the swap.
+class LiveContext(Protocol):
+    """What the registry reads of one live context (``_summon.DTensorSummon``, the context itself).
 
-    ``records`` is the swap's own list of what it summoned, complete before
-    ``add_slots`` and ``add_fulls``; the registry derives the slot keys and the full
-    parameters from it when a rare lookup asks (nesting, threads,
-    ``sharded_param``), so that registering costs one dict entry a call.
+    ``swapped`` is complete when the context is registered; the registry
+    derives the slot keys and the full parameters from it when a rare lookup
+    asks (nesting, threads, ``sharded_param``), so that registering costs one
+    dict entry a call.
     """
 
-    thread: int
-    writeback: bool
-    records: list[Summoned] = field(default_factory=list)
-    _slot_keys: set[SlotKey] | None = None
-    _fulls: dict[int, Summoned] | None = None
+    @property
+    def thread(self) -> int: ...
 
-    def slot_keys(self) -> set[SlotKey]:
+    @property
+    def writeback(self) -> bool: ...
+
+    @property
+    def swapped(self) -> Sequence[Summoned]: ...
+
+
+@dataclass(eq=False, slots=True)
+class _Registered:
+    """A registered context, and what lookups derived from its records (worked out on first ask)."""
+
+    context: LiveContext
+    slot_keys: set[SlotKey] | None = None
+    fulls: dict[int, Summoned] | None = None
+
+    def keys(self) -> set[SlotKey]:
         """The slots its records were swapped into."""
-        if self._slot_keys is None:
-            self._slot_keys = {(id(module), name) for record in self.records for module, name in record.slots}
-        return self._slot_keys
+        if self.slot_keys is None:
+            self.slot_keys = {(id(module), name) for record in self.context.swapped for module, name in record.slots}
+        return self.slot_keys
 
     def full_record(self, param: torch.Tensor) -> Summoned | None:
         """The record whose full parameter is ``param`` itself (buffers are not parameters)."""
-        if self._fulls is None:
-            self._fulls = {id(r.full): r for r in self.records if not r.is_buffer}
-        record = self._fulls.get(id(param))
+        if self.fulls is None:
+            self.fulls = {id(r.full): r for r in self.context.swapped if not r.is_buffer}
+        record = self.fulls.get(id(param))
         return record if record is not None and record.full is param else None
 
 
 #: ``id(context)`` -> each live context (any thread) whose slots hold its full tensors, in entry order.
-#: One entry a context, not one a slot: see ``LiveContext``.
-_slot_swaps: dict[int, LiveContext] = {}
-#: ``id(context)`` -> each live context whose full parameters are out (until its exit forgets them).
-_full_swaps: dict[int, LiveContext] = {}
+_live: dict[int, _Registered] = {}
 #: ``id(process group)`` -> (owning thread, open contexts of that thread on it).
 _groups: dict[int, tuple[int, int]] = {}
 #: threads with a live context -> how many.
@@ -88,46 +97,41 @@ def current_thread() -> int:
 
 def slots_of_thread(thread: int) -> dict[SlotKey, LiveContext]:
     """The slots this thread's live contexts swapped (what a nested call leaves alone)."""
-    contexts = list(_slot_swaps.values())
-    return {key: live for live in contexts if live.thread == thread for key in live.slot_keys()}
+    registered = list(_live.values())
+    return {key: r.context for r in registered if r.context.thread == thread for key in r.keys()}
 
 
 def has_live_slots() -> bool:
     """Whether any thread has a context open that swapped a slot."""
-    return bool(_slot_swaps)
+    return bool(_live)
 
 
 def owner_of(key: SlotKey) -> LiveContext | None:
     """The live context that swapped slot ``key``, if any."""
-    for live in list(_slot_swaps.values()):
-        if key in live.slot_keys():
-            return live
+    for registered in list(_live.values()):
+        if key in registered.keys():
+            return registered.context
     return None
 
 
-def add_slots(live: LiveContext) -> None:
-    """``live``'s slots now hold its full tensors (its ``records`` are complete: see ``LiveContext``)."""
-    _slot_swaps[id(live)] = live
+def register(context: LiveContext) -> None:
+    """``context``'s slots now hold its full tensors, and its full parameters are out (its ``swapped``
+    is complete: see ``LiveContext``)."""
+    _live[id(context)] = _Registered(context)
 
 
-def remove_slots(live: LiveContext) -> None:
-    """``live``'s slots hold their own objects again."""
-    _slot_swaps.pop(id(live), None)
-
-
-def add_fulls(live: LiveContext) -> None:
-    """``live``'s full parameters are out, until ``remove_fulls``."""
-    _full_swaps[id(live)] = live
-
-
-def remove_fulls(live: LiveContext) -> None:
-    _full_swaps.pop(id(live), None)
+def forget(context: LiveContext, claimed: Iterable[dist.ProcessGroup] | None) -> None:
+    """``context`` has ended: its slots hold their own objects again; with ``claimed``, the groups it
+    ``enter``-ed with are given back and its thread has one live context fewer."""
+    _live.pop(id(context), None)
+    if claimed is not None:
+        leave(context.thread, claimed)
 
 
 def record_of(param: torch.Tensor) -> Summoned | None:
     """The record of a live full parameter (this very object), else None."""
-    for live in list(_full_swaps.values()):
-        record = live.full_record(param)
+    for registered in list(_live.values()):
+        record = registered.full_record(param)
         if record is not None:
             return record
     return None
@@ -139,7 +143,7 @@ def has_live_context(thread: int) -> bool:
 
 def claim(thread: int, groups: Iterable[dist.ProcessGroup]) -> bool:
     """Claim ``groups`` for this thread (a context or a stream); False, claiming nothing, if another
-    thread uses one of them (``_refusals.group_in_use`` says why that is refused)."""
+    thread uses one of them (``_summon.group_in_use`` says why that is refused)."""
     groups = list(groups)
     with _lock:
         for group in groups:

@@ -1,23 +1,29 @@
-"""Which parameters a call covers: the ``recurse`` rule, ties and FSDP2 ownership.
+"""Which parameters a call covers: the ``recurse`` rule, ties, FSDP2 ownership, and the summon cache.
 
 A *slot* is a ``(module, attribute name)`` pair; a parameter tied across two
 modules has two slots. FSDP2 may hold a plain unsharded tensor in a slot (after
 forward) where the sharded DTensor is what we gather, so slots that FSDP2
 manages are resolved through its ``FSDPParam`` rather than the attribute.
+The cache is at ``CachedSummon`` ([Note: summon cache]).
 """
 
 from __future__ import annotations
 
 import operator
-import torch.distributed as dist
-import torch.nn as nn
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from fsdp_shim import _fsdp2 as fsdp2
-from torch.distributed.tensor import DTensor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from fsdp_shim import _fsdp2 as fsdp2
+from fsdp_shim import _registry as registry
+
+if TYPE_CHECKING:
+    from fsdp_shim._gather.layout import BucketPlan
 
 SlotKey = tuple[int, str]
 
@@ -129,23 +135,41 @@ def untracked_parameter(fqn: str) -> RuntimeError:
     )
 
 
-def first_untracked_slot(entries: Iterable[ScopedParam], shardeds: Iterable[Any]) -> tuple[nn.Module, str] | None:
-    """The first slot of ``entries`` holding what FSDP2 does not track (``sharded_behind``), or None.
+def tracked_sharded(
+    fsdp_param: fsdp2.FSDPParam, group: fsdp2.FSDPParamGroup, module: nn.Module, name: str
+) -> DTensor | None:
+    """FSDP2's sharded parameter behind slot ``(module, name)``, which ``fsdp_param`` manages; None if
+    the slot holds something FSDP2 does not track (the refusal: ``untracked_parameter``).
 
-    ``shardeds``: each entry's ``sharded()``, resolved by the caller. The one
-    test of "is this slot still FSDP2's" for the summon and the stream: both
-    gather FSDP2's sharded parameter behind a slot, and both refuse where the
-    slot holds something else.
+    The one test of "is this slot still FSDP2's", for the summon and the
+    stream: both gather FSDP2's sharded parameter behind a slot, whatever
+    form the slot holds (resharded, unsharded, post-forward, or a live
+    context's full parameter), and both refuse where it holds something else.
     """
-    behind = fsdp2.sharded_behind
+    value = module._parameters.get(name)
+    sharded = fsdp2.sharded_param(fsdp_param)
+    if value is sharded:  # the common answer, and every summon's
+        return sharded
+    behind = fsdp2.sharded_behind(fsdp_param, group, value)  # type: ignore[arg-type]
+    if behind is None and registry.owner_of((id(module), name)) is not None:
+        return sharded  # a live context's full parameter: it stands for FSDP2's own
+    return behind
+
+
+def first_untracked_slot(entries: Iterable[ScopedParam], shardeds: Iterable[Any]) -> tuple[nn.Module, str] | None:
+    """The first slot of ``entries`` that ``tracked_sharded`` refuses, or None.
+
+    ``shardeds``: each entry's ``sharded()``, resolved by the caller: a slot
+    still holding it (the common answer) costs no call.
+    """
     for entry, sharded in zip(entries, shardeds):
         fsdp_param = entry.fsdp_param
         if fsdp_param is None:
             continue
         for module, name in entry.slots:
-            value = module._parameters.get(name)
-            if value is not sharded and behind(fsdp_param, entry.group, value) is None:  # type: ignore[arg-type]
-                return module, name  # (``is sharded``, the common answer, costs no call)
+            if module._parameters.get(name) is not sharded and \
+                    tracked_sharded(fsdp_param, entry.group, module, name) is None:  # type: ignore[arg-type]
+                return module, name
     return None
 
 
@@ -258,44 +282,7 @@ def states_of(scope: Scope) -> list[fsdp2.FSDPState]:
     return scope.involved_states
 
 
-# ---- from _plans.py ----------------------------------------
-# Summon plans: what a summon of one FSDP2 unit works out, kept and reused while its tree holds.
-#
-# [Note: summon plans]
-# Weight sync summons every FSDP2 unit, one at a time, at every step: the same
-# scope, spec checks and gather plan each time, and on NCCL that loop costs
-# host time, not bandwidth. So a summon of a unit from outside any context
-# keeps what it worked out in a ``SummonPlan``, on the unit's FSDP2 state
-# (``_fsdp2_internals.kept_plans``: a plan holds its module, so a global map
-# would keep every model alive; the state lives as long as the module), keyed
-# by ``(id(module), recurse)``. A scope is a function of the modules in it
-# (classes, children, parameter and buffer slots) and of FSDP2's
-# ``FSDPParam``s, fixed from ``fully_shard`` on. A stored plan serves a call
-# only while all of this holds, and is replaced (or dropped) the first time it
-# does not:
-# - the same module object and the same ``recurse`` (the key);
-# - the same ``fingerprint``: each module's class (``fully_shard`` changes
-#   it); its parameter slots by name and by the type of what they hold (a
-#   forward that leaves a unit unsharded puts plain tensors there; a slot
-#   added, emptied or filled); its buffers and children by name and identity;
-# - every object named only by identity still alive: the plan holds those
-#   weakly (buffers, and children outside the scope, nested units), and a
-#   freed one marks it stale, since its id may be reused. What the plan holds
-#   is its scope, the modules it summons; a submodule removed from the tree
-#   is let go when the next summon of the unit replaces the plan (FSDP2
-#   itself holds every module whose parameters it manages);
-# - its scope owns every parameter slot in it. A scope with a slot owned by
-#   a state above it, or by none, had its owner looked for among every
-#   state, which any ``fully_shard`` may change: it is never stored, and a
-#   stored plan for that key is dropped.
-# Never planned: a call inside an enclosing context of the same thread (its
-# scope depends on what is already summoned), and a module that is not a unit
-# (no state to keep a plan on). What can change while the tree stays the same
-# is checked on every call, plan or not: training state, threads, untracked
-# slots, the meta device, live groups. The spec checks (placements, meshes)
-# are skipped only for the very spec objects that passed last time
-# (``checked_groups``), and the gather plan checks its own key
-# (``_layout.plan_key``) against each call's tensors.
+# -- the summon cache ---------------------------------------------------------
 
 
 Fingerprint = tuple[tuple[Any, ...], ...]
@@ -303,7 +290,7 @@ Fingerprint = tuple[tuple[Any, ...], ...]
 
 def fingerprint(modules: list[nn.Module]) -> Fingerprint:
     """The tree ``modules`` make: each one's class, parameter names and the types they hold,
-    buffers and children by name and identity. See [Note: summon plans]."""
+    buffers and children by name and identity. See [Note: summon cache]."""
     parts = []
     for m in modules:  # every summon of a unit runs this: one flat tuple a module
         params, buffers, children = m._parameters, m._buffers, m._modules
@@ -313,20 +300,56 @@ def fingerprint(modules: list[nn.Module]) -> Fingerprint:
 
 
 @dataclass(eq=False)
-class SummonPlan:
-    """What a summon of one unit worked out, reusable while ``matches``. See [Note: summon plans].
+class CachedSummon:
+    """What a summon of one unit worked out, reusable while ``matches``.
+
+    [Note: summon cache]
+    Weight sync summons every FSDP2 unit, one at a time, at every step: the same
+    scope, spec checks and bucket plan each time, and on NCCL that loop costs
+    host time, not bandwidth. So a summon of a unit from outside any context
+    keeps what it worked out in a ``CachedSummon``, on the unit's FSDP2 state
+    (``_fsdp2.summon_cache``: a cached summon holds its module, so a global map
+    would keep every model alive; the state lives as long as the module), keyed
+    by ``(id(module), recurse)``. A scope is a function of the modules in it
+    (classes, children, parameter and buffer slots) and of FSDP2's
+    ``FSDPParam``s, fixed from ``fully_shard`` on. A cached summon serves a call
+    only while all of this holds, and is replaced (or dropped) the first time it
+    does not:
+    - the same module object and the same ``recurse`` (the key);
+    - the same ``fingerprint``: each module's class (``fully_shard`` changes
+      it); its parameter slots by name and by the type of what they hold (a
+      forward that leaves a unit unsharded puts plain tensors there; a slot
+      added, emptied or filled); its buffers and children by name and identity;
+    - every object named only by identity still alive: it holds those
+      weakly (buffers, and children outside the scope, nested units), and a
+      freed one marks it stale, since its id may be reused. What it holds
+      is its scope, the modules it summons; a submodule removed from the tree
+      is let go when the next summon of the unit replaces it (FSDP2
+      itself holds every module whose parameters it manages);
+    - its scope owns every parameter slot in it. A scope with a slot owned by
+      a state above it, or by none, had its owner looked for among every
+      state, which any ``fully_shard`` may change: it is never stored, and a
+      cached summon for that key is dropped.
+    Never cached: a call inside an enclosing context of the same thread (its
+    scope depends on what is already summoned), and a module that is not a unit
+    (no state to keep it on). What can change while the tree stays the same
+    is checked on every call, cached or not: training state, threads, untracked
+    slots, the meta device, live groups. The spec checks (placements, meshes)
+    are skipped only for the very spec objects that passed last time
+    (``checked_groups``), and the bucket plan checks its own key
+    (``_gather.layout.bucket_plan_key``) against each call's tensors.
 
     ``scope`` is shared between the calls that reuse it: nothing writes to it
     after ``collect_scope`` but ``states_of``, which caches its answer there.
-    The spec checks and the gather fill in the rest the first time the plan
-    serves a call (``passed``, ``gather``).
+    The spec checks and the gather fill in the rest the first time it
+    serves a call (``passed``, ``bucket_plan``).
     """
 
     scope: Scope
     recurse: bool
     fingerprint: Fingerprint
     #: Weak references to the objects ``fingerprint`` names by id (buffers, children); a freed one
-    #: marks the plan ``stale``.
+    #: marks it ``stale``.
     watched: list[weakref.ref[Any]] = field(default_factory=list)
     stale: bool = False
     #: The DTensor specs the spec checks last passed, by entry, and whether they passed them for writeback too.
@@ -334,8 +357,8 @@ class SummonPlan:
     checked_writeback: bool = False
     #: The process groups the call gathers over (every dim of every mesh in scope).
     groups: list[dist.ProcessGroup] | None = None
-    #: ``_layout.GatherPlan`` of the last gather, checked against each call's tensors by its key.
-    gather: Any = None
+    #: The bucket plan of the last gather, checked against each call's tensors by its key.
+    bucket_plan: BucketPlan | None = None
 
     def matches(self, module: nn.Module, recurse: bool) -> bool:
         if self.stale or self.scope.root is not module or self.recurse != recurse:
@@ -358,29 +381,29 @@ class SummonPlan:
         self.stale = True
 
 
-def plan_for(module: nn.Module, recurse: bool, modules: list[nn.Module] | None) -> tuple[Scope, SummonPlan | None]:
-    """The scope of a summon from outside any context, and the plan that serves it, if it can
-    have one: the stored one while it matches, else a new one (see [Note: summon plans]).
+def cached_scope(module: nn.Module, recurse: bool, modules: list[nn.Module] | None) -> tuple[Scope, CachedSummon | None]:
+    """The scope of a summon from outside any context, and the cached summon that serves it, if it
+    can have one: the stored one while it matches, else a new one (see [Note: summon cache]).
 
     ``modules``: ``scope_modules(module, recurse)`` if the caller walked the tree already.
     """
     state = fsdp2.fsdp_state_of(module) if fsdp2.is_fsdp2_module(module) else None
-    if state is None:  # not a unit: nowhere to keep a plan, so none is worked out
+    if state is None:  # not a unit: nowhere to keep a cached summon, so none is worked out
         return collect_scope(module, recurse, modules=modules), None
     key = (id(module), recurse)
-    kept = fsdp2.kept_plans(state)
-    plan = kept.get(key)
-    if plan is not None and plan.matches(module, recurse):
-        return plan.scope, plan
+    cache = fsdp2.summon_cache(state)
+    cached = cache.get(key)
+    if cached is not None and cached.matches(module, recurse):
+        return cached.scope, cached
     if modules is None:
         modules = scope_modules(module, recurse)
     tree = fingerprint(modules)
     scope = collect_scope(module, recurse, modules=modules)
     if scope.owned_outside:
-        kept.pop(key, None)
+        cache.pop(key, None)
         return scope, None
-    plan = SummonPlan(scope, recurse, tree)
-    plan.watched = [weakref.ref(obj, plan._freed)
+    cached = CachedSummon(scope, recurse, tree)
+    cached.watched = [weakref.ref(obj, cached._freed)
                     for m in modules for obj in (*m._buffers.values(), *m._modules.values()) if obj is not None]
-    kept[key] = plan
-    return scope, plan
+    cache[key] = cached
+    return scope, cached

@@ -12,7 +12,7 @@ an inference engine) without a context and without swapping anything:
   ``named_parameters()``'s first name. The plan reads only structure, so
   every rank makes the same.
 * *One batch in flight, the next one staged.* Batch ``k + 1`` is staged
-  (copied in and cast, see [Note: staged, then launched] in ``_engine``)
+  (copied in and cast, see [Note: staged, then launched] in ``_gather.engine``)
   before batch ``k`` is waited for, so the CPU's copies overlap batch ``k``'s
   transfer. Its collectives are launched, all of batch ``k + 1``'s, as
   soon as batch ``k`` is in and before it is handed out. So batch
@@ -25,10 +25,10 @@ an inference engine) without a context and without swapping anything:
 * *Fresh memory.* Every full tensor handed out is fresh memory nothing
   else writes: a caller may keep it, or anything that reaches its memory.
 * *Refused up front, never dropped.* The stream refuses what the summon
-  refuses (``_refusals``) before its first batch, claims its groups until
+  refuses (``_summon``'s refusals) before its first batch, claims its groups until
   it ends, and on any error or early stop waits for every batch in flight.
 * *Cast before gather.* With ``dtype``, floating shards are cast as they are
-  copied into the bucket (see [Note: cast before gather] in ``_engine.start_gather``).
+  copied into the bucket (see [Note: cast before gather] in ``_gather.engine.start_gather``).
   ``keep_dtype`` exempts chosen parameters (an MoE router's gate, kept fp32
   for the engine): they travel in their stored dtype, so their values are
   exact. A tie is kept if any of its names is chosen. A batch's kept
@@ -44,20 +44,21 @@ from __future__ import annotations
 import fnmatch
 import logging
 import time
-import torch
-import torch.nn as nn
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from fsdp_shim import _fsdp2 as fsdp2, _registry as registry
-from fsdp_shim._gather import layout as receivers
-from fsdp_shim._gather.engine import BucketGather, start_gather
-from fsdp_shim._gather.layout import Receiver, bucket_bytes_from_env, gathered_dtype
-from fsdp_shim._scope import fsdp_slot_owners, module_label, slot_key, untracked_parameter
-from fsdp_shim._summon import group_in_use, refuse_busy, refuse_placements
-from torch.distributed.fsdp import FullyShardedDataParallel
-from torch.distributed.tensor import DTensor
 from typing import Any, NamedTuple
 
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from fsdp_shim import _fsdp2 as fsdp2
+from fsdp_shim import _registry as registry
+from fsdp_shim._gather.engine import BucketGather, start_gather
+from fsdp_shim._gather.layout import Receiver, bucket_cap, gathered_dtype, receivers_for_stream
+from fsdp_shim._patching import is_fsdp1_tree
+from fsdp_shim._scope import fsdp_slot_owners, module_label, slot_key, tracked_sharded, untracked_parameter
+from fsdp_shim._summon import group_in_use, refuse_busy, refuse_placements
 
 logger = logging.getLogger("fsdp_shim")
 
@@ -122,13 +123,11 @@ def _distinct_params(model: nn.Module) -> list[_Distinct]:
             key = slot_key(module, name)
             owner = owners.get(key)
             tensor: torch.Tensor = value
-            if owner is not None:
-                # FSDP2's sharded parameter, whatever form the slot holds: resharded, unsharded or post-forward
-                tensor = fsdp2.sharded_behind(owner[0], owner[1], value)
-                if tensor is None:
-                    if registry.owner_of(key) is None:
-                        raise untracked_parameter(fqn)
-                    tensor = fsdp2.sharded_param(owner[0])  # a live context's full parameter: FSDP2's too
+            if owner is not None:  # FSDP2's sharded parameter, whatever form the slot holds
+                sharded = tracked_sharded(owner[0], owner[1], module, name)
+                if sharded is None:
+                    raise untracked_parameter(fqn)
+                tensor = sharded
             identity: object = owner[0] if owner is not None else value
             if id(identity) in found:
                 found[id(identity)].names.append(fqn)  # a tie: named by its first name
@@ -195,7 +194,7 @@ class _InFlightBatch:
     ``keep_dtype``), in the batch's order of first appearance, so every rank
     starts and finishes them alike. If starting one raises, those already
     started are waited for first (see [Note: every posted work is waited for]
-    in ``_engine``).
+    in ``_gather.engine``).
     """
 
     def __init__(self, batch: _Batch, bucket_bytes: int, receiver: Receiver, launch: bool = True):
@@ -220,17 +219,17 @@ class _InFlightBatch:
         for _, pending in self._pending:
             pending.launch()
 
-    def finish(self, keep: bool, out_device: torch.device | None) -> list[torch.Tensor | None]:
+    def finish(self, holds_fulls: bool, out_device: torch.device | None) -> list[torch.Tensor | None]:
         fulls: list[torch.Tensor | None] = [None] * len(self.batch.tensors)
         try:
             for indices, pending in self._pending:
-                for index, full in zip(indices, pending.finish(keep=keep, out_device=out_device)):
+                for index, full in zip(indices, pending.finish(holds_fulls=holds_fulls, out_device=out_device)):
                     fulls[index] = full
         except BaseException:
             self.drop()
             raise
         self._pending = []
-        if keep:
+        if holds_fulls:
             for index, (tensor, cast) in enumerate(zip(self.batch.tensors, self.batch.casts)):
                 if fulls[index] is None and not isinstance(tensor, DTensor):
                     dtype = gathered_dtype(tensor, cast)
@@ -267,13 +266,13 @@ def _drop_all(in_flight: list[_InFlightBatch], groups: list[Any], raising: bool 
 
 def check_stream_args(model: object, dtype: object, bucket_mb: float | None, keep_dtype: object = None) -> None:
     """Refuse bad arguments at the call, before the generator (and any collective) starts."""
-    bucket_bytes_from_env(bucket_mb, STREAM_BUCKET_MB)
+    bucket_cap(bucket_mb, STREAM_BUCKET_MB)
     name_matcher(keep_dtype)  # type: ignore[arg-type]
     if not isinstance(model, nn.Module):
         raise TypeError(f"iter_full_params expects an nn.Module, got {type(model).__name__}")
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"iter_full_params: dtype must be a floating torch.dtype or None, got {dtype!r}")
-    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+    if is_fsdp1_tree(model, recurse=True):
         raise TypeError(
             "iter_full_params serves FSDP2, HSDP and tensor-parallel (DTensor) models; this one holds FSDP1 "
             "units: use FSDP.summon_full_params(unit, recurse=False, rank0_only=True) per unit instead"
@@ -290,7 +289,7 @@ def stream_full_params(
     keep_dtype: KeepDtype = None,
 ) -> FullParams:
     """The generator behind ``fsdp_shim.iter_full_params`` (arguments already checked)."""
-    bucket_bytes = bucket_bytes_from_env(bucket_mb, STREAM_BUCKET_MB)
+    bucket_bytes = bucket_cap(bucket_mb, STREAM_BUCKET_MB).bucket_bytes
     call = f"iter_full_params({module_label(model)})"
     states = [state for state in (fsdp2.fsdp_state_of(m) for m in model.modules()) if state is not None]
     refuse_busy(lambda: call, states, [group for state in states for group in fsdp2.param_groups(state)])
@@ -299,7 +298,7 @@ def stream_full_params(
         ((lambda n=name: n, t) for b in batches for name, t in zip(b.names, b.tensors) if isinstance(t, DTensor)),
         writeback=False,
     )
-    receiver, keep = receivers.for_stream(rank0_only)
+    receiver, holds_fulls = receivers_for_stream(rank0_only)
     if not registry.claim(registry.current_thread(), groups):
         raise group_in_use(call)
     started = time.perf_counter()
@@ -311,7 +310,7 @@ def stream_full_params(
         for index, batch in enumerate(batches):
             if index + 1 < len(batches):  # staged while batch k arrives, launched once it is in
                 in_flight.append(_InFlightBatch(batches[index + 1], bucket_bytes, receiver, launch=False))
-            fulls = in_flight[0].finish(keep, device)  # left in the list until it is in: see below
+            fulls = in_flight[0].finish(holds_fulls, device)  # left in the list until it is in: see below
             in_flight.pop(0)
             if in_flight:
                 in_flight[0].launch()
@@ -325,5 +324,5 @@ def stream_full_params(
     _drop_all(in_flight, groups, raising=True)
     logger.debug(
         "iter_full_params: %d batches, %.1f MiB gathered (%s), kept on this rank: %s, %.1f ms",
-        len(batches), sent_bytes / 2**20, dtype or "stored dtypes", keep, (time.perf_counter() - started) * 1e3,
+        len(batches), sent_bytes / 2**20, dtype or "stored dtypes", holds_fulls, (time.perf_counter() - started) * 1e3,
     )

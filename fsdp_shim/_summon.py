@@ -1,30 +1,36 @@
-"""The swap context: full parameters in under the same names, originals back on exit.
+"""The DTensor summon: one context object, from the call to the exit.
 
-[Note: swap lifecycle]
-Entry, in an order that keeps every rank's collectives aligned and leaves
-nothing changed if it fails part way (``DTensorSummon``):
+[Note: summon lifecycle]
+``summon`` routes the call: FSDP1 module trees to FSDP1's own
+implementation, untouched; a module with DTensors in scope (FSDP2, HSDP,
+tensor parallel) to a ``DTensorSummon``; anything else to a null context, as
+FSDP1's is for a module without FSDP1 state. Entry, in an order that keeps
+every rank's collectives aligned and leaves nothing changed if it fails part
+way:
 1. *Refuse*: ``collect_scope`` (no side effects), then every misuse
    (training state, threads, meta device, placements, dead groups) raises
-   before any collective or change (``_refusals``).
+   before any collective or change (``refuse_before_anything``).
 2. *Prepare*: FSDP2 groups in scope are brought to a known state: the root
    above them lazily initialised (see [Note: lazy init on entry] in
-   ``_fsdp2_internals.lazy_init_root``),
-   parameter resets adopted (``adopt_module_params``), units left unsharded
-   by a forward resharded. All local.
+   ``_fsdp2.lazy_init_root``), parameter resets adopted
+   (``adopt_module_params``), units left unsharded by a forward resharded.
+   All local.
 3. *Gather*: one batched gather (``gather_full_tensors``), then gradients
    if asked for. Every value has arrived when it returns.
 4. *Install*, rank-local: each full tensor becomes one new ``nn.Parameter``
    placed in every slot of its parameter (ties stay one object); fully
-   summoned groups are marked (see [Note: summoned groups] in
-   ``_fsdp2_internals``); forward hooks are installed.
-Exit (``_Swap.exit``), always, also when the body raised: hooks off, every
-slot gets back the exact object it held and every mark is undone,
+   summoned groups are marked (see [Note: summoned groups] in ``_fsdp2``);
+   forward hooks are installed.
+Exit (``DTensorSummon.restore``), always, also when the body raised: hooks
+off, every slot gets back the exact object it held and every mark is undone,
 conversions made inside are replayed on the shards (see [Note: conversions
-inside] in ``_Swap.convert_inside``), then writeback if asked (local copies
-into the original shards, see [Note: writeback needs no collective] in
-``_writeback``) and if the body ran: as FSDP1 does, after a body that
-raised too, but never after a fault before the body (see [Note: faults]
-in ``DTensorSummon``).
+inside]), then writeback if asked (local copies into the original shards,
+see [Note: writeback needs no collective] in ``_exit``) and if the body ran:
+as FSDP1 does, after a body that raised too, but never after a fault before
+the body (see [Note: faults]).
+
+The checks of step 1 (and FSDP1's argument checks, at the call) are here
+too, in the words the stream shares: a refusal leaves everything as it was.
 """
 
 from __future__ import annotations
@@ -32,45 +38,100 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, ContextManager, cast
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from fsdp_shim import _compat as _diagnostics, _fsdp2 as fsdp2, _registry as registry
-from fsdp_shim._compat import ungatherable_reason, writeback_refusal
-from fsdp_shim._exit import SwappedParam, inspect_slots, judge_changes, shard_versions, write_back
-from fsdp_shim._forward_hooks import install_forward_hooks
-from fsdp_shim._fsdp2 import is_fsdp2_module
-from fsdp_shim._gather import layout as receivers
-from fsdp_shim._gather.engine import Gathered, gather_full_tensors
-from fsdp_shim._gather.layout import UNCAPPED, Receiver, mesh_dim_groups, require_live_groups, bucket_bytes_chosen
-from fsdp_shim._scope import SummonPlan, plan_for, Scope, ScopedParam, collect_scope, module_label, slot_fqn, states_of, first_untracked_slot, slot_key, untracked_parameter, has_distributed_params, scope_modules
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
-from typing import Any, cast, TYPE_CHECKING, ContextManager, Literal
+
+from fsdp_shim import _fsdp2 as fsdp2
+from fsdp_shim import _registry as registry
+from fsdp_shim import _versions
+from fsdp_shim._compat import ungatherable_reason, writeback_refusal
+from fsdp_shim._exit import SwappedParam, inspect_slots, judge_changes, shard_versions, write_back
+from fsdp_shim._forward_hooks import install_forward_hooks
+from fsdp_shim._gather.engine import Gathered, gather_full_tensors
+from fsdp_shim._gather.layout import (
+    BucketCap,
+    Receiver,
+    bucket_cap,
+    mesh_dim_groups,
+    receivers_for_summon,
+    require_live_groups,
+)
+from fsdp_shim._patching import is_fsdp1_tree
+from fsdp_shim._scope import (
+    CachedSummon,
+    Scope,
+    ScopedParam,
+    cached_scope,
+    collect_scope,
+    first_untracked_slot,
+    has_distributed_params,
+    module_label,
+    scope_modules,
+    slot_fqn,
+    slot_key,
+    states_of,
+    untracked_parameter,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
-
 logger = logging.getLogger("fsdp_shim")
 
 
+def summon(
+    module: nn.Module,
+    recurse: bool = True,
+    writeback: bool = True,
+    rank0_only: bool = False,
+    offload_to_cpu: bool = False,
+    with_grads: bool = False,
+    *,
+    bucket_mb: float | None = None,
+    fsdp1: Callable[..., ContextManager[Any]] | None = None,
+) -> ContextManager[None]:
+    """Route one call (see [Note: summon lifecycle]). ``fsdp1`` is FSDP1's original, if known."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"summon_full_params expects an nn.Module, got {type(module).__name__}")
+    if is_fsdp1_tree(module, recurse):
+        logger.debug("summon_full_params(%s): route=fsdp1", module_label(module))
+        original = fsdp1 if fsdp1 is not None else FullyShardedDataParallel.summon_full_params
+        return original(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads)
+    modules = None
+    if not fsdp2.is_fsdp2_module(module):  # a unit takes the DTensor path: it validates, then may find nothing
+        modules = scope_modules(module, recurse)  # the walk, reused by the scope
+        if not has_distributed_params(modules):
+            logger.debug("summon_full_params(%s): route=none", module_label(module))
+            return contextlib.nullcontext()
+    logger.debug("summon_full_params(%s): route=dtensor", module_label(module))
+    # Checked at the call, which a with statement makes at once: FSDP1 checks at __enter__, one step later.
+    validate_args(writeback, rank0_only, offload_to_cpu, with_grads, module)
+    return DTensorSummon(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads, bucket_cap(bucket_mb),
+                         modules)
+
+
 class DTensorSummon:
-    """The DTensor implementation of ``summon_full_params``: a single-use context manager.
+    """The DTensor implementation of ``summon_full_params``: a single-use context manager, one object
+    from the call to the exit.
 
-    See [Note: swap lifecycle]. ``modules``: the scope's modules, if routing
-    walked them already.
-
-    ``__enter__`` reads refuse, prepare, gather, install; each step that
-    needs undoing is undone, in reverse, if a later one raises: ``_Swap.exit``
-    (which never writes back there: the body did not run), then the
-    registry. ``__exit__`` undoes them all, also when the body raised. A
-    class rather than a generator and an ``ExitStack``: weight sync enters
-    one per unit, and those cost host time per call (``docs/host-cost.md``).
+    It holds the call's arguments, then, once entered, everything it changed
+    and must undo (the slots' originals, FSDP2's marks, hooks, ``_apply``
+    overrides, conversions made inside, its group claims), and it is what the
+    registry knows of the context (``registry.LiveContext``: its ``thread``,
+    ``writeback`` and ``swapped``). ``__enter__`` reads refuse, prepare,
+    gather, install (see [Note: summon lifecycle]); if a step raises,
+    ``restore`` undoes what was done, and never writes back (the body did
+    not run). ``__exit__`` restores, also when the body raised. A class
+    rather than a generator and an ``ExitStack``: weight sync enters one per
+    unit, and those cost host time per call (``docs/host-cost.md``).
 
     [Note: faults]
     Two rules, FSDP1's for the body and a stricter one for entry:
@@ -83,107 +144,285 @@ class DTensorSummon:
       memory into the training weights.
     - A failure inside the body (the body reached means every value arrived)
       keeps FSDP1's rule: writeback still applies to the edits made there, all
-      or nothing (see [Note: exit checks] in ``_exit_checks``), and the body's exception propagates.
+      or nothing (see [Note: exit checks] in ``_exit``), and the body's exception propagates.
     Every collective already posted is waited for before the error leaves
-    (see [Note: every posted work is waited for] in ``_engine``), so a fault
+    (see [Note: every posted work is waited for] in ``_gather.engine``), so a fault
     that hits every rank alike leaves the group usable. After a one-sided
     fault the group is out of step (the other ranks' matching collective is
     still posted, or timed out): a rank whose wait failed records it, and
     its later summons and streams over that group refuse at once (see
-    [Note: out of step] in ``_layout``); ``docs/troubleshooting.md`` says
+    [Note: out of step] in ``_gather.layout``); ``docs/troubleshooting.md`` says
     what to do.
     """
 
-    __slots__ = ("_args", "_swap")
+    __slots__ = (
+        "module", "recurse", "writeback", "rank0_only", "offload_to_cpu", "with_grads", "cap", "_modules",
+        "_entered", "thread", "scope", "swapped", "_originals", "_marks", "_hooks", "_suspended", "_converting",
+        "_conversions", "_body_ran", "_claimed", "_live",
+    )
 
     def __init__(
-        self,
-        module: nn.Module,
-        *,
-        recurse: bool,
-        writeback: bool,
-        rank0_only: bool,
-        offload_to_cpu: bool,
-        with_grads: bool,
-        bucket_bytes: int | None = None,
-        modules: list[nn.Module] | None = None,
-        bucket_chosen: bool = True,
+        self, module: nn.Module, recurse: bool, writeback: bool, rank0_only: bool, offload_to_cpu: bool,
+        with_grads: bool, cap: BucketCap, modules: list[nn.Module] | None = None,
     ) -> None:
-        self._args: tuple[Any, ...] | None = (
-            module, recurse, writeback, rank0_only, offload_to_cpu, with_grads, bucket_bytes, modules, bucket_chosen)
-        self._swap: _Swap | None = None
+        self.module, self.recurse, self.writeback = module, recurse, writeback
+        self.rank0_only, self.offload_to_cpu, self.with_grads = rank0_only, offload_to_cpu, with_grads
+        self.cap = cap
+        self._modules = modules  # the scope's modules, if routing walked them; dropped at entry
+        self._entered = False
+        self._live = False  # whether ``__exit__`` has anything to restore
 
     def __enter__(self) -> None:
-        if self._args is None:
+        if self._entered:
             raise RuntimeError("a summon_full_params context can be entered once; call summon_full_params again")
-        module, recurse, writeback, rank0_only, offload_to_cpu, with_grads, bucket_bytes, modules, chosen = self._args
-        self._args = None
-        thread = registry.current_thread()
-        scope, plan = _scope_of_call(module, recurse, writeback, thread, modules)
+        self._entered = True
+        module, writeback = self.module, self.writeback
+        self.thread = thread = registry.current_thread()
+        scope, cached = _scope_of_call(module, self.recurse, writeback, thread, self._modules)
+        self._modules = None
         if not scope.params:
             return  # no-op: nothing distributed in scope, or all summoned by an enclosing call
         # 1. refuse: misuse raises here, alike on every rank, before any change or collective.
-        groups, shardeds = refuse_before_anything(module, scope, writeback, thread, plan)
-        swap = _Swap.of(scope, writeback, with_grads, thread)
+        groups, shardeds = refuse_before_anything(module, scope, writeback, thread, cached)
+        self._begin(scope)
         try:
             if not registry.enter(thread, groups):
                 raise group_in_use(f"summon_full_params({module_label(module)})")
-            swap.claimed = groups
+            self._claimed = groups
             started = time.perf_counter()
             # 2. prepare: FSDP2's groups in a known state; the DTensors to gather, resolved once.
             dtensors = _prepare(scope, shardeds)
-            receiver, keep = receivers.for_summon(scope, rank0_only)
-            out_device = torch.device("cpu") if offload_to_cpu else None
-            collective_bytes = None if chosen or not _one_unit(scope) else UNCAPPED  # [Note: one unit, one collective]
+            receiver, holds_fulls = receivers_for_summon(self.rank0_only, scope.groups, scope.fsdp2_only)
+            out_device = torch.device("cpu") if self.offload_to_cpu else None
+            collective_bytes = self.cap.collective_bytes(len(scope.groups) == 1 and scope.fsdp2_only)
             # 3. gather: every value is in when it returns.
-            gathered = gather_full_tensors(dtensors, keep=keep, out_device=out_device, bucket_bytes=bucket_bytes,
-                                           receiver=receiver, checked=True, plan=plan and plan.gather,
-                                           collective_bytes=collective_bytes)
-            if plan is not None:
-                plan.gather = gathered.plan
-            grads = (_gather_grads(dtensors, keep, out_device, bucket_bytes, receiver, collective_bytes)
-                     if with_grads else {})
+            gathered = gather_full_tensors(dtensors, holds_fulls=holds_fulls, out_device=out_device,
+                                           bucket_bytes=self.cap.bucket_bytes, receiver=receiver,
+                                           plan=cached and cached.bucket_plan, collective_bytes=collective_bytes)
+            if cached is not None:
+                cached.bucket_plan = gathered.plan
+            grads = (_gather_grads(dtensors, holds_fulls, out_device, self.cap.bucket_bytes, receiver,
+                                   collective_bytes) if self.with_grads else {})
             # 4. install: full parameters in every slot, groups marked, forward hooks.
-            if keep:
-                swap.swap_in(dtensors, gathered, grads)
-                swap.mark_groups()
-                swap.convert_inside()
+            if holds_fulls:
+                self._swap_in(dtensors, gathered, grads)
+                self._mark_groups()
+                self._convert_inside()
             del gathered, grads
-            install_forward_hooks(scope, swap.swapped, swap.hooks, rank0_only, keep)
+            install_forward_hooks(scope, self.swapped, self._hooks, self.rank0_only, holds_fulls)
             if logger.isEnabledFor(logging.DEBUG):
                 nbytes = sum(d.numel() * d.element_size() for d in dtensors)
                 logger.debug(
-                    "summon_full_params(%s): route=dtensor, %d tensors, %.1f MiB gathered in %.1f ms "
+                    "summon_full_params(%s): %d tensors, %.1f MiB gathered in %.1f ms "
                     "(rank0_only=%s, full tensors on this rank=%s)", module_label(module), len(dtensors),
-                    nbytes / 2**20, (time.perf_counter() - started) * 1e3, rank0_only, keep,
+                    nbytes / 2**20, (time.perf_counter() - started) * 1e3, self.rank0_only, holds_fulls,
                 )
-            self._swap = swap
-            swap.body_ran = True  # See [Note: faults]
+            self._body_ran = True  # See [Note: faults]
         except BaseException:
-            self._swap = None
-            swap.exit()  # the body never ran: nothing is written back (see [Note: faults]); claims released
+            self._live = False
+            self.restore()  # the body never ran: nothing is written back (see [Note: faults]); claims released
             raise
 
     def __exit__(self, exc_type: object, body_error: BaseException | None, traceback: object) -> None:
-        swap = self._swap
-        if swap is None:
+        if not self._live:
             return  # no-op context
-        self._swap = None
+        self._live = False
         try:
-            swap.exit()  # raising or not, everything is restored first: see [Note: exit always restores]
+            self.restore()  # raising or not, everything is restored first: see [Note: exit always restores]
         except BaseException as error:
             if body_error is not None and error is not body_error and error.__context__ is None:
                 error.__context__ = body_error  # Python does not chain an error raised from inside torch's C++
             raise
 
+    # -- entry -------------------------------------------------------------
+    def _begin(self, scope: Scope) -> None:
+        """From here on ``restore`` has something to undo: the fields it reads, empty."""
+        self.scope = scope
+        self.swapped: list[SwappedParam] = []
+        self._originals: list[tuple[ScopedParam, nn.Module, str, Any]] = []
+        self._marks: list[fsdp2.GroupMark] = []
+        self._hooks: list[RemovableHandle] = []
+        self._suspended = fsdp2.SuspendedHooks()
+        #: Units whose ``_apply`` is ours for the context, and the conversions
+        #: (``.to()``, ``.float()``, ...) made through them. See [Note: conversions inside].
+        self._converting: list[nn.Module] = []
+        self._conversions: list[tuple[nn.Module, tuple[Any, ...], dict[str, Any]]] = []
+        self._body_ran = False  # only then may a writeback happen: see [Note: faults]
+        self._claimed: list[dist.ProcessGroup] | None = None  # released on exit
+        self._live = True
+
+    def _swap_in(self, dtensors: list[DTensor], gathered: Gathered, grads: dict[int, torch.Tensor]) -> None:
+        originals, writeback = self._originals, self.writeback
+        entries = zip(self.scope.params, dtensors, gathered.tensors, gathered.layouts)
+        for index, (entry, sharded, full, layout) in enumerate(entries):  # every summon: kept lean
+            assert full is not None  # ranks that hold full tensors hold every one
+            value: torch.Tensor = full
+            if not entry.is_buffer:
+                # nn.Parameter(full, requires_grad), without its Python __new__ for the plain
+                # tensors the gather makes: the very call that __new__ makes for them.
+                value = (torch.Tensor._make_subclass(nn.Parameter, full, sharded.requires_grad)
+                         if type(full) is torch.Tensor else nn.Parameter(full, requires_grad=sharded.requires_grad))
+                if index in grads:
+                    value.grad = grads[index]
+            swapped = SwappedParam(entry, sharded, value, layout,
+                                   None if value.is_inference() else value._version,  # its values are in
+                                   shard_versions(sharded) if writeback else (0, 0, 0),
+                                   sharded._local_tensor.clone() if writeback else None)
+            self.swapped.append(swapped)
+            for module, name in entry.slots:
+                tensors = module._buffers if entry.is_buffer else module._parameters
+                originals.append((entry, module, name, tensors[name]))
+                tensors[name] = value
+        registry.register(self)
+
+    def _mark_groups(self) -> None:
+        for group, fully_summoned in self.scope.groups.items():
+            if fully_summoned:
+                self._marks.append(fsdp2.mark_summoned(group, self._suspended))
+        fsdp_params = [item.entry.fsdp_param for item in self.swapped if item.entry.fsdp_param is not None]
+        fsdp2.suspend_load_post_hooks(fsdp_params, self._suspended)
+
+    def _convert_inside(self) -> None:
+        """Point ``_apply`` of fully summoned units at the full parameters.
+
+        [Note: conversions inside]
+        ``model.to(...)``, ``.cpu()``, ``.float()`` and friends end in ``_apply``.
+        FSDP2's ``_apply`` reshards first, which would put the shards back into the
+        slots mid-context (verl's LoRA collection calls ``model.to("cpu")`` there).
+        For the context's duration each fully summoned unit gets an instance-level
+        ``_apply`` that converts the full parameters in place instead and records the
+        call; on exit the same call is replayed through FSDP2's own ``_apply`` on the
+        restored shards, before writeback. So inside, the slots keep full tensors
+        (``state_dict()`` stays full), and after exit the module is as the same call
+        outside would have left it, plus the writeback rule.
+        """
+        for group, fully_summoned in self.scope.groups.items():
+            if not fully_summoned:
+                continue
+            for unit in fsdp2.group_modules(group):
+                if "_apply" in unit.__dict__:
+                    continue  # an enclosing context already converts it
+
+                def apply_to_full(*args: Any, _unit: nn.Module = unit, **kwargs: Any) -> nn.Module:
+                    self._conversions.append((_unit, args, kwargs))
+                    return nn.Module._apply(_unit, *args, **kwargs)  # not FSDP2's: it would reshard
+
+                unit.__dict__["_apply"] = apply_to_full
+                self._converting.append(unit)
+
+    # -- exit --------------------------------------------------------------
+    def restore(self) -> None:
+        """Undo the entry: hooks off, inspect, release, then replay and writeback if the body ran.
+
+        [Note: exit always restores]
+        ``inspect`` reads what the slots hold, so it comes before the slots
+        get their objects back; the writeback comes last, onto the restored
+        shards. Whatever raises on the way (the inspection of a slot that
+        cannot be read, a replayed conversion, a refused or failing
+        writeback, a ``KeyboardInterrupt``), ``_release`` runs first and in
+        full: every slot holds its original object, FSDP2's marks and
+        suspended hooks are undone, the forward hooks are off, and the
+        registry forgets the context and its group claims. Only then does
+        the error propagate (Python chains the body's own error, if any, as
+        its ``__context__``). A failed inspection writes nothing back: what
+        changed is unknown, so the writeback's all or nothing is nothing.
+        Grad mode is put back too: an interrupt inside a ``no_grad`` block's
+        own exit (the writeback runs under one) would leave it off for the
+        thread. Python lets no library shield the release itself (a few dict
+        stores and flag resets) or the first bytecodes of ``__exit__`` from an
+        asynchronous interrupt; every call between them is covered.
+        """
+        inspected, grad_enabled = False, torch.is_grad_enabled()
+        try:
+            try:
+                self._remove_hooks()
+                self._inspect()
+                inspected = True
+            finally:
+                self._release()
+            if inspected:
+                self._carry_requires_grad()
+                self._replay_conversions()
+                if self.writeback and self._body_ran:
+                    write_back(self.swapped, self._name, self.with_grads)
+        finally:
+            self.swapped.clear()
+            if torch.is_grad_enabled() is not grad_enabled:
+                torch._C._set_grad_enabled(grad_enabled)
+
+    def _name(self, item: SwappedParam) -> str:
+        return slot_fqn(self.scope.root, item.entry.slots[0])
+
+    def _inspect(self) -> None:
+        """Record what the slots hold and, under writeback, what changed: before the release and before
+        any conversion is replayed on the shards. See [Note: exit checks] in ``_exit``."""
+        inspect_slots(self.swapped)
+        if self.writeback:
+            for item in self.swapped:
+                judge_changes(item)
+
+    def _release(self) -> None:
+        """Every slot gets back the exact object it held; marks, suspended hooks, ``_apply`` overrides,
+        forward hooks, registry entry and group claims undone. Each step runs even if another raised;
+        the first error is raised after all of them. See [Note: exit always restores]."""
+        for entry, module, name, original in reversed(self._originals):
+            (module._buffers if entry.is_buffer else module._parameters)[name] = original
+        self._originals.clear()
+        converting, self._converting = self._converting, []
+        for unit in converting:
+            unit.__dict__.pop("_apply", None)
+        marks, self._marks = self._marks, []
+        claimed, self._claimed = self._claimed, None
+        first: BaseException | None = None
+        for step in (*(mark.unmark for mark in reversed(marks)), self._suspended.resume, self._remove_hooks):
+            try:
+                step()
+            except BaseException as error:  # noqa: BLE001  (the rest still run; the first is raised)
+                first = first or error
+        registry.forget(self, claimed)  # dict and counter updates: nothing in it raises
+        if first is not None:
+            raise first
+
+    def _carry_requires_grad(self) -> None:
+        """``requires_grad`` set inside carries over to the sharded parameter, as FSDP1
+        (``use_orig_params=True``) keeps it on its one object."""
+        for item in self.swapped:
+            current = item.current
+            if item.entry.is_buffer or not isinstance(current, torch.Tensor):
+                continue
+            if current.requires_grad != item.sharded.requires_grad:
+                item.sharded.requires_grad_(current.requires_grad)
+
+    def _replay_conversions(self) -> None:
+        """Apply the conversions made inside to the restored (sharded) parameters, through FSDP2."""
+        conversions, self._conversions = self._conversions, []
+        for unit, args, kwargs in conversions:
+            unit._apply(*args, **kwargs)
+        for item in self.swapped:
+            current = item.current
+            if isinstance(current, torch.Tensor) and current.dtype != item.sharded.dtype:
+                _versions.warn(
+                    f"{self._name(item)} was converted to {current.dtype} inside summon_full_params through "
+                    f"a module that is not its FSDP unit; the sharded parameter stays {item.sharded.dtype}. "
+                    "Convert the unit (or the whole model) instead.",
+                    stacklevel=5,
+                    mesh=item.sharded.device_mesh,
+                )
+
+    def _remove_hooks(self) -> None:
+        hooks = self._hooks
+        while hooks:  # one at a time: if a removal is interrupted, the release removes the rest
+            hooks[-1].remove()
+            hooks.pop()
+
 
 def _scope_of_call(
     module: nn.Module, recurse: bool, writeback: bool, thread: int, modules: list[nn.Module] | None
-) -> tuple[Scope, SummonPlan | None]:
+) -> tuple[Scope, CachedSummon | None]:
     """What this call covers, leaving out what this thread's enclosing contexts hold; and the
-    unit's plan, where it can have one (see [Note: summon plans] in ``_plans``)."""
+    unit's cached summon, where it can have one (see [Note: summon cache] in ``_scope``)."""
     if not registry.has_live_context(thread):
-        return plan_for(module, recurse, modules)
+        return cached_scope(module, recurse, modules)
     mine = registry.slots_of_thread(thread)
     scope = collect_scope(module, recurse, mine, modules)
     if writeback:
@@ -195,7 +434,7 @@ def _prepare(scope: Scope, resolved: list[DTensor]) -> list[DTensor]:
     """FSDP2's groups in scope in a known state, all local; the DTensors to gather, in scope order.
 
     The root above them lazily initialised (see [Note: lazy init on entry]
-    in ``_fsdp2_internals``),
+    in ``_fsdp2``),
     parameter resets adopted, units left unsharded resharded. ``resolved``:
     the DTensors as refusal resolved them, returned as they are unless a lazy
     init or an adoption ran, after which they are resolved again: FSDP2 may
@@ -232,225 +471,19 @@ def _prepare(scope: Scope, resolved: list[DTensor]) -> list[DTensor]:
 
 
 def _gather_grads(
-    dtensors: list[DTensor], keep: bool, out_device: torch.device | None, bucket_bytes: int | None,
+    dtensors: list[DTensor], holds_fulls: bool, out_device: torch.device | None, bucket_bytes: int,
     receiver: Receiver, collective_bytes: int | None,
 ) -> dict[int, torch.Tensor]:
     with_grad = [i for i, d in enumerate(dtensors) if d.grad is not None]
     gathered = gather_full_tensors(
         [dtensors[i].grad for i in with_grad],  # type: ignore[misc]
-        keep=keep,
+        holds_fulls=holds_fulls,
         out_device=out_device,
         bucket_bytes=bucket_bytes,
         receiver=receiver,
         collective_bytes=collective_bytes,
     )
     return {i: g for i, g in zip(with_grad, gathered.tensors) if g is not None}
-
-
-def _one_unit(scope: Scope) -> bool:
-    """Whether the scope is one FSDP2 unit's parameters and nothing else (see [Note: one unit, one collective])."""
-    return len(scope.groups) == 1 and scope.fsdp2_only
-
-
-@dataclass(slots=True)
-class _Swap:
-    """What one context changed, to be undone on exit: slots, marks, hooks, conversions."""
-
-    scope: Scope
-    writeback: bool
-    with_grads: bool
-    #: What the registry knows of this context; its ``records`` is ``swapped``, the very list.
-    live: registry.LiveContext
-    swapped: list[SwappedParam] = field(default_factory=list)
-    originals: list[tuple[ScopedParam, nn.Module, str, Any]] = field(default_factory=list)
-    marks: list[fsdp2.GroupMark] = field(default_factory=list)
-    hooks: list[RemovableHandle] = field(default_factory=list)
-    suspended: fsdp2.SuspendedHooks = field(default_factory=fsdp2.SuspendedHooks)
-    #: Units whose ``_apply`` is ours for the context, and the conversions
-    #: (``.to()``, ``.float()``, ...) made through them. See [Note: conversions inside].
-    converting: list[nn.Module] = field(default_factory=list)
-    conversions: list[tuple[nn.Module, tuple[Any, ...], dict[str, Any]]] = field(default_factory=list)
-    #: Whether the context's body was reached: only then may a writeback happen. See [Note: faults].
-    body_ran: bool = False
-    #: The process groups this context claimed in the registry (``registry.enter``), released on exit.
-    claimed: list[dist.ProcessGroup] | None = None
-
-    @classmethod
-    def of(cls, scope: Scope, writeback: bool, with_grads: bool, thread: int) -> _Swap:
-        swapped: list[SwappedParam] = []
-        live = registry.LiveContext(thread, writeback, swapped)  # type: ignore[arg-type]
-        return cls(scope, writeback, with_grads, live, swapped)
-
-    def name(self, item: SwappedParam) -> str:
-        return slot_fqn(self.scope.root, item.entry.slots[0])
-
-    # -- entry -----------------------------------------------------------
-    def swap_in(self, dtensors: list[DTensor], gathered: Gathered, grads: dict[int, torch.Tensor]) -> None:
-        originals, writeback = self.originals, self.writeback
-        entries = zip(self.scope.params, dtensors, gathered.tensors, gathered.layouts)
-        for index, (entry, sharded, full, layout) in enumerate(entries):  # every summon: kept lean
-            assert full is not None  # kept ranks hold every tensor
-            value: torch.Tensor = full
-            if not entry.is_buffer:
-                # nn.Parameter(full, requires_grad), without its Python __new__ for the plain
-                # tensors the gather makes: the very call that __new__ makes for them.
-                value = (torch.Tensor._make_subclass(nn.Parameter, full, sharded.requires_grad)
-                         if type(full) is torch.Tensor else nn.Parameter(full, requires_grad=sharded.requires_grad))
-                if index in grads:
-                    value.grad = grads[index]
-            swapped = SwappedParam(entry, sharded, value, layout,
-                                    None if value.is_inference() else value._version,  # its values are in
-                                    shard_versions(sharded) if writeback else (0, 0, 0),
-                                    sharded._local_tensor.clone() if writeback else None)
-            self.swapped.append(swapped)
-            for module, name in entry.slots:
-                tensors = module._buffers if entry.is_buffer else module._parameters
-                originals.append((entry, module, name, tensors[name]))
-                tensors[name] = value
-        registry.add_fulls(self.live)
-        registry.add_slots(self.live)
-
-    def mark_groups(self) -> None:
-        for group, fully_summoned in self.scope.groups.items():
-            if fully_summoned:
-                self.marks.append(fsdp2.mark_summoned(group, self.suspended))
-        fsdp_params = [item.entry.fsdp_param for item in self.swapped if item.entry.fsdp_param is not None]
-        fsdp2.suspend_load_post_hooks(fsdp_params, self.suspended)
-
-    def convert_inside(self) -> None:
-        """Point ``_apply`` of fully summoned units at the full parameters.
-
-        [Note: conversions inside]
-        ``model.to(...)``, ``.cpu()``, ``.float()`` and friends end in ``_apply``.
-        FSDP2's ``_apply`` reshards first, which would put the shards back into the
-        slots mid-context (verl's LoRA collection calls ``model.to("cpu")`` there).
-        For the context's duration each fully summoned unit gets an instance-level
-        ``_apply`` that converts the full parameters in place instead and records the
-        call; on exit the same call is replayed through FSDP2's own ``_apply`` on the
-        restored shards, before writeback. So inside, the slots keep full tensors
-        (``state_dict()`` stays full), and after exit the module is as the same call
-        outside would have left it, plus the writeback rule.
-        """
-        for group, fully_summoned in self.scope.groups.items():
-            if not fully_summoned:
-                continue
-            for unit in fsdp2.group_modules(group):
-                if "_apply" in unit.__dict__:
-                    continue  # an enclosing context already converts it
-
-                def apply_to_full(*args: Any, _unit: nn.Module = unit, **kwargs: Any) -> nn.Module:
-                    self.conversions.append((_unit, args, kwargs))
-                    return nn.Module._apply(_unit, *args, **kwargs)  # not FSDP2's: it would reshard
-
-                unit.__dict__["_apply"] = apply_to_full
-                self.converting.append(unit)
-
-    # -- exit ------------------------------------------------------------
-    def exit(self) -> None:
-        """Undo the entry: hooks off, inspect, release, then replay and writeback if the body ran.
-
-        [Note: exit always restores]
-        ``inspect`` reads what the slots hold, so it comes before the slots
-        get their objects back; the writeback comes last, onto the restored
-        shards. Whatever raises on the way (the inspection of a slot that
-        cannot be read, a replayed conversion, a refused or failing
-        writeback, a ``KeyboardInterrupt``), ``_release`` runs first and in
-        full: every slot holds its original object, FSDP2's marks and
-        suspended hooks are undone, the forward hooks are off, and the
-        registry forgets the context and its group claims. Only then does
-        the error propagate (Python chains the body's own error, if any, as
-        its ``__context__``). A failed inspection writes nothing back: what
-        changed is unknown, so the writeback's all or nothing is nothing.
-        Grad mode is put back too: an interrupt inside a ``no_grad`` block's
-        own exit (the writeback runs under one) would leave it off for the
-        thread. Python lets no library shield the release itself (a few dict
-        stores and flag resets) or the first bytecodes of ``__exit__`` from an
-        asynchronous interrupt; every call between them is covered.
-        """
-        inspected, grad_enabled = False, torch.is_grad_enabled()
-        try:
-            try:
-                self.remove_hooks()
-                self.inspect()
-                inspected = True
-            finally:
-                self._release()
-            if inspected:
-                self.carry_requires_grad()
-                self.replay_conversions()
-                if self.writeback and self.body_ran:
-                    self.write_back(self.with_grads)
-        finally:
-            self.swapped.clear()
-            if torch.is_grad_enabled() is not grad_enabled:
-                torch._C._set_grad_enabled(grad_enabled)
-
-    def inspect(self) -> None:
-        """Record what the slots hold and, under writeback, what changed: before the release and before
-        any conversion is replayed on the shards. See [Note: exit checks] in ``_exit_checks``."""
-        inspect_slots(self.swapped)
-        if self.writeback:
-            for item in self.swapped:
-                judge_changes(item)
-
-    def _release(self) -> None:
-        """Every slot gets back the exact object it held; marks, suspended hooks, ``_apply`` overrides,
-        forward hooks, registry entries and group claims undone. Each step runs even if another raised;
-        the first error is raised after all of them. See [Note: exit always restores]."""
-        for entry, module, name, original in reversed(self.originals):
-            (module._buffers if entry.is_buffer else module._parameters)[name] = original
-        self.originals.clear()
-        converting, self.converting = self.converting, []
-        for unit in converting:
-            unit.__dict__.pop("_apply", None)
-        marks, self.marks = self.marks, []
-        claimed, self.claimed = self.claimed, None
-        live = self.live
-        first: BaseException | None = None
-        for step in (*(mark.unmark for mark in reversed(marks)), self.suspended.resume, self.remove_hooks,
-                     lambda: registry.remove_slots(live), lambda: registry.remove_fulls(live),
-                     lambda: claimed is not None and registry.leave(live.thread, claimed)):
-            try:
-                step()
-            except BaseException as error:  # noqa: BLE001  (the rest still run; the first is raised)
-                first = first or error
-        if first is not None:
-            raise first
-
-    def carry_requires_grad(self) -> None:
-        """``requires_grad`` set inside carries over to the sharded parameter, as FSDP1
-        (``use_orig_params=True``) keeps it on its one object."""
-        for item in self.swapped:
-            current = item.current
-            if item.entry.is_buffer or not isinstance(current, torch.Tensor):
-                continue
-            if current.requires_grad != item.sharded.requires_grad:
-                item.sharded.requires_grad_(current.requires_grad)
-
-    def replay_conversions(self) -> None:
-        """Apply the conversions made inside to the restored (sharded) parameters, through FSDP2."""
-        conversions, self.conversions = self.conversions, []
-        for unit, args, kwargs in conversions:
-            unit._apply(*args, **kwargs)
-        for item in self.swapped:
-            current = item.current
-            if isinstance(current, torch.Tensor) and current.dtype != item.sharded.dtype:
-                _diagnostics.warn(
-                    f"{self.name(item)} was converted to {current.dtype} inside summon_full_params through "
-                    f"a module that is not its FSDP unit; the sharded parameter stays {item.sharded.dtype}. "
-                    "Convert the unit (or the whole model) instead.",
-                    stacklevel=5,
-                    mesh=item.sharded.device_mesh,
-                )
-
-    def write_back(self, with_grads: bool) -> None:
-        write_back(self.swapped, self.name, with_grads)
-
-    def remove_hooks(self) -> None:
-        hooks = self.hooks
-        while hooks:  # one at a time: if a removal is interrupted, the release removes the rest
-            hooks[-1].remove()
-            hooks.pop()
 
 
 def sharded_param(param: torch.Tensor) -> nn.Parameter | None:
@@ -477,27 +510,15 @@ def original_params(param: torch.Tensor) -> list[nn.Parameter]:
     return found
 
 
-# ---- from _refusals.py ----------------------------------------
-# Every check a summon makes before any change or collective, alike on every rank.
-#
-# FSDP1's argument checks (``validate_args``, with FSDP1's exception types);
-# then, in ``refuse_before_anything``: a forward or backward in progress,
-# another thread's context, a parameter FSDP2 does not track, the meta device,
-# placements that cannot be gathered or written back, and dead process groups;
-# for a call nested in a ``writeback=False`` context, ``writeback=True`` over
-# the parameters that context holds (``refuse_writeback_inside_no_writeback``);
-# and a process group another thread's context is using (``group_in_use``,
-# raised where ``_registry.enter`` fails to claim it, atomically). A check
-# that raises here leaves everything as it was: nothing has been changed or
-# sent yet.
 
+# -- refusals: every check before any change or collective, alike on every rank --
 
 def validate_args(
     writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_grads: bool, module: nn.Module | None = None
 ) -> None:
     """Reject what FSDP1's ``_validate_unshard_params_args`` rejects, with the same types.
 
-    FSDP1's warning comes from every rank; ours once per group (``_diagnostics``).
+    FSDP1's warning comes from every rank; ours once per group (``_versions.warn``).
     """
     if with_grads and offload_to_cpu:
         raise NotImplementedError(
@@ -508,7 +529,7 @@ def validate_args(
     if offload_to_cpu and not rank0_only:
         mesh = None if module is None else next(
             (p.device_mesh for p in module.parameters() if isinstance(p, DTensor)), None)
-        _diagnostics.warn(
+        _versions.warn(
             "offload_to_cpu=True and rank0_only=False may result in the unsharded parameters "
             "being redundantly copied to CPU memory for GPUs sharing the same CPU memory, which "
             "risks CPU OOM. We recommend using offload_to_cpu=True with rank0_only=True.",
@@ -522,17 +543,17 @@ FORWARD_BACKWARD_ERROR = "Cannot manually unshard parameters during forward/back
 
 
 def refuse_before_anything(
-    module: nn.Module, scope: Scope, writeback: bool, thread: int, plan: SummonPlan | None = None
+    module: nn.Module, scope: Scope, writeback: bool, thread: int, cached: CachedSummon | None = None
 ) -> tuple[list[dist.ProcessGroup], list[DTensor]]:
     """Every misuse this call can detect, before any collective or change, alike on every rank.
 
     Returns the process groups the call gathers over (every dim of every
     mesh in scope), checked alive: the engine need not check again; and
-    each scoped parameter's DTensor, as resolved now (``_swap._prepare`` reuses
+    each scoped parameter's DTensor, as resolved now (``_prepare`` reuses
     them unless FSDP2 adopts other ones). With a
-    ``plan``, the checks that depend on a DTensor's spec alone (placements,
+    ``cached`` summon, the checks that depend on a DTensor's spec alone (placements,
     meshes) are skipped for the specs it passed before (see [Note: summon
-    plans] in ``_plans``); the rest runs on every call.
+    cache] in ``_scope``); the rest runs on every call.
     """
     refuse_busy(lambda: f"summon_full_params({module_label(module)})", scope.states, list(scope.groups))
     if registry.has_live_slots():  # a context open in any thread: are any of ours in another one's?
@@ -557,14 +578,14 @@ def refuse_before_anything(
                 "initialise its parameters); nothing was changed."
             )
         specs.append(sharded._spec)
-    groups = None if plan is None else plan.checked_groups(specs, writeback)
+    groups = None if cached is None else cached.checked_groups(specs, writeback)
     if groups is not None:
         require_live_groups(groups, lambda: f"the scope of summon_full_params({module_label(module)})")
         return groups, shardeds
     named = ((lambda e=entry: slot_fqn(module, e.slots[0]), sharded) for entry, sharded in zip(scope.params, shardeds))
     groups = refuse_placements(named, writeback)
-    if plan is not None:
-        plan.passed(specs, writeback, groups)
+    if cached is not None:
+        cached.passed(specs, writeback, groups)
     return groups, shardeds
 
 
@@ -620,64 +641,3 @@ def group_in_use(call: str) -> RuntimeError:
     )
 
 
-# ---- from _dispatch.py ----------------------------------------
-# Route a ``summon_full_params`` call: FSDP1 original, DTensor path, or nothing.
-#
-# FSDP1 module trees go to FSDP1's own implementation untouched. Trees with
-# DTensor parameters in scope (FSDP2, HSDP, tensor parallel) go to ``_swap``.
-# Anything else is a null context, as FSDP1's version is for a module without
-# FSDP1 state.
-
-
-logger = logging.getLogger("fsdp_shim")
-
-Route = Literal["fsdp1", "dtensor", "none"]
-
-
-def _route(module: Any, recurse: bool) -> tuple[Route, list[nn.Module] | None]:
-    """Which implementation serves ``summon_full_params(module, recurse=recurse)``, and the scope's
-    modules where finding it walked them (the swap reuses the walk)."""
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"summon_full_params expects an nn.Module, got {type(module).__name__}")
-    if recurse:
-        if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
-            return "fsdp1", None
-    elif isinstance(module, FullyShardedDataParallel):
-        return "fsdp1", None
-    if is_fsdp2_module(module):  # a unit: the DTensor path validates, then may find nothing
-        return "dtensor", None
-    modules = scope_modules(module, recurse)
-    return ("dtensor" if has_distributed_params(modules) else "none"), modules
-
-
-def summon(
-    module: nn.Module,
-    recurse: bool = True,
-    writeback: bool = True,
-    rank0_only: bool = False,
-    offload_to_cpu: bool = False,
-    with_grads: bool = False,
-    *,
-    bucket_mb: float | None = None,
-    fsdp1: Callable[..., ContextManager[Any]] | None = None,
-) -> ContextManager[None]:
-    """Dispatch one call. ``fsdp1`` is the original FSDP1 implementation, if known."""
-    route, modules = _route(module, recurse)
-    logger.debug("summon_full_params(%s): route=%s", type(module).__name__, route)
-    if route == "fsdp1":
-        original = fsdp1 if fsdp1 is not None else _original_fsdp1()
-        return original(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads)
-    if route == "none":
-        return contextlib.nullcontext()
-    # Checked at the call, which a with statement makes at once: FSDP1 checks at __enter__, one step later.
-    validate_args(writeback, rank0_only, offload_to_cpu, with_grads, module)
-    bucket_bytes, chosen = bucket_bytes_chosen(bucket_mb)
-    return DTensorSummon(
-        module, recurse=recurse, writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu,
-        with_grads=with_grads, bucket_bytes=bucket_bytes, modules=modules, bucket_chosen=chosen,
-    )
-
-
-def _original_fsdp1() -> Callable[..., ContextManager[Any]]:
-    """FSDP1's entry point; through our patch, if installed, which routes back to the original."""
-    return FullyShardedDataParallel.summon_full_params

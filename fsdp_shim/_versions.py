@@ -1,8 +1,9 @@
-"""Supported dependency ranges and the version policy, as data.
+"""Supported dependency ranges, the version policy, and how the package warns: once a group.
 
 This module imports nothing heavier than the standard library, so that
 ``fsdp-shim check``, the import-time guard, the version matrix and the tests
-can all read the same facts without importing torch first.
+can all read the same facts without importing torch first, and so that the
+warning that torch cannot be imported can still be given.
 
 [Note: version policy]
 A call site must never be FSDP1's silent no-op on a DTensor model: a summon
@@ -11,7 +12,7 @@ either gathers correctly or raises. So ``import fsdp_shim`` always patches
 - *active*: torch inside ``SUPPORTED_TORCH`` (every release in
   ``VERIFIED_TORCH`` passed the whole suite and ``fsdp-shim check``); or a
   newer, unverified torch on which every FSDP2 and c10d internal the shim
-  reads is present (``_fsdp2_probe.missing_internals``, probed once at
+  reads is present (``_fsdp2.missing_internals``, probed once at
   activation, listed by ``fsdp-shim check -v``), with a warning once.
 - *refusing*: any other torch (older than ``MIN_TORCH``, or newer with an
   internal missing). FSDP1 trees still go to FSDP1 and plain modules get
@@ -28,7 +29,13 @@ environment's torch, a multi-GB change nobody asked for.
 
 from __future__ import annotations
 
+import logging
 import os
+import warnings
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 #: This package's version (setup.cfg reads it from here, without importing torch).
 __version__ = "0.9.0"
@@ -98,3 +105,38 @@ def is_newer_than_supported(version: str) -> bool:
 def is_verified_torch(version: str) -> bool:
     """One of the exact releases the matrix passed on (local labels such as ``+cpu`` ignored)."""
     return parse_version(version)[:3] in {parse_version(v) for v in VERIFIED_TORCH}
+
+
+# -- warnings once per process group, not once per rank ---------------------
+# A job of N ranks runs the same code N times; a warning every rank repeats says
+# nothing new. The *leader* speaks for its group: the lowest global rank of the
+# mesh a warning is about, else global rank 0, else (no process group yet, as
+# at import under torchrun) the process whose ``RANK`` is 0 or unset. Debug and
+# info lines stay per rank: they describe what that rank did.
+
+logger = logging.getLogger("fsdp_shim")
+
+
+def is_leader(mesh: DeviceMesh | None = None) -> bool:
+    """Whether this process speaks for its group (see the module docstring)."""
+    try:
+        import torch.distributed as dist  # noqa: PLC0415
+    except ImportError:
+        dist = None  # type: ignore[assignment]
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        if mesh is not None:
+            return dist.get_rank() == int(mesh.mesh.min())
+        return dist.get_rank() == 0
+    return os.environ.get("RANK", "0").strip() in ("", "0")
+
+
+def warn(message: str, *, stacklevel: int, mesh: DeviceMesh | None = None) -> None:
+    """``warnings.warn(message, UserWarning)`` on the leader only; ``stacklevel`` as seen by the caller."""
+    if is_leader(mesh):
+        warnings.warn(message, UserWarning, stacklevel=stacklevel + 1)
+
+
+def log_warning(message: str, *args: Any, mesh: DeviceMesh | None = None) -> None:
+    """``logger.warning`` on the leader only."""
+    if is_leader(mesh):
+        logger.warning(message, *args)

@@ -66,12 +66,11 @@ def _one(world: str, model_name: str, reps: int, device: str) -> dict:
     import torch
     import torch.distributed as dist
     import torch.nn as nn
-
-    import fsdp_shim
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import fully_shard
 
+    import fsdp_shim
     from fsdp_shim.tools.models import LMConfig, build_lm
 
     dims = tuple(int(d) for d in world.split("x"))

@@ -30,7 +30,7 @@ coalesced all-gather, in 0 of 6 without. A crash that comes once a minute
 needs several runs of each mode to rule out. Exit status: 0 if every mode
 ran clean, 1 otherwise.
 
-``faults`` checks [Note: faults] in ``fsdp_shim/_swap.py`` the long way: each
+``faults`` checks [Note: faults] in ``fsdp_shim/_summon.py`` the long way: each
 round, on a fresh process group (a fault leaves one out of step) with a 2 s
 timeout, it shards a copy of an unsharded twin and summons it, with
 ``writeback`` on or off and either no fault (then a random edit, made on the
@@ -132,9 +132,9 @@ def _rounds(mode: str, width: int, seconds: float) -> int:
     faulthandler.enable(all_threads=True)  # a native crash prints every thread's Python stack
     import torch
     import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     import fsdp_shim
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from fsdp_shim.tools.models import LMConfig, build_lm, shard_lm, wrap_lm_fsdp1
 
     if mode == "faults":

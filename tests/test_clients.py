@@ -11,7 +11,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -123,7 +122,8 @@ def weight_sync_module():
 def rank_instrumentation_round_trip():
     from torch.distributed.fsdp import FullyShardedDataParallel  # noqa: PLC0415
 
-    from fsdp_shim.instrumentations import FSDPUnitGate, NamesOfSummonedParams, statuses  # noqa: PLC0415
+    from fsdp_shim.instrumentations import statuses  # noqa: PLC0415
+    from fsdp_shim.instrumentations.compose_rl import FSDPUnitGate, NamesOfSummonedParams  # noqa: PLC0415
 
     vllm_utils = weight_sync_module()
     model = fsdp2_model("grpo", False)
@@ -147,7 +147,7 @@ def test_instrumentation_is_undone_by_unpatch_and_redone_by_patch(dist_run):
 
 def test_instrumentation_leaves_an_unexpected_module_alone(tmp_path, monkeypatch):
     """A module at the instrumented path that does not look as read: logged, unchanged."""
-    from fsdp_shim.instrumentations import ComposeRLWeightSync  # noqa: PLC0415
+    from fsdp_shim.instrumentations.compose_rl import ComposeRLWeightSync  # noqa: PLC0415
 
     package = tmp_path / "fake"
     package.mkdir()

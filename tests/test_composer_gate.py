@@ -243,3 +243,25 @@ def rank_a_gate_that_knows_fsdp2_is_left_alone():
 
 def test_a_gate_that_knows_fsdp2_is_left_alone(dist_run):
     assert dist_run(2, rank_a_gate_that_knows_fsdp2_is_left_alone) == [0, 1]
+
+
+def test_every_copy_of_the_gate_is_the_original_again_after_unpatch():
+    """[Note: binders]: Composer's importers of ``is_model_fsdp`` imported *after* the patch copy the wrapper;
+    ``unpatch()`` gives them the original back too (0.9.0 restored only the ones rebound at apply)."""
+    binders = ("composer.utils", "composer.models.huggingface")
+    with patch_state_restored():
+        fsdp_shim.unpatch()
+        for name in [n for n in sys.modules if n == "composer" or n.startswith("composer.")]:
+            del sys.modules[name]
+        if STAND_INS not in sys.path:
+            sys.path.insert(0, STAND_INS)
+        importlib.import_module(GATE)  # the gate first, its importers after the patch
+        fsdp_shim.patch()
+        modules = [importlib.import_module(name) for name in binders]
+        gate = sys.modules[GATE].is_model_fsdp
+        assert isinstance(gate, wrapt.FunctionWrapper)
+        assert all(m.is_model_fsdp is gate for m in modules)
+        fsdp_shim.unpatch()
+        original = sys.modules[GATE].is_model_fsdp
+        assert not isinstance(original, wrapt.FunctionWrapper)
+        assert [m.is_model_fsdp is original for m in modules] == [True, True]

@@ -73,9 +73,9 @@ def test_composer_fsdp2_trains_generates_and_syncs_like_the_unsharded_model(tmp_
 
 def test_composer_generate_without_the_cast_instrumentation(tmp_path):
     """Shows what ``fsdp2_cast`` mends: Composer's FSDP2 generate with transformers 4.5x on torch 2.7."""
+    import transformers  # noqa: PLC0415
     from torch.distributed.fsdp._fully_shard import _fsdp_state  # noqa: PLC0415
     from torch.utils import _pytree  # noqa: PLC0415
-    import transformers  # noqa: PLC0415
 
     report = _launch(tmp_path, "fsdp2config", {"FSDP_SHIM_DISABLE_FSDP2_CAST": "1"})
     assert report["after_fit"] == {"names": True, "unequal": []}  # training is not touched by the cast

@@ -107,10 +107,10 @@ def _within(frame, name: str) -> bool:
 
 
 def _covered(frame) -> bool:
-    """Calls made inside exit's protected region: below the exit method itself, outside the release, which
+    """Calls made inside exit's protected region: below the exit method itself (``DTensorSummon.restore``), outside the release, which
     (a few dict stores and flag resets) Python lets no library shield from an asynchronous interrupt, as it
     does the first bytecodes of ``__exit__`` (see [Note: exit always restores])."""
-    return _within(frame.f_back, "exit") and not _within(frame, "_release")
+    return _within(frame.f_back, "restore") and not _within(frame, "_release")
 
 
 class _InterruptAt:

@@ -15,7 +15,7 @@ CASES = [
     dict(recurse=False, writeback=False),
     dict(recurse=True, writeback=False, rank0_only=True),
     # FSDP1's own offload_to_cpu=True kills its ranks when the FSDP1 device is
-    # the CPU (torch 2.13, gloo): not comparable here; test_swap covers ours.
+    # the CPU (torch 2.13, gloo): not comparable here; test_summon covers ours.
     dict(recurse=True, writeback=False, with_grads=True),
 ]
 MISUSE = [

@@ -10,10 +10,19 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from _helpers import mesh1d
 from fsdp_shim._compat import STRIDED_SHARD_FULL_TENSOR_BROKEN
-from fsdp_shim._gather.engine import gather_full_tensors, start_gather
-from fsdp_shim._gather.layout import BUCKET_ENV, DEFAULT_BUCKET_MB, bucket_bytes_from_env, dim0_layout, plan_buckets
-from fsdp_shim._gather.staging import Flat, Landed
 from fsdp_shim._exit import write_back_locals
+from fsdp_shim._gather.engine import gather_full_tensors, start_gather
+from fsdp_shim._gather.layout import (
+    BUCKET_ENV,
+    DEFAULT_BUCKET_MB,
+    bucket_cap,
+    dim0_layout,
+    split_into_buckets,
+)
+from fsdp_shim._gather.staging import AllGatherFlight, InPlace
+from fsdp_shim._summon import refuse_placements
+
+DEFAULT = bucket_cap().bucket_bytes
 
 
 def _tensors(specs, seed=0):
@@ -44,7 +53,7 @@ def _check_roundtrip(specs, bucket_bytes):
     again = gather_full_tensors(dtensors, bucket_bytes=bucket_bytes).tensors
     for full, out in zip(fulls, again):
         assert torch.equal(out, full + 1)
-    buckets, fallback = plan_buckets(dtensors, bucket_bytes)
+    buckets, fallback = split_into_buckets(dtensors, bucket_bytes)
     return [[b.position for b in bucket] for bucket in buckets], fallback
 
 
@@ -78,8 +87,8 @@ def rank_bucket_boundaries():
     assert _check_roundtrip(alone, 64 << 20) == ([[0, 1, 2]], [])
     fulls, dtensors = _tensors(alone)
     pending = start_gather(dtensors, bucket_bytes=64 << 20)
-    assert [type(f) for f in pending._flights] == [Flat]
-    assert all(torch.equal(got, full) for got, full in zip(pending.finish(keep=True), fulls))
+    assert [type(f) for f in pending._flights] == [AllGatherFlight]
+    assert all(torch.equal(got, full) for got, full in zip(pending.finish(holds_fulls=True), fulls))
 
 
 def rank_fallback_placements_are_bit_identical():
@@ -99,7 +108,7 @@ def rank_strided_shard_never_takes_the_fast_path():
     assert dim0_layout(dtensors[0]) is None
     if STRIDED_SHARD_FULL_TENSOR_BROKEN:  # torch 2.10, 2.11: refused before any collective, never wrong
         with pytest.raises(NotImplementedError, match=r"_StridedShard that no other mesh dim completes"):
-            gather_full_tensors(dtensors)
+            refuse_placements([(lambda: "strided", dtensors[0])], writeback=False)
         return "refused"
     buckets, fallback = _check_roundtrip(specs, 1 << 20)
     assert buckets == [[1]] and fallback == [0]
@@ -119,15 +128,15 @@ def rank_partial_falls_back_and_keep_false_returns_nothing():
     partial = DTensor.from_local(local, mesh, [Partial()])
     assert dim0_layout(partial) is None
     expected = sum(range(1, dist.get_world_size() + 1))
-    (full,) = gather_full_tensors([partial]).tensors
+    (full,) = gather_full_tensors([partial], bucket_bytes=DEFAULT).tensors
     assert torch.equal(full, torch.full((3,), float(expected)))
     _, dtensors = _tensors([((5, 2), torch.float32, [Shard(0)])])
-    assert gather_full_tensors(dtensors, keep=False).tensors == [None]
+    assert gather_full_tensors(dtensors, holds_fulls=False, bucket_bytes=DEFAULT).tensors == [None]
 
 
 def rank_offload_moves_results_to_cpu():
     fulls, dtensors = _tensors([((9, 3), torch.float32, [Shard(0)]), ((4, 4), torch.float32, [Shard(1)])])
-    got = gather_full_tensors(dtensors, out_device=torch.device("cpu")).tensors
+    got = gather_full_tensors(dtensors, out_device=torch.device("cpu"), bucket_bytes=DEFAULT).tensors
     assert all(g.device.type == "cpu" and torch.equal(g, f) for g, f in zip(got, fulls))
 
 
@@ -141,7 +150,7 @@ def rank_non_contiguous_shards_and_broken_layouts():
     assert not local.is_contiguous()
     dtensor = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
     assert dim0_layout(dtensor) is not None
-    got, layouts, _ = gather_full_tensors([dtensor])
+    got, layouts, _ = gather_full_tensors([dtensor], bucket_bytes=DEFAULT)
     assert torch.equal(got[0], full)
     write_back_locals([(dtensor, got[0] * 2, layouts[0])])
     assert torch.equal(dtensor._local_tensor, full[4 * me: 4 * me + 4] * 2)
@@ -151,7 +160,7 @@ def rank_non_contiguous_shards_and_broken_layouts():
     odd = DTensor.from_local(torch.ones(rows, 2), mesh, [Shard(0)], run_check=False, shape=shape,
                              stride=(2, 1))
     with pytest.raises(ValueError, match="not the torch.chunk slice"):
-        gather_full_tensors([odd])
+        gather_full_tensors([odd], bucket_bytes=DEFAULT)
 
 
 def test_non_contiguous_shards_and_broken_layouts(dist_run):
@@ -177,19 +186,21 @@ def test_offload_moves_results_to_cpu(dist_run):
 
 def test_bucket_size_from_keyword_env_and_default(monkeypatch):
     monkeypatch.delenv(BUCKET_ENV, raising=False)
-    assert bucket_bytes_from_env() == int(DEFAULT_BUCKET_MB * 2**20)
+    assert bucket_cap() == (int(DEFAULT_BUCKET_MB * 2**20), False)
+    assert bucket_cap().collective_bytes(one_unit=True) is not None  # [Note: one unit, one collective]
     monkeypatch.setenv(BUCKET_ENV, "0.5")
-    assert bucket_bytes_from_env() == 2**19
-    assert bucket_bytes_from_env(2) == 2 * 2**20  # the keyword wins
+    assert bucket_cap() == (2**19, True)
+    assert bucket_cap().collective_bytes(one_unit=True) is None  # a chosen size holds for one unit too
+    assert bucket_cap(2).bucket_bytes == 2 * 2**20  # the keyword wins
     monkeypatch.setenv(BUCKET_ENV, "lots")
     with pytest.raises(ValueError, match=BUCKET_ENV):
-        bucket_bytes_from_env()
+        bucket_cap()
     with pytest.raises(ValueError, match="positive"):
-        bucket_bytes_from_env(0)
+        bucket_cap(0)
 
 
 def rank_receivers_deliver_to_exactly_the_ranks_named():
-    """Group rank 0 of each shard group, or global rank 0 alone (others skip). See ``Receiver`` in ``_layout``."""
+    """Group rank 0 of each shard group, or global rank 0 alone (others skip). See ``Receiver`` in ``_gather.layout``."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
@@ -204,28 +215,28 @@ def _deliver_to_exactly_the_ranks_named(mesh, fulls, dtensors, shard_rank):
     from fsdp_shim._gather.engine import start_gather
 
     for receiver, keeps in (("all", True), ("group_rank0", shard_rank == 0), ("global_rank0", dist.get_rank() == 0)):
-        got, _, _ = gather_full_tensors(dtensors, keep=keeps, receiver=receiver, bucket_bytes=300)
+        got, _, _ = gather_full_tensors(dtensors, holds_fulls=keeps, receiver=receiver, bucket_bytes=300)
         for full, out in zip(fulls, got):
             assert (out is not None) == keeps, receiver
             assert out is None or torch.equal(out, full), receiver
         pending = start_gather(dtensors, receiver=receiver, bucket_bytes=300)
         flights = list(pending._flights)
-        received = [(flight.padded_fulls if isinstance(flight, Landed) else flight.output) is not None
+        received = [(flight.padded_fulls if isinstance(flight, InPlace) else flight.output) is not None
                     for flight in flights]
         moved = [flight.work is not None for flight in flights]
         # small tensors share a bucket: one all-gather into one output, copied out
         assert any(len(flight.bucket) > 1 for flight in flights)
-        assert all(isinstance(flight, Flat) for flight in flights if flight.work is not None)  # what moves
+        assert all(isinstance(flight, AllGatherFlight) for flight in flights if flight.work is not None)  # what moves
         if receiver in ("all", "group_rank0"):  # every rank of a gathered group takes part, and receives
             assert all(received) and all(moved)
-            assert all(isinstance(flight, Flat) and flight.output is not None for flight in flights)
+            assert all(isinstance(flight, AllGatherFlight) and flight.output is not None for flight in flights)
         else:  # rank 0's shard group takes part (rank 1 drops what it got); ranks 2 and 3 move nothing at all
             assert all(r == (dist.get_rank() < 2) for r in received)
             assert all(m == (dist.get_rank() < 2) for m in moved)
-        got = pending.finish(keep=keeps)
+        got = pending.finish(holds_fulls=keeps)
         assert all(out is None or torch.equal(out, f) for out, f in zip(got, fulls))
     for receiver, keeps in (("global_rank0", dist.get_rank() == 0), ("all", True)):
-        cast = start_gather(dtensors, cast_to=torch.bfloat16, receiver=receiver, bucket_bytes=300).finish(keep=keeps)
+        cast = start_gather(dtensors, cast_to=torch.bfloat16, receiver=receiver, bucket_bytes=300).finish(holds_fulls=keeps)
         for full, out in zip(fulls, cast):
             assert (out is not None) == keeps
             assert out is None or (out.dtype == torch.bfloat16 and torch.equal(out, full.to(torch.bfloat16)))
@@ -246,10 +257,10 @@ def rank_staged_buckets_launch_later_and_in_order():
         # staged: every bucket's collective waits for launch(), none posted
         assert all(f.launch is not None and f.work is None for f in staged._flights)
         keeps = receiver == "all" or dist.get_rank() == 0
-        got_first = first.finish(keep=keeps)
+        got_first = first.finish(holds_fulls=keeps)
         staged.launch()
         assert all(getattr(f, "launch", None) is None and f.work is not None for f in staged._flights)
-        got_staged = staged.finish(keep=keeps)
+        got_staged = staged.finish(holds_fulls=keeps)
         if keeps:
             for full, got in zip(fulls[:2], got_first):
                 assert torch.equal(got, full.to(torch.bfloat16))
@@ -261,13 +272,13 @@ def rank_staged_buckets_launch_later_and_in_order():
 
 
 def _launched_then_dropped(dtensors, fulls):
-    again = start_gather(dtensors, receiver="all")
+    again = start_gather(dtensors, receiver="all", bucket_bytes=DEFAULT)
     for flight in again._flights:  # each bucket's all-gather launched; waited for here (twice), finish still copies out
         assert flight.work is not None and flight.work.wait() and flight.work.wait()
-    assert all(torch.equal(g, f) for g, f in zip(again.finish(keep=True), fulls))
-    dropped = start_gather(dtensors, receiver="all", launch=False)
+    assert all(torch.equal(g, f) for g, f in zip(again.finish(holds_fulls=True), fulls))
+    dropped = start_gather(dtensors, receiver="all", launch=False, bucket_bytes=DEFAULT)
     dropped.abandon()  # never launched on any rank: nothing to wait for, and nothing left behind
-    assert [torch.equal(g, f) for g, f in zip(gather_full_tensors(dtensors).tensors, fulls)] == [True] * 3
+    assert [torch.equal(g, f) for g, f in zip(gather_full_tensors(dtensors, bucket_bytes=DEFAULT).tensors, fulls)] == [True] * 3
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -293,10 +304,10 @@ def rank_summon_window_holds_two_buckets_at_most():
     try:
         gather = _engine.BucketGather(dtensors, bucket_bytes=64, ahead=1)  # one tensor a bucket
         assert len(gather._flights) == 1
-        got = gather.finish(keep=True)
+        got = gather.finish(holds_fulls=True)
         whole = _engine.BucketGather(dtensors, bucket_bytes=64)  # the stream's: every bucket at once
         assert len(whole._flights) == len(specs)
-        whole.finish(keep=True)
+        whole.finish(holds_fulls=True)
     finally:
         _engine._finish_bucket = original
     assert alive[: len(specs)] == [2] * (len(specs) - 1) + [1]

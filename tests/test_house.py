@@ -1,16 +1,24 @@
-"""The package's house rules, checked on its source: sizes, docstrings, and import direction.
+"""The package's house rules, checked on its source and on one summon: docstrings, import direction, rooms.
 
 No module docstring over 40 lines: notes live next to the code they explain,
 figures in ``docs/``. (0.8.1's 450-line cap per module is gone: it split the
 house by size, not by object, and FSDP2's own files run to 1,100 lines.) The runtime import graph among
 the package's modules (imports at module level, outside ``TYPE_CHECKING``)
 has no cycle, and ``_registry`` imports nothing of the package: it is data
-the swap fills in, never a caller back into it.
+the summon fills in, never a caller back into it. Runtime modules never
+import ``tools/`` (anywhere, deferred imports too), and the summon's rooms
+never import ``instrumentations/``: ``_patching`` installs them, deferred.
+One summon, entered and left, runs code in the eleven rooms of
+``docs/contributing.md`` and no others (0.9.0's 34 modules: fifteen).
 """
 
 from __future__ import annotations
 
 import ast
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "fsdp_shim"
@@ -74,3 +82,73 @@ def test_the_import_graph_has_no_cycle():
 
 def test_the_registry_calls_nothing_of_the_package():
     assert _runtime_imports(PACKAGE / "_registry.py") == set()
+
+
+def _every_import(path: Path) -> set[str]:
+    """Package modules ``path`` imports anywhere: module level, functions, ``TYPE_CHECKING`` blocks."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fsdp_shim"):
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("fsdp_shim"))
+    return found
+
+
+def test_runtime_modules_never_import_the_tools():
+    runtime = [p for p in MODULES if "tools" not in p.relative_to(PACKAGE).parts and p.name != "__main__.py"]
+    assert {p.name: sorted(i for i in _every_import(p) if i.startswith("fsdp_shim.tools"))
+            for p in runtime if any(i.startswith("fsdp_shim.tools") for i in _every_import(p))} == {}
+
+
+def test_only_the_patch_imports_the_instrumentations():
+    importers = {_module_name(p) for p in MODULES
+                 if "instrumentations" not in p.relative_to(PACKAGE).parts and "tools" not in p.relative_to(PACKAGE).parts
+                 and any(i.startswith("fsdp_shim.instrumentations") for i in _every_import(p))}
+    assert importers == {"fsdp_shim._patching"}
+
+
+ONE_SUMMON = """
+import json, os, sys
+import torch, torch.nn as nn, torch.distributed as dist
+import fsdp_shim
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, fully_shard
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+for layer in model:
+    fully_shard(layer)
+fully_shard(model)
+model(torch.randn(2, 4)).sum().backward()
+
+def summon():
+    with FSDP.summon_full_params(model[0], recurse=False, writeback=True), torch.no_grad():
+        model[0].weight.add_(1.0)
+
+summon()  # the first call works its scope out; the second is weight sync's steady state
+package = os.path.dirname(fsdp_shim.__file__)
+ran = set()
+sys.setprofile(lambda frame, event, arg: ran.add(os.path.relpath(frame.f_code.co_filename, package))
+               if frame.f_code.co_filename.startswith(package) else None)
+summon()
+sys.setprofile(None)
+print(json.dumps(sorted(ran)))
+dist.destroy_process_group()
+"""
+
+
+def test_one_summon_runs_in_the_rooms_the_layout_names():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FSDP_SHIM_")}
+    proc = subprocess.run([sys.executable, "-c", ONE_SUMMON, str(port)], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.splitlines()[-1]) == [
+        "_compat.py", "_exit.py", "_forward_hooks.py", "_fsdp2.py", "_gather/engine.py", "_gather/layout.py",
+        "_gather/staging.py", "_patching.py", "_registry.py", "_scope.py", "_summon.py",
+    ]

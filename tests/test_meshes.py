@@ -12,11 +12,19 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+import fsdp_shim
 from _helpers import (
-    LMConfig, assert_params_equal, assert_unchanged, build_lm, full_state, patched, rank, shard_lm, snapshot,
+    LMConfig,
+    assert_params_equal,
+    assert_unchanged,
+    build_lm,
+    full_state,
+    patched,
+    rank,
+    shard_lm,
+    snapshot,
     tokens_for,
 )
-import fsdp_shim
 from fsdp_shim._gather.layout import dim0_layout
 
 

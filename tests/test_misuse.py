@@ -19,7 +19,15 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 import fsdp_shim
 from _helpers import (
-    LMConfig, assert_unchanged, build_lm, full_state, mesh1d, patch_state_restored, patched, shard_lm, snapshot,
+    LMConfig,
+    assert_unchanged,
+    build_lm,
+    full_state,
+    mesh1d,
+    patch_state_restored,
+    patched,
+    shard_lm,
+    snapshot,
     tokens_for,
 )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import subprocess
@@ -14,7 +15,8 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 import fsdp_shim
 from fsdp_shim import _versions
-from fsdp_shim._summon import _route
+from fsdp_shim._patching import is_fsdp1_tree
+from fsdp_shim._summon import summon
 
 ORIGINAL = inspect.getattr_static(FSDP, "summon_full_params")
 while isinstance(ORIGINAL, wrapt.FunctionWrapper):  # the import patched it
@@ -78,10 +80,11 @@ def test_instance_access_still_works_like_a_staticmethod():
         pass
 
 
-def test_dispatch_routes_and_rejects_non_modules():
-    assert _route(nn.Linear(2, 2), True)[0] == "none"
+def test_routing_rejects_non_modules_and_gives_plain_modules_a_null_context():
+    assert isinstance(summon(nn.Linear(2, 2), True), contextlib.nullcontext)
+    assert not is_fsdp1_tree(nn.Linear(2, 2), recurse=True)
     with pytest.raises(TypeError, match="nn.Module"):
-        _route(object(), True)
+        summon(object(), True)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="nn.Module"):
         FSDP.summon_full_params(object())
     with pytest.raises(TypeError):  # FSDP1's signature is enforced

@@ -16,10 +16,16 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from _helpers import (
-    LMConfig, assert_unchanged, build_lm, rank, shard_lm, snapshot, tokens_for,
-)
 import fsdp_shim
+from _helpers import (
+    LMConfig,
+    assert_unchanged,
+    build_lm,
+    rank,
+    shard_lm,
+    snapshot,
+    tokens_for,
+)
 from fsdp_shim._gather import layout as _layout
 from fsdp_shim._stream import batch_params
 

@@ -3,7 +3,7 @@
 Owns staging a bucket and launching its all-gather, the copy-out, the
 ``full_tensor()`` fallback and the one driver (``BucketGather``) the summon
 (``gather_full_tensors``) and the stream (``start_gather``) use. Nothing here knows about modules, FSDP
-state or swapping; ``_swap`` decides *what* to gather and where the results
+state or swapping; ``_summon`` and ``_stream`` decide *what* to gather and where the results
 go.
 
 [Note: one bucket in flight]
@@ -44,15 +44,24 @@ from __future__ import annotations
 import collections
 import functools
 import logging
-import torch
-import torch.distributed as dist
 from collections.abc import Sequence
-from fsdp_shim._compat import all_gather_single, grad_disabled
-from fsdp_shim._gather.layout import BucketShape, Dim0Layout, GatherPlan, Receiver, bucket_bytes_from_env, gathered_dtype, mark_out_of_step, plan_gather, require_gatherable
-from fsdp_shim._gather.staging import BucketEntry, Flat, InFlight, Landed, copy_in
-from torch.distributed.tensor import DTensor
 from typing import NamedTuple, cast
 
+import torch
+from torch.distributed.tensor import DTensor
+
+from fsdp_shim._compat import all_gather_single, grad_disabled
+from fsdp_shim._gather.layout import (
+    BucketPlan,
+    BucketShape,
+    Dim0Layout,
+    Receiver,
+    bucket_plan,
+    delivers_over,
+    gathered_dtype,
+    mark_out_of_step,
+)
+from fsdp_shim._gather.staging import AllGatherFlight, BucketEntry, InFlight, InPlace, copy_in
 
 logger = logging.getLogger("fsdp_shim")
 
@@ -82,8 +91,8 @@ def _stage_bucket(bucket: list[BucketEntry], shape: BucketShape, receiver: Recei
     world_size, group, rank = first.layout.world_size, first.layout.group, first.layout.rank
     split_sizes, dtype = shape.split_sizes, shape.dtype
     comm_device = _comm_device(first.dtensor)
-    if receiver == "global_rank0" and 0 not in dist.get_process_group_ranks(group):
-        return Landed(bucket, split_sizes)  # nobody here receives: nothing to move (a group's rank 0 always is)
+    if not delivers_over(receiver, group):
+        return InPlace(bucket, split_sizes)  # nobody on this group receives: nothing to move
     if world_size == 1:
         return _start_alone(bucket, split_sizes, dtype, comm_device)
     per_rank = sum(split_sizes)
@@ -91,7 +100,7 @@ def _stage_bucket(bucket: list[BucketEntry], shape: BucketShape, receiver: Recei
     gather_input = copy_in(bucket, split_sizes, dtype, comm_device, output[rank * per_rank:(rank + 1) * per_rank],
                            shape.unpadded)
     launch = functools.partial(all_gather_single, output, gather_input, group=group, async_op=True)
-    return Flat(bucket, split_sizes, output=output, launch=launch, gather_input=gather_input)
+    return AllGatherFlight(bucket, split_sizes, output=output, launch=launch, gather_input=gather_input)
 
 
 def _start_alone(bucket: list[BucketEntry], split_sizes: list[int], dtype: torch.dtype, device: torch.device) -> InFlight:
@@ -107,10 +116,10 @@ def _start_alone(bucket: list[BucketEntry], split_sizes: list[int], dtype: torch
     """
     padded_fulls = [torch.empty(padded, dtype=dtype, device=device) for padded in split_sizes]
     torch._foreach_copy_(padded_fulls, [b.dtensor._local_tensor.reshape(-1) for b in bucket])
-    return Landed(bucket, split_sizes, padded_fulls=padded_fulls)
+    return InPlace(bucket, split_sizes, padded_fulls=padded_fulls)
 
 
-def _arrived(flight: InFlight) -> None:
+def _wait_once(flight: InFlight) -> None:
     """Wait for ``flight``'s collective, once (see [Note: every posted work is waited for]).
 
     A wait that raises an ``Exception`` (a timeout, a dead peer) records the
@@ -124,11 +133,11 @@ def _arrived(flight: InFlight) -> None:
         work.wait()
     except Exception as error:
         flight.work = None  # never waited twice
-        held = (flight.output, flight.gather_input) if isinstance(flight, Flat) else ()
+        held = (flight.output, flight.gather_input) if isinstance(flight, AllGatherFlight) else ()
         mark_out_of_step(flight.bucket[0].layout.group, error, held)  # its buffers are never freed under it
         raise
     flight.work = None
-    if isinstance(flight, Flat):
+    if isinstance(flight, AllGatherFlight):
         flight.gather_input = None
 
 
@@ -146,32 +155,32 @@ def _wait_all(flights: Sequence[InFlight]) -> BaseException | None:
     the same bucket on each, before that bucket's collective is posted, so the
     ranks stay in step and the group stays usable. A wait that fails (a
     timeout, a dead peer) records the group as out of step (see
-    [Note: out of step] in ``_layout``). A work is never waited for twice.
+    [Note: out of step] in ``layout``). A work is never waited for twice.
     """
     first: BaseException | None = None
     for flight in flights:
         try:
-            _arrived(flight)
+            _wait_once(flight)
         except BaseException as error:  # noqa: BLE001  (KeyboardInterrupt too: the others are still waited for)
             first = first or error
             if flight.work is not None:  # interrupted: wait for it once more, uninterrupted this time
                 try:
-                    _arrived(flight)
+                    _wait_once(flight)
                 except BaseException:  # noqa: BLE001
                     pass
     return first
 
 
-def _finish_bucket(flight: InFlight, keep: bool, out_device: torch.device | None) -> list[torch.Tensor]:
+def _finish_bucket(flight: InFlight, holds_fulls: bool, out_device: torch.device | None) -> list[torch.Tensor]:
     """Wait for the bucket's collective and copy each tensor out. See [Note: bucket layout].
 
     Called under ``no_grad``.
     """
-    _arrived(flight)
-    if isinstance(flight, Landed):  # a group of one, or nothing moved: already in place
-        return [_on(full, out_device) for full in _in_place_results(flight)] if keep else []
-    assert isinstance(flight, Flat)
-    if not keep:
+    _wait_once(flight)
+    if isinstance(flight, InPlace):  # a group of one, or nothing moved: already in place
+        return [_to_device(full, out_device) for full in _in_place_results(flight)] if holds_fulls else []
+    assert isinstance(flight, AllGatherFlight)
+    if not holds_fulls:
         return []  # rank0_only: this rank holds nothing once the gather is done
     output = flight.output
     assert output is not None, "a rank that keeps full tensors received them"
@@ -194,7 +203,7 @@ def _unpadded(padded: torch.Tensor, layout: Dim0Layout) -> torch.Tensor:
     return padded if padded.shape[0] == rows else padded[:rows]  # a slice: cheaper than narrow() on the host
 
 
-def _copy_out(output: torch.Tensor, flight: Flat) -> list[torch.Tensor]:
+def _copy_out(output: torch.Tensor, flight: AllGatherFlight) -> list[torch.Tensor]:
     """Scatter a multi-tensor bucket's output into fresh padded full tensors; each one's full tensor.
 
     See [Note: bucket layout]: only the first ``R`` rank blocks hold rows,
@@ -219,24 +228,24 @@ def _views(padded_fulls: list[torch.Tensor], flight: InFlight) -> list[torch.Ten
     return [buf[: b.dtensor.numel()].view(b.dtensor.shape) for buf, b in zip(padded_fulls, flight.bucket)]
 
 
-def _in_place_results(flight: Landed) -> list[torch.Tensor]:
-    """A ``Landed`` bucket's full tensors: views of the padded full tensors the transfer wrote into."""
+def _in_place_results(flight: InPlace) -> list[torch.Tensor]:
+    """A ``InPlace`` bucket's full tensors: views of the padded full tensors the transfer wrote into."""
     assert flight.padded_fulls is not None, "a rank that keeps full tensors received them"
     return _views(flight.padded_fulls, flight)
 
 
-def _on(tensor: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+def _to_device(tensor: torch.Tensor, device: torch.device | None) -> torch.Tensor:
     return tensor if device is None or tensor.device == device else tensor.to(device)
 
 
 @torch.no_grad()
 def _gather_fallback(
-    dtensor: DTensor, keep: bool, out_device: torch.device | None, cast_to: torch.dtype | None = None
+    dtensor: DTensor, holds_fulls: bool, out_device: torch.device | None, cast_to: torch.dtype | None = None
 ) -> torch.Tensor | None:
     dtype = gathered_dtype(dtensor, cast_to)
     source = dtensor if dtype == dtensor.dtype else cast(DTensor, dtensor.to(dtype))  # a local, elementwise cast
     full = source.full_tensor()
-    if not keep:
+    if not holds_fulls:
         return None
     local = dtensor._local_tensor
     if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
@@ -249,7 +258,7 @@ def _gather_fallback(
 class Gathered(NamedTuple):
     tensors: list[torch.Tensor | None]  # full tensors, None where not kept
     layouts: list[Dim0Layout | None]  # fast-path layouts, for ``write_back_locals``
-    plan: GatherPlan  # what the gather followed; a caller may pass it back for the same tensors
+    plan: BucketPlan  # what the gather followed; a caller may pass it back for the same tensors
 
 
 class BucketGather:
@@ -271,18 +280,14 @@ class BucketGather:
         dtensors: Sequence[DTensor],
         *,
         cast_to: torch.dtype | None = None,
-        bucket_bytes: int | None = None,
+        bucket_bytes: int,
         receiver: Receiver = "all",
         ahead: int | None = None,
         launch: bool = True,
-        checked: bool = False,
-        plan: GatherPlan | None = None,
+        plan: BucketPlan | None = None,
         collective_bytes: int | None = None,
     ) -> None:
-        if not checked:
-            require_gatherable(dtensors)
-        cap = bucket_bytes_from_env() if bucket_bytes is None else bucket_bytes
-        self.plan = plan_gather(dtensors, cap, cast_to, reuse=plan, collective_bytes=collective_bytes)
+        self.plan = bucket_plan(dtensors, bucket_bytes, cast_to, reuse=plan, collective_bytes=collective_bytes)
         buckets, self._fallback = self.plan.bind(dtensors), list(self.plan.fallback)
         self._dtensors = list(dtensors)
         self._cast_to = cast_to
@@ -314,20 +319,20 @@ class BucketGather:
             self._drop()
             raise
 
-    def finish(self, *, keep: bool, out_device: torch.device | None = None) -> list[torch.Tensor | None]:
+    def finish(self, *, holds_fulls: bool, out_device: torch.device | None = None) -> list[torch.Tensor | None]:
         """Wait and copy out, bucket by bucket (each output freed as soon as it is copied), then the fallbacks."""
-        return self.finish_with_layouts(keep=keep, out_device=out_device).tensors
+        return self.finish_with_layouts(holds_fulls=holds_fulls, out_device=out_device).tensors
 
-    def finish_with_layouts(self, *, keep: bool, out_device: torch.device | None = None) -> Gathered:
+    def finish_with_layouts(self, *, holds_fulls: bool, out_device: torch.device | None = None) -> Gathered:
         """``finish``, with the layout each tensor was gathered by (writeback reuses it)."""
         try:
             with grad_disabled():
-                return self._finish(keep, out_device)
+                return self._finish(holds_fulls, out_device)
         except BaseException:
             self._drop()
             raise
 
-    def _finish(self, keep: bool, out_device: torch.device | None) -> Gathered:
+    def _finish(self, holds_fulls: bool, out_device: torch.device | None) -> Gathered:
         self.launch()
         results: list[torch.Tensor | None] = [None] * len(self._dtensors)
         layouts: list[Dim0Layout | None] = [None] * len(self._dtensors)
@@ -338,12 +343,12 @@ class BucketGather:
                 self._stage_ahead(launch=True, finishing=1)  # the next bucket moves while this one is copied out
             for b in flight.bucket:
                 layouts[b.position] = b.layout
-            for b, full in zip(flight.bucket, _finish_bucket(flight, keep, out_device)):
+            for b, full in zip(flight.bucket, _finish_bucket(flight, holds_fulls, out_device)):
                 results[b.position] = full
             flights.popleft()
             del flight
         for index in self._fallback:
-            results[index] = _gather_fallback(self._dtensors[index], keep, out_device, self._cast_to)
+            results[index] = _gather_fallback(self._dtensors[index], holds_fulls, out_device, self._cast_to)
         self._fallback = []
         return Gathered(results, layouts, self.plan)
 
@@ -370,37 +375,37 @@ class BucketGather:
 def gather_full_tensors(
     dtensors: Sequence[DTensor],
     *,
-    keep: bool = True,
+    holds_fulls: bool = True,
     out_device: torch.device | None = None,
-    bucket_bytes: int | None = None,
+    bucket_bytes: int,
     receiver: Receiver = "all",
-    checked: bool = False,
-    plan: GatherPlan | None = None,
+    plan: BucketPlan | None = None,
     collective_bytes: int | None = None,
 ) -> Gathered:
     """All-gather every DTensor in ``dtensors`` to a plain full tensor, one bucket in flight.
 
     A collective: every rank of the meshes involved must call it with the same
-    tensors in the same order. ``keep=False`` takes part in the collectives
+    tensors in the same order. ``holds_fulls=False`` takes part in the collectives
     but returns ``None`` for every tensor (``rank0_only`` on other ranks).
     ``out_device`` moves results there bucket by bucket (``offload_to_cpu``).
     Results never alias the DTensors' local storage. With a ``receiver`` other
-    than ``"all"``, ``keep`` must be False on every rank it does not name.
+    than ``"all"``, ``holds_fulls`` must be False on every rank it does not name
+    (``layout.Receivers`` says both).
 
-    Raises ``NotImplementedError`` before any collective if this torch cannot
-    gather one of the placements correctly (``_compat.ungatherable_reason``),
-    unless ``checked``: the caller refused that already.
+    The caller has refused what cannot be gathered (placements this torch gets
+    wrong, dead or out-of-step groups: ``_summon.refuse_placements``) before
+    calling; the engine does not check again.
     """
-    gather = BucketGather(dtensors, bucket_bytes=bucket_bytes, receiver=receiver, ahead=1, checked=checked,
-                          plan=plan, collective_bytes=collective_bytes)
-    return gather.finish_with_layouts(keep=keep, out_device=out_device)
+    gather = BucketGather(dtensors, bucket_bytes=bucket_bytes, receiver=receiver, ahead=1, plan=plan,
+                          collective_bytes=collective_bytes)
+    return gather.finish_with_layouts(holds_fulls=holds_fulls, out_device=out_device)
 
 
 def start_gather(
     dtensors: Sequence[DTensor],
     *,
     cast_to: torch.dtype | None = None,
-    bucket_bytes: int | None = None,
+    bucket_bytes: int,
     receiver: Receiver = "all",
     launch: bool = True,
 ) -> BucketGather:

@@ -1,9 +1,12 @@
 """Planning a gather: the dim-0 layout of each DTensor, its buckets, who receives.
 
-Owns the caches of layouts and mesh dims (keyed weakly by the DTensor spec
-and mesh), the bucket cap, and the record of groups left out of step. Reads global metadata
-only, so every rank plans the same buckets in the same order. Nothing here
-moves data.
+Owns four decisions, for the summon and the stream alike: the bucket cap
+(``bucket_cap``), the bucket plan (``bucket_plan``), who receives
+(``receivers_for_summon``, ``receivers_for_stream``, ``delivers_over``) and
+which groups are out of step (``mark_out_of_step``, ``require_live_groups``);
+and the caches of layouts and mesh dims (keyed weakly by the DTensor spec and
+mesh). Reads global metadata only, so every rank plans the same buckets in
+the same order. Nothing here moves data.
 
 [Note: dim-0 layout]
 FSDP2 and DTensor's ``Shard(0)`` both split dim 0 the way ``torch.chunk`` does:
@@ -33,17 +36,17 @@ from __future__ import annotations
 
 import logging
 import os
-import torch
-import torch.distributed as dist
 import weakref
-from collections.abc import Callable, Iterable, Sequence
-from fsdp_shim import _fsdp2 as fsdp2
-from fsdp_shim._compat import is_dim0_shard, is_live_group, is_replicate, ungatherable_reason
-from fsdp_shim._scope import Scope
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, Literal, NamedTuple
 
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from fsdp_shim import _fsdp2 as fsdp2
+from fsdp_shim._compat import is_dim0_shard, is_live_group, is_replicate
 
 logger = logging.getLogger("fsdp_shim")
 
@@ -67,13 +70,24 @@ DEFAULT_BUCKET_MB = 4.0
 UNCAPPED = 1 << 62
 
 
-def bucket_bytes_from_env(explicit: float | None = None, default_mb: float = DEFAULT_BUCKET_MB) -> int:
-    """The bucket cap in bytes: ``explicit`` MiB, else ``$FSDP_SHIM_BUCKET_MB``, else ``default_mb``."""
-    return bucket_bytes_chosen(explicit, default_mb)[0]
+class BucketCap(NamedTuple):
+    """One call's bucket cap, and whether the caller chose it: the one place the cap is decided."""
+
+    bucket_bytes: int
+    chosen: bool  # by argument or environment, rather than defaulted
+
+    def collective_bytes(self, one_unit: bool) -> int | None:
+        """The cap where buckets move by a collective: ``UNCAPPED`` for one unit's summon with no chosen
+        size (see [Note: one unit, one collective]), else ``None`` (the bucket cap)."""
+        return UNCAPPED if one_unit and not self.chosen else None
 
 
-def bucket_bytes_chosen(explicit: float | None = None, default_mb: float = DEFAULT_BUCKET_MB) -> tuple[int, bool]:
-    """``bucket_bytes_from_env``, and whether the size was chosen (argument or environment) rather than defaulted."""
+def bucket_cap(explicit_mb: float | None = None, default_mb: float = DEFAULT_BUCKET_MB) -> BucketCap:
+    """``explicit_mb`` MiB, else ``$FSDP_SHIM_BUCKET_MB``, else ``default_mb`` (the summon's 4, the stream's 6).
+
+    Raises ``ValueError`` for a size that is not a positive number: at the call, before anything moves.
+    """
+    explicit = explicit_mb
     if explicit is None:
         raw = os.environ.get(BUCKET_ENV)
         if raw:
@@ -84,7 +98,7 @@ def bucket_bytes_chosen(explicit: float | None = None, default_mb: float = DEFAU
     mib = default_mb if explicit is None else explicit
     if mib <= 0:
         raise ValueError(f"bucket size must be positive, got {mib} MiB")
-    return int(mib * 1024 * 1024), explicit is not None
+    return BucketCap(int(mib * 1024 * 1024), explicit is not None)
 
 
 class Dim0Layout(NamedTuple):
@@ -268,12 +282,12 @@ class BucketShape(NamedTuple):
     unpadded: bool  # every shard on this rank fills its padded size: the copy-in is one cat
 
 
-class GatherPlan(NamedTuple):
-    """``plan_buckets``' answer by position, reusable for as long as ``key`` (``plan_key``) matches.
+class BucketPlan(NamedTuple):
+    """``split_into_buckets``' answer by position, reusable for as long as ``key`` (``bucket_plan_key``) matches.
 
     A per-unit summon gathers the same parameters call after call: planning
     them again (a layout lookup, a dtype and a bucket key per tensor) was a
-    sixth of the gather's host cost. See [Note: summon plans] in ``_plans``.
+    sixth of the gather's host cost. See [Note: summon cache] in ``_scope``.
     """
 
     key: tuple[Any, ...]
@@ -287,7 +301,7 @@ class GatherPlan(NamedTuple):
         return [[BucketEntry(p, dtensors[p], layout) for p, layout in bucket] for bucket in self.buckets]
 
 
-def plan_key(
+def bucket_plan_key(
     dtensors: Sequence[DTensor], bucket_bytes: int, cast_to: torch.dtype | None, collective_bytes: int | None = None,
 ) -> tuple[Any, ...]:
     """Everything a plan depends on: each tensor's spec (by identity: equal meshes may hold other
@@ -297,25 +311,25 @@ def plan_key(
     ])
 
 
-def plan_gather(
+def bucket_plan(
     dtensors: Sequence[DTensor], bucket_bytes: int, cast_to: torch.dtype | None = None,
-    reuse: GatherPlan | None = None, collective_bytes: int | None = None,
-) -> GatherPlan:
-    """The plan for ``dtensors``: ``reuse`` if it was made for the same key, else a new one (``plan_buckets``)."""
-    key = plan_key(dtensors, bucket_bytes, cast_to, collective_bytes)
+    reuse: BucketPlan | None = None, collective_bytes: int | None = None,
+) -> BucketPlan:
+    """The plan for ``dtensors``: ``reuse`` if it was made for the same key, else a new one (``split_into_buckets``)."""
+    key = bucket_plan_key(dtensors, bucket_bytes, cast_to, collective_bytes)
     if reuse is not None and reuse.key == key:
         return reuse
-    buckets, fallback = plan_buckets(dtensors, bucket_bytes, cast_to, collective_bytes)
+    buckets, fallback = split_into_buckets(dtensors, bucket_bytes, cast_to, collective_bytes)
     shapes = [
         BucketShape([b.layout.padded_numel for b in bucket], gathered_dtype(bucket[0].dtensor, cast_to),
                     fills_padding(bucket))
         for bucket in buckets
     ]
-    return GatherPlan(key, [[(b.position, b.layout) for b in bucket] for bucket in buckets], fallback,
+    return BucketPlan(key, [[(b.position, b.layout) for b in bucket] for bucket in buckets], fallback,
                       [d._spec for d in dtensors], shapes)
 
 
-def plan_buckets(
+def split_into_buckets(
     dtensors: Sequence[DTensor], bucket_bytes: int, cast_to: torch.dtype | None = None,
     collective_bytes: int | None = None,
 ) -> tuple[list[list[BucketEntry]], list[int]]:
@@ -359,70 +373,60 @@ def plan_buckets(
     return buckets, fallback
 
 
-#: Who receives full tensors. ``"all"``: every rank (all-gather). ``"group_rank0"``:
-#: rank 0 of each process group gathered over (FSDP1's ``rank0_only``: each
-#: shard group's). ``"global_rank0"``: global rank 0 alone; buckets over groups
-#: without it are skipped. Every rank of a gathered group takes part in its
-#: all-gather; the others drop what they received.
+# -- who receives ---------------------------------------------------------
+
+#: Which ranks a gather delivers full tensors to. ``"all"``: every rank (all-gather).
+#: ``"group_rank0"``: rank 0 of each process group gathered over (FSDP1's ``rank0_only``:
+#: each shard group's). ``"global_rank0"``: global rank 0 alone; buckets over groups
+#: without it are skipped (``delivers_over``). Every rank of a gathered group takes
+#: part in its all-gather; the others drop what they received.
 Receiver = Literal["all", "group_rank0", "global_rank0"]
 
 
-def require_gatherable(dtensors: Sequence[DTensor]) -> None:
-    """Refuse, before any collective, what this torch cannot gather correctly or a dead group cannot."""
-    for index, dtensor in enumerate(dtensors):
-        reason = ungatherable_reason(dtensor.placements)
-        if reason is not None:
-            raise NotImplementedError(f"cannot gather tensor {index} of shape {tuple(dtensor.shape)}: {reason}")
-    meshes: set[int] = set()
-    for index, dtensor in enumerate(dtensors):
-        if id(dtensor.device_mesh) not in meshes:  # each mesh checked once a call
-            meshes.add(id(dtensor.device_mesh))
-            require_live_groups(mesh_dim_groups(dtensor.device_mesh),
-                                lambda: f"tensor {index} of shape {tuple(dtensor.shape)}")  # noqa: B023 (called at once)
-
-
-
-# ---- from _receivers.py ----------------------------------------
-# Who receives full tensors, and whether this rank keeps them: FSDP1's ``rank0_only``, on meshes.
-#
-# The one place that decides it, for the summon and for the stream. The gather
-# engine is told the answer (a ``_layout.Receiver``, and ``keep`` for this
-# rank) and never decides it.
-#
-# FSDP1's ``rank0_only`` means rank 0 *of the FSDP shard group*: under HSDP that
-# is rank 0 of every replica. With no FSDP2 unit to name a shard group (tensor
-# parallel alone, or the stream, which walks a whole model whose units may sit
-# on different meshes) it is global rank 0. The gather may deliver to more
-# ranks than keep (a superset is always correct); it never delivers to fewer.
-
-
 class Receivers(NamedTuple):
+    """Who receives a call's full tensors, and whether this rank holds them afterwards.
+
+    [Note: who receives]
+    The one place that decides it, for the summon and the stream; the engine
+    is told the answer and never decides it. FSDP1's ``rank0_only`` means
+    rank 0 *of the FSDP shard group*: under HSDP that is rank 0 of every
+    replica. With no FSDP2 unit to name a shard group (tensor parallel
+    alone, or the stream, which walks a whole model whose units may sit on
+    different meshes) it is global rank 0. The gather may deliver to more
+    ranks than hold the results (a superset is always correct); never to fewer.
+    """
+
     receiver: Receiver  # which ranks the gather delivers to
-    keep: bool  # whether this rank keeps the full tensors it is delivered
+    holds_fulls: bool  # whether this rank holds the full tensors once gathered
 
 
 _EVERY_RANK = Receivers("all", True)
 
 
-def for_summon(scope: Scope, rank0_only: bool) -> Receivers:
-    """Who receives a summon's full tensors (see the module docstring)."""
+def receivers_for_summon(rank0_only: bool, groups: Collection[fsdp2.FSDPParamGroup], fsdp2_only: bool) -> Receivers:
+    """Who receives a summon's full tensors: ``groups`` are the FSDP2 groups in its scope, ``fsdp2_only``
+    whether FSDP2 manages everything in it. See [Note: who receives]."""
     if not rank0_only:
         return _EVERY_RANK
-    if not scope.groups:
+    if not groups:
         return Receivers("global_rank0", dist.get_rank() == 0)
-    keep = True
-    for group in scope.groups:  # a per-unit summon's path: a loop, not a generator
+    holds = True
+    for group in groups:  # a per-unit summon's path: a loop, not a generator
         if fsdp2.shard_rank(group) != 0:
-            keep = False
+            holds = False
             break
-    if scope.fsdp2_only:
-        # each shard group's rank 0 keeps, and is rank 0 of the group the gather runs over
-        return Receivers("group_rank0", keep)
-    return Receivers("all", keep)  # FSDP2 units and other DTensors in one call: the simple, safe answer
+    if fsdp2_only:  # each shard group's rank 0 holds, and is rank 0 of the group the gather runs over
+        return Receivers("group_rank0", holds)
+    return Receivers("all", holds)  # FSDP2 units and other DTensors in one call: the simple, safe answer
 
 
-def for_stream(rank0_only: bool) -> Receivers:
+def receivers_for_stream(rank0_only: bool) -> Receivers:
     """Who receives ``iter_full_params``' tensors: every rank, or global rank 0 alone."""
     if not rank0_only:
         return _EVERY_RANK
     return Receivers("global_rank0", not dist.is_initialized() or dist.get_rank() == 0)
+
+
+def delivers_over(receiver: Receiver, group: dist.ProcessGroup) -> bool:
+    """Whether a gather over ``group`` delivers to anyone (a group's own rank 0 always receives)."""
+    return receiver != "global_rank0" or 0 in dist.get_process_group_ranks(group)

@@ -1,17 +1,19 @@
 """Staging a bucket: its padded input copied in (and cast), and the record of it in flight.
 
-Owns the in-flight record of a staged bucket (``Landed``: full tensors
-already in place; ``Flat``: one all-gather output to copy out) and the
+Owns the in-flight record of a staged bucket (``InPlace``: full tensors
+already in place; ``AllGatherFlight``: one all-gather output to copy out) and the
 copy-in.
 """
 
 from __future__ import annotations
 
-import torch
 from collections.abc import Callable
 from dataclasses import dataclass
-from fsdp_shim._gather.layout import BucketEntry, fills_padding
 from typing import Any, Protocol
+
+import torch
+
+from fsdp_shim._gather.layout import BucketEntry, fills_padding
 
 
 class Waitable(Protocol):
@@ -22,12 +24,12 @@ class Waitable(Protocol):
 
 @dataclass(eq=False)
 class InFlight:
-    """A staged bucket, in one of two shapes (``Landed``, ``Flat``); its collective until it is in.
+    """A staged bucket, in one of two shapes (``InPlace``, ``AllGatherFlight``); its collective until it is in.
 
     ``work`` is its launched collective (``None`` where there is none, or
     until it is launched); everything the collective reads or writes is
     held here until ``work`` is waited for (see [Note: every posted work
-    is waited for] in ``_engine``).
+    is waited for] in ``_gather.engine``).
     """
 
     bucket: list[BucketEntry]
@@ -40,7 +42,7 @@ class InFlight:
 
 
 @dataclass(eq=False)
-class Landed(InFlight):
+class InPlace(InFlight):
     """Full tensors already where they stay, with no collective: a shard group of one, or nothing to move.
 
     ``padded_fulls`` are the padded full tensors; ``None`` where this rank
@@ -51,7 +53,7 @@ class Landed(InFlight):
 
 
 @dataclass(eq=False)
-class Flat(InFlight):
+class AllGatherFlight(InFlight):
     """A bucket all-gathered into one flat output of ``W`` rank blocks, copied out afterwards.
 
     ``launch`` holds the collective while the bucket is staged and not yet

@@ -13,9 +13,11 @@ In the manner of OpenTelemetry's instrumentors, an ``Instrumentation``:
 
 [Note: adding an instrumentation]
 Subclass ``Instrumentation`` with ``name``, ``module``, ``upstream``,
-``expects`` (module attributes that must exist) and ``_apply``/``_undo``
-mirroring each other, then add an instance to
-``_instrumentation.INSTRUMENTATIONS``. Change only what blocks FSDP2 (or
+``expects`` (module attributes that must exist), ``binders`` and
+``bound_names`` where other modules copy the names it adapts, and
+``_apply``/``_undo`` mirroring each other, in a module of its own client
+under ``instrumentations/``; then add an instance to
+``instrumentations.INSTRUMENTATIONS``. Change only what blocks FSDP2 (or
 makes it wrong), reached through that module, and leave everything else as
 the module left it.
 """
@@ -25,11 +27,12 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-import wrapt
-from fsdp_shim import _compat as _diagnostics, _versions
 from types import ModuleType
 from typing import Any, ClassVar
 
+import wrapt
+
+from fsdp_shim import _versions
 
 logger = logging.getLogger("fsdp_shim")
 
@@ -39,10 +42,14 @@ class Instrumentation:
 
     Subclasses fill in the class attributes and ``_apply``/``_undo``.
 
-    ``binders`` names modules that bind one of the instrumented module's
-    names by ``from ... import name`` (a copy of the reference, taken at
-    their import): ``_rebind`` is offered each of them, imported before the
-    instrumentation or after, while it is applied.
+    [Note: binders]
+    ``binders`` names modules that copy some of the instrumented module's
+    ``bound_names`` by ``from ... import name`` (a copy of the reference,
+    taken at their import). While the instrumentation is applied, a binder
+    imported before it is rebound to the adapted names, and one imported
+    after copies the adapted names itself. ``uninstrument`` gives every
+    binder that holds an adapted name the original back, whichever way it
+    got it: the adapted names never outlive the patch.
     """
 
     name: ClassVar[str]
@@ -50,12 +57,14 @@ class Instrumentation:
     upstream: ClassVar[str]
     expects: ClassVar[tuple[str, ...]] = ()
     binders: ClassVar[tuple[str, ...]] = ()
+    bound_names: ClassVar[tuple[str, ...]] = ()  # what ``binders`` copy; see [Note: binders]
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._wanted = False
         self._pending: set[str] = set()  # module names with a post-import hook registered and not yet fired
         self._applied_to: ModuleType | None = None
+        self._bound: dict[str, tuple[Any, Any]] = {}  # name -> (original, adapted); see [Note: binders]
         self.status = "not instrumented"
 
     @property
@@ -100,6 +109,7 @@ class Instrumentation:
             self._wanted = False
             module, self._applied_to = self._applied_to, None
             if module is not None:
+                self._unbind()
                 self._undo(module)
                 logger.debug("uninstrumented %s", self.module)
             self.status = "not instrumented"
@@ -111,14 +121,16 @@ class Instrumentation:
             problem = self._mismatch(module)
             if problem is not None:
                 self.status = f"skipped: {problem}"
-                _diagnostics.log_warning("fsdp_shim: not instrumenting %s: %s", self.module, problem)
+                _versions.log_warning("fsdp_shim: not instrumenting %s: %s", self.module, problem)
                 return
             unneeded = self._not_needed(module)
             if unneeded is not None:
                 self.status = f"not needed: {unneeded}"
                 logger.debug("not instrumenting %s: %s", self.module, unneeded)
                 return
+            originals = {name: getattr(module, name) for name in self.bound_names}
             self._apply(module)
+            self._bound = {name: (original, getattr(module, name)) for name, original in originals.items()}
             self._applied_to = module
             for binder in self.binders:
                 if binder in sys.modules:
@@ -146,4 +158,15 @@ class Instrumentation:
         raise NotImplementedError
 
     def _rebind(self, binder: ModuleType) -> None:
-        """Point ``binder``'s copies of instrumented names at the adapted ones (called under the lock)."""
+        """Point ``binder``'s copies of the original names at the adapted ones (called under the lock)."""
+        for name, (original, adapted) in self._bound.items():
+            if getattr(binder, name, None) is original:
+                setattr(binder, name, adapted)
+
+    def _unbind(self) -> None:
+        """Every binder holding an adapted name gets the original back (called under the lock)."""
+        for binder in (sys.modules.get(name) for name in self.binders):
+            for name, (original, adapted) in self._bound.items():
+                if binder is not None and getattr(binder, name, None) is adapted:
+                    setattr(binder, name, original)
+        self._bound = {}

@@ -40,15 +40,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import torch
-import wrapt
 from collections import OrderedDict
-from fsdp_shim.instrumentations.base import Instrumentation
-from torch.nn.utils.rnn import PackedSequence
-from torch.utils import _pytree
 from types import ModuleType
 from typing import Any
 
+import torch
+import wrapt
+from torch.nn.utils.rnn import PackedSequence
+from torch.utils import _pytree
+
+from fsdp_shim.instrumentations.base import Instrumentation
 
 logger = logging.getLogger("fsdp_shim")
 

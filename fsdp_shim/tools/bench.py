@@ -11,27 +11,30 @@ live before the contender.
 from __future__ import annotations
 
 import ctypes
-import fsdp_shim
 import gc
 import platform
 import random
 import resource
 import statistics
 import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import cast
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import wrapt
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.tensor import DTensor
+
+import fsdp_shim
 from fsdp_shim._compat import all_gather_single
-from fsdp_shim._gather.layout import bucket_bytes_from_env
+from fsdp_shim._gather.layout import bucket_cap
 from fsdp_shim.tools.launch import rank_device, report_progress
 from fsdp_shim.tools.models import LMConfig, build_lm, shard_lm, tokens_for, wrap_lm_fsdp1
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel as FSDP
-from torch.distributed.tensor import DTensor
-from typing import cast
 
 
 @dataclass(frozen=True)
@@ -182,7 +185,7 @@ def _contenders(
         contenders["stream_fp32"] = stream(None)
         contenders["stream_bf16"] = stream(torch.bfloat16)
         contenders["full_tensor_bf16"] = full_tensor_then_cast
-        contenders["raw_all_gather"] = _RawAllGather(model, bucket_bytes_from_env()).run
+        contenders["raw_all_gather"] = _RawAllGather(model, bucket_cap().bucket_bytes).run
     if held is not None:
         def forward_backward(summon: bool) -> Callable[[], None]:
             def run() -> None:
@@ -301,7 +304,7 @@ def time_on_rank(cfg: BenchConfig) -> dict[str, object]:
         "versions": {"torch": torch.__version__, "wrapt": getattr(wrapt, "__version__", "?"),
                      "fsdp_shim": fsdp_shim.__version__, "python": platform.python_version()},
         "torch": torch.__version__,
-        "bucket_mb": bucket_bytes_from_env() / 2**20,  # the cap the plain "shim" contenders used
+        "bucket_mb": bucket_cap().bucket_bytes / 2**20,  # the cap the plain "shim" contenders used
         "model_bytes": full_bytes,
         "median_ms": {name: statistics.median(t) * 1e3 for name, t in times.items()},
         "iqr_ms": {name: _iqr(t) * 1e3 for name, t in times.items()},

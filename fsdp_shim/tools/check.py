@@ -8,18 +8,21 @@ against an unsharded reference built from the same seed.
 
 from __future__ import annotations
 
-import fsdp_shim
 import logging
 import time
-import torch
-import torch.distributed as dist
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+
+import fsdp_shim
 from fsdp_shim.tools.launch import rank_device, report_progress
 from fsdp_shim.tools.models import LMConfig, TinyLM, build_lm, shard_lm, tokens_for
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor
 
 
 @dataclass

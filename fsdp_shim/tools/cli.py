@@ -12,8 +12,8 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from fsdp_shim import _versions
 
+from fsdp_shim import _versions
 
 EPILOG = """exit status: 0 success; 1 a scenario or run failed; 2 bad usage, or the
 ranks could not be started. Environment: FSDP_SHIM_DISABLE=1 turns the shim
@@ -77,7 +77,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     print(f"fsdp-shim check: {_environment_line(args.ranks, args.device)}")
     if args.verbose:
-        from fsdp_shim import _fsdp2 as _fsdp2_probe  # noqa: PLC0415
+        from fsdp_shim import _fsdp2  # noqa: PLC0415
         from fsdp_shim.instrumentations import statuses  # noqa: PLC0415
 
         verified = "verified" if _versions.is_verified_torch(torch.__version__) else (
@@ -85,10 +85,10 @@ def cmd_check(args: argparse.Namespace) -> int:
             "newer than the verified range, served because every internal below is present")
         print(f"  supported: {', '.join(_versions.INSTRUMENTS)}; torch {torch.__version__} is {verified}")
         print(f"  patched: {fsdp_shim.is_patched()}")
-        missing = _fsdp2_probe.missing_internals()
-        print(f"  FSDP2 internals read: {len(_fsdp2_probe.READS)}, "
+        missing = _fsdp2.missing_internals()
+        print(f"  FSDP2 internals read: {len(_fsdp2.READS)}, "
               f"{'all present' if not missing else 'MISSING ' + ', '.join(missing)}: "
-              f"{', '.join(_fsdp2_probe.READS)}")
+              f"{', '.join(_fsdp2.READS)}")
         for module, status in statuses().items():
             print(f"  instrumentation {module}: {status}")
     print(f"fsdp-shim check: starting {args.ranks} ranks, then 7 scenarios...", flush=True)

@@ -7,11 +7,12 @@ from a seed so an unsharded reference and a sharded copy start bit-identical.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, replace
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from dataclasses import dataclass, replace
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy

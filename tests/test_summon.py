@@ -17,8 +17,16 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from _helpers import (
-    LMConfig, assert_params_equal, assert_unchanged, build_lm, full_state, patched, rank, shard_lm,
-    snapshot, tokens_for,
+    LMConfig,
+    assert_params_equal,
+    assert_unchanged,
+    build_lm,
+    full_state,
+    patched,
+    rank,
+    shard_lm,
+    snapshot,
+    tokens_for,
 )
 
 

@@ -1,6 +1,6 @@
 """A unit's summon plan is reused only while the tree it was made from is unchanged (2 gloo ranks).
 
-See [Note: summon plans] in ``fsdp_shim/_plans.py``. Each test makes a plan
+See [Note: summon cache] in ``fsdp_shim/_scope.py``. Each test makes a plan
 (a first summon of the unit), changes what the plan was worked out from,
 and checks that the next summon serves the changed tree, exactly, against
 an unsharded reference built from the same seed. A plan reused past the
@@ -20,8 +20,9 @@ import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from fsdp_shim import _scope as _plans, _summon as _swap
 from _helpers import LMConfig, assert_params_equal, build_lm, mesh1d, patched, shard_lm, tokens_for
+from fsdp_shim import _scope as _plans
+from fsdp_shim import _summon as _swap
 
 
 @contextlib.contextmanager
@@ -175,7 +176,7 @@ def test_a_destroyed_group_after_a_plan_fails_clearly(dist_run):
 def _kept(unit: nn.Module) -> dict:
     from fsdp_shim import _fsdp2 as fsdp2
 
-    return fsdp2.kept_plans(fsdp2.fsdp_state_of(unit))
+    return fsdp2.summon_cache(fsdp2.fsdp_state_of(unit))
 
 
 def rank_a_scope_owned_outside_evicts_the_stale_plan():
@@ -239,7 +240,7 @@ def rank_a_module_that_is_not_a_unit_gets_no_plan():
             with FSDP.summon_full_params(fc1, writeback=False):
                 assert_params_equal(fc1, ref.blocks[0].fc1)
     assert fresh == [fc1, fc1], fresh
-    assert not any(key[0] == id(fc1) for state in fsdp2.all_fsdp_states() for key in fsdp2.kept_plans(state))
+    assert not any(key[0] == id(fc1) for state in fsdp2.all_fsdp_states() for key in fsdp2.summon_cache(state))
 
 
 def test_a_module_that_is_not_a_unit_gets_no_plan(dist_run):

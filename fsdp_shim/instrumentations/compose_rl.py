@@ -1,0 +1,186 @@
+"""compose-rl: the vLLM weight sync and the MPT generation helpers, on FSDP2 with no code change.
+
+Both adapt FSDP1-era call sites that never reach
+``FullyShardedDataParallel.summon_full_params`` on FSDP2 (they gate it
+behind ``isinstance(m, FullyShardedDataParallel)``, or look names up in a
+map built before the context), or that reach FSDP1's wrapper attribute.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import torch.nn as nn
+import wrapt
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+from fsdp_shim._summon import original_params
+from fsdp_shim.instrumentations.base import Instrumentation
+
+
+class FSDPUnitGate(wrapt.ObjectProxy):  # type: ignore[misc]
+    """``FullyShardedDataParallel`` as one module sees it: FSDP2 units pass its ``isinstance``.
+
+    Everything else (``summon_full_params``, ``StateDictType``, ...) is the
+    real class. ``isinstance(unit, FullyShardedDataParallel)`` stays False
+    everywhere else.
+    """
+
+    def __instancecheck__(self, instance: Any) -> bool:
+        return isinstance(instance, (self.__wrapped__, FSDPModule))
+
+
+class NamesOfSummonedParams(dict):  # type: ignore[type-arg]
+    """A parameter -> name map built outside a context that also answers for its full parameters.
+
+    Inside ``summon_full_params`` the slots hold new full parameters; FSDP1
+    (``use_orig_params=True``) kept the objects, and clients built their maps
+    on that. A miss falls back to the object the full parameter stands for,
+    so the name is exactly the one the map gave that object (for a tie: the
+    same name FSDP1 gives).
+    """
+
+    def __missing__(self, key: Any) -> Any:
+        for original in original_params(key):
+            if original in self:
+                return self[original]
+        raise KeyError(key)
+
+
+class ComposeRLWeightSync(Instrumentation):
+    """compose-rl's vLLM weight sync: ``broadcast_to_vllm`` and its helpers.
+
+    Checked against databricks/compose-rl main, ae56991,
+    ``compose_rl/algorithms/online/generation_utils/vllm_utils.py`` (first read
+    at 00920bf6, a branch; the names and the structure below are the same on
+    main, where rank 0 broadcasts each full parameter on ``model_update_group``
+    inside the context):
+    - ``broadcast_to_vllm`` selects units with ``isinstance(module, FSDP)``
+      and ``is_fsdp_leaf`` does the same: the module global ``FSDP`` becomes
+      an ``FSDPUnitGate``;
+    - ``broadcast_to_vllm`` builds ``build_param_fullnames(model)`` before the
+      per-unit ``summon_full_params`` loop and looks names up inside it: the
+      map becomes a ``NamesOfSummonedParams``.
+    """
+
+    name = "compose_rl"
+    module = "compose_rl.algorithms.online.generation_utils.vllm_utils"
+    upstream = "databricks/compose-rl@ae56991 (main): broadcast_to_vllm, is_fsdp_leaf, build_param_fullnames"
+    expects = ("FSDP", "broadcast_to_vllm", "is_fsdp_leaf", "build_param_fullnames")
+
+    def _mismatch(self, module: ModuleType) -> str | None:
+        problem = super()._mismatch(module)
+        if problem is None and getattr(module, "FSDP", None) is not FullyShardedDataParallel:
+            problem = "its FSDP is not torch's FullyShardedDataParallel"
+        return problem
+
+    def _apply(self, module: ModuleType) -> None:
+        self._gate = FSDPUnitGate(FullyShardedDataParallel)
+        setattr(module, "FSDP", self._gate)  # noqa: B010  (a module global, by name)
+
+        def names(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            return NamesOfSummonedParams(wrapped(*args, **kwargs))
+
+        self._names_handle = wrapt.wrap_function_wrapper(module, "build_param_fullnames", names)
+
+    def _undo(self, module: ModuleType) -> None:
+        if getattr(module, "FSDP", None) is self._gate:
+            setattr(module, "FSDP", FullyShardedDataParallel)  # noqa: B010
+        wrapt.unwrap_object(module, "build_param_fullnames", self._names_handle, missing_ok=True)
+
+
+
+# -- the MPT generation helpers ----------------------------------------------
+
+
+def _mpt_blocks(model: Any) -> list[nn.Module] | None:
+    """``model.transformer.blocks`` where no block is FSDP1's wrapper (FSDP2 units, or unwrapped); else None:
+    FSDP1's blocks, no transformer or no blocks, where compose-rl's helpers run as installed."""
+    blocks = getattr(getattr(model, "transformer", None), "blocks", None)
+    if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
+        return None
+    if any(hasattr(block, "_fsdp_wrapped_module") for block in blocks):
+        return None
+    return list(blocks)
+
+
+def _flag_holder(block: nn.Module) -> nn.Module:
+    """The module whose ``use_pad_tok_in_ffn`` an FSDP2 block's generation toggles: the block itself, or the
+    module its activation-checkpoint wrapper holds (FSDP1's helpers reach the same one through the wrapper)."""
+    return getattr(block, "_checkpoint_wrapped_module", block)
+
+
+def _flip_in_ffn(blocks: list[nn.Module]) -> None:
+    for block in blocks:
+        holder = _flag_holder(block)
+        holder.use_pad_tok_in_ffn = not holder.use_pad_tok_in_ffn
+
+
+def _fsdp2_aware_flip_for_generate(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``flip_pad_token_usage_for_generate(model)``: on FSDP2 blocks, turn the flag on everywhere if the
+    first block has it off, and say whether it flipped, as the installed helper does on FSDP1."""
+    blocks = _mpt_blocks(args[0] if args else kwargs.get("model"))
+    if blocks is None:
+        return wrapped(*args, **kwargs)
+    flip = not _flag_holder(blocks[0]).use_pad_tok_in_ffn
+    if flip:
+        _flip_in_ffn(blocks)
+    return flip
+
+
+def _fsdp2_aware_flip_in_ffn(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``flip_pad_token_usage_in_ffn(model)``: on FSDP2 blocks, toggle every block's flag."""
+    blocks = _mpt_blocks(args[0] if args else kwargs.get("model"))
+    if blocks is None:
+        return wrapped(*args, **kwargs)
+    _flip_in_ffn(blocks)
+    return None
+
+
+class ComposeRLPadTokenFlip(Instrumentation):
+    """compose-rl's MPT generation helpers reach an FSDP2 block itself, not FSDP1's wrapper.
+
+    Read at databricks/compose-rl ae56991, ``compose_rl/utils/utils.py``:
+    ``flip_pad_token_usage_for_generate(model)`` and
+    ``flip_pad_token_usage_in_ffn(model)`` toggle llm-foundry MPT's
+    ``use_pad_tok_in_ffn`` around generation (``hf_generate``), reaching every
+    block of ``model.transformer.blocks`` through ``block._fsdp_wrapped_module``
+    (and its ``_checkpoint_wrapped_module`` under activation checkpointing).
+    On FSDP2 the block is the unit itself, so both raise ``AttributeError``.
+
+    - Both are wrapped (wrapt). Where a block has no ``_fsdp_wrapped_module``,
+      the block itself (or its ``_checkpoint_wrapped_module``) is the module
+      whose flag is toggled; the helpers' contract (flip on if the first
+      block has it off, report it; flip every block) is unchanged.
+    - FSDP1 models, and models without ``transformer.blocks``, reach the
+      installed helpers unchanged.
+    - Why not give FSDP2 units a ``_fsdp_wrapped_module``: FSDP1 code, torch's
+      own state-dict helpers among it, reads that attribute as "this is an
+      FSDP1 wrapper" (``docs/migration.md``).
+    - ``from compose_rl.utils import ...`` binds copies of both names: the
+      re-export ``compose_rl.utils`` and ``hf_generate``'s module get the
+      wrappers, imported first or after (see [Note: binders] in ``base``).
+    """
+
+    name = "compose_rl_mpt"
+    module = "compose_rl.utils.utils"
+    upstream = "databricks/compose-rl ae56991: flip_pad_token_usage_for_generate, flip_pad_token_usage_in_ffn"
+    expects = ("flip_pad_token_usage_for_generate", "flip_pad_token_usage_in_ffn")
+    binders = (
+        "compose_rl.utils",
+        "compose_rl.algorithms.online.generation_utils.generation_utils",
+    )
+    bound_names = ("flip_pad_token_usage_for_generate", "flip_pad_token_usage_in_ffn")
+    _WRAPPERS = {
+        "flip_pad_token_usage_for_generate": _fsdp2_aware_flip_for_generate,
+        "flip_pad_token_usage_in_ffn": _fsdp2_aware_flip_in_ffn,
+    }
+
+    def _apply(self, module: ModuleType) -> None:
+        self._handles = {name: wrapt.wrap_function_wrapper(module, name, wrapper)
+                         for name, wrapper in self._WRAPPERS.items()}
+
+    def _undo(self, module: ModuleType) -> None:
+        for name, handle in self._handles.items():
+            wrapt.unwrap_object(module, name, handle, missing_ok=True)
