@@ -149,12 +149,12 @@ def _refuse_forwards(hooks: list[RemovableHandle], modules: list[nn.Module], mes
 
 
 def install_forward_hooks(
-    scope: Scope, swapped: list[SwappedParam], hooks: list[RemovableHandle], rank0_only: bool, keep: bool
+    scope: Scope, swapped: list[SwappedParam], hooks: list[RemovableHandle], rank0_only: bool, holds_fulls: bool
 ) -> None:
     """The hooks for a context over ``scope`` that summoned ``swapped`` (empty where this rank keeps
-    nothing, ``keep=False``), each appended to ``hooks`` as it is made: the caller removes them at exit,
+    nothing, ``holds_fulls=False``), each appended to ``hooks`` as it is made: the caller removes them at exit,
     also those made before one of these calls raised."""
-    if rank0_only or (keep and not all(scope.groups.values())):  # only the refusals need the roots
+    if rank0_only or (holds_fulls and not all(scope.groups.values())):  # only the refusals need the roots
         roots = fsdp2.root_modules(states_of(scope))
     if rank0_only:
         # Ranks would disagree on which units need an all-gather: refuse on
@@ -166,7 +166,7 @@ def install_forward_hooks(
             "is not supported: only rank 0 (of each FSDP shard group) holds full parameters"
         ))
         return
-    if not keep:
+    if not holds_fulls:
         return
     by_group: dict[fsdp2.FSDPParamGroup, list[tuple[SwappedParam, torch.dtype]]] = {}
     for item in swapped:

@@ -31,7 +31,7 @@ an inference engine) without a context and without swapping anything:
   copied into the bucket (see [Note: cast before gather] in ``_gather.engine.start_gather``).
   ``keep_dtype`` exempts chosen parameters (an MoE router's gate, kept fp32
   for the engine): they travel in their stored dtype, so their values are
-  exact. A tie is kept if any of its names is chosen. A batch's kept
+  exact. A tie is kept if any of its names is chosen. A batch's exempt
   DTensors are gathered apart from its cast ones; their buckets would be
   separate anyway (a bucket holds one dtype), so this costs no collective.
 * *What is read.* The sharded parameters FSDP2 and the optimizer hold (fp32
@@ -147,11 +147,11 @@ def batch_params(
     batches: dict[int, _Batch] = {}
     ordered: list[_Batch] = []
     rest: _Batch | None = None
-    kept = 0
+    uncast_count = 0
     for param in _distinct_params(model):
         cast = cast_to
         if cast_to is not None and uncast is not None and any(uncast(name) for name in param.names):
-            cast, kept = None, kept + 1
+            cast, uncast_count = None, uncast_count + 1
         nbytes = param.tensor.numel() * gathered_dtype(param.tensor, cast).itemsize
         if param.unit is not None:
             batch = batches.get(id(param.unit))
@@ -167,7 +167,7 @@ def batch_params(
         batch.tensors.append(param.tensor)
         batch.casts.append(cast)
         batch.nbytes += nbytes
-    if cast_to is not None and uncast is not None and not kept:
+    if cast_to is not None and uncast is not None and not uncast_count:
         logger.warning("iter_full_params: keep_dtype matched no parameter; every floating one is cast to %s", cast_to)
     return _merge_small(ordered, bucket_bytes)
 
@@ -190,7 +190,7 @@ def _merge_small(batches: list[_Batch], bucket_bytes: int) -> list[_Batch]:
 class _InFlightBatch:
     """One batch, its DTensors' buckets staged and (unless ``launch=False``) their collectives launched.
 
-    One gather per dtype the batch's DTensors travel in (cast, and kept by
+    One gather per dtype the batch's DTensors travel in (cast, and exempted by
     ``keep_dtype``), in the batch's order of first appearance, so every rank
     starts and finishes them alike. If starting one raises, those already
     started are waited for first (see [Note: every posted work is waited for]
@@ -323,6 +323,6 @@ def stream_full_params(
         raise
     _drop_all(in_flight, groups, raising=True)
     logger.debug(
-        "iter_full_params: %d batches, %.1f MiB gathered (%s), kept on this rank: %s, %.1f ms",
+        "iter_full_params: %d batches, %.1f MiB gathered (%s), full tensors on this rank: %s, %.1f ms",
         len(batches), sent_bytes / 2**20, dtype or "stored dtypes", holds_fulls, (time.perf_counter() - started) * 1e3,
     )

@@ -30,7 +30,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from _helpers import patch_state_restored, patched
-from fsdp_shim.tools.models import exact_gradients
+from fsdp_shim.tools.models import Block, exact_gradients
 
 STAND_INS = str(Path(__file__).parent / "stand_ins")
 HELPERS = "compose_rl.utils.utils"
@@ -38,25 +38,16 @@ GENERATION = "compose_rl.algorithms.online.generation_utils.generation_utils"
 PAD, VOCAB, WIDTH, LAYERS = 0, 61, 32, 3
 
 
-class MPTBlock(nn.Module):
+class MPTBlock(Block):
     """An llm-foundry-style decoder block: attention, then an FFN that skips pad tokens unless ``use_pad_tok_in_ffn``."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.norm_1 = nn.LayerNorm(WIDTH)
-        self.attn = nn.Linear(WIDTH, 3 * WIDTH)
-        self.out = nn.Linear(WIDTH, WIDTH)
-        self.norm_2 = nn.LayerNorm(WIDTH)
-        self.up = nn.Linear(WIDTH, 2 * WIDTH)
-        self.down = nn.Linear(2 * WIDTH, WIDTH)
+        super().__init__(WIDTH, 4)
         self.use_pad_tok_in_ffn = False
 
-    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
-        b, t, w = x.shape
-        q, k, v = self.attn(self.norm_1(x)).view(b, t, 3, 4, w // 4).unbind(2)
-        att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        x = x + self.out(att.transpose(1, 2).reshape(b, t, w))
-        ffn = self.down(F.gelu(self.up(self.norm_2(x))))
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        x = self.attend(x)
+        ffn = self.ffn(x)
         if not self.use_pad_tok_in_ffn:  # as llm-foundry's unpadding: pad tokens skip the FFN
             ffn = ffn.masked_fill(pad.unsqueeze(-1), 0.0)
         return x + ffn

@@ -256,7 +256,7 @@ def _gather_fallback(
 
 
 class Gathered(NamedTuple):
-    tensors: list[torch.Tensor | None]  # full tensors, None where not kept
+    tensors: list[torch.Tensor | None]  # full tensors, None where this rank does not hold them
     layouts: list[Dim0Layout | None]  # fast-path layouts, for ``write_back_locals``
     plan: BucketPlan  # what the gather followed; a caller may pass it back for the same tensors
 

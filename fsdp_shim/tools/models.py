@@ -39,11 +39,19 @@ class Block(nn.Module):
         self.fc2 = nn.Linear(4 * width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.attend(x)
+        return x + self.ffn(x)
+
+    def attend(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` plus causal self-attention over it (pre-norm)."""
         b, t, w = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, w // self.heads).unbind(2)
         att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(b, t, w))
-        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+        return x + self.proj(att.transpose(1, 2).reshape(b, t, w))
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        """The feed-forward branch (pre-norm), without the residual."""
+        return self.fc2(F.gelu(self.fc1(self.norm2(x))))
 
 
 class TinyLM(nn.Module):
