@@ -25,8 +25,9 @@ an inference engine) without a context and without swapping anything:
 * *Fresh memory.* Every full tensor handed out is fresh memory nothing
   else writes: a caller may keep it, or anything that reaches its memory.
 * *Refused up front, never dropped.* The stream refuses what the summon
-  refuses (``_summon``'s refusals) before its first batch, claims its groups until
-  it ends, and on any error or early stop waits for every batch in flight.
+  refuses (``_summon``'s refusals) before its first batch and its groups'
+  step before each launch (the loop body may break one), claims its groups
+  until it ends, and on any error or early stop waits for every batch in flight.
 * *Cast before gather.* With ``dtype``, floating shards are cast as they are
   copied into the bucket (see [Note: cast before gather] in ``_gather.engine.start_gather``).
   ``keep_dtype`` exempts chosen parameters (an MoE router's gate, kept fp32
@@ -55,7 +56,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim import _registry as registry
 from fsdp_shim._gather.engine import BucketGather, start_gather
-from fsdp_shim._gather.layout import Receiver, bucket_cap, gathered_dtype, receivers_for_stream
+from fsdp_shim._gather.layout import Receiver, bucket_cap, gathered_dtype, receivers_for_stream, require_live_groups
 from fsdp_shim._patching import is_fsdp1_tree
 from fsdp_shim._scope import fsdp_slot_owners, module_label, slot_key, tracked_sharded, untracked_parameter
 from fsdp_shim._summon import group_in_use, refuse_busy, refuse_placements
@@ -313,6 +314,8 @@ def stream_full_params(
             fulls = in_flight[0].finish(holds_fulls, device)  # left in the list until it is in: see below
             in_flight.pop(0)
             if in_flight:
+                # the caller's loop body ran since the last launch: a summon there may have failed one-sidedly
+                require_live_groups(groups, lambda: call)
                 in_flight[0].launch()
             sent_bytes += batch.nbytes
             for position, name in enumerate(batch.names):

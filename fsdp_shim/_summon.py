@@ -183,7 +183,7 @@ class DTensorSummon:
         if not scope.params:
             return  # no-op: nothing distributed in scope, or all summoned by an enclosing call
         # 1. refuse: misuse raises here, alike on every rank, before any change or collective.
-        groups, shardeds = refuse_before_anything(module, scope, writeback, thread, cached)
+        groups, shardeds = refuse_before_anything(module, scope, writeback, thread, cached, self.with_grads)
         self._begin(scope)
         try:
             if not registry.enter(thread, groups):
@@ -543,17 +543,20 @@ FORWARD_BACKWARD_ERROR = "Cannot manually unshard parameters during forward/back
 
 
 def refuse_before_anything(
-    module: nn.Module, scope: Scope, writeback: bool, thread: int, cached: CachedSummon | None = None
+    module: nn.Module, scope: Scope, writeback: bool, thread: int, cached: CachedSummon | None = None,
+    with_grads: bool = False,
 ) -> tuple[list[dist.ProcessGroup], list[DTensor]]:
     """Every misuse this call can detect, before any collective or change, alike on every rank.
 
     Returns the process groups the call gathers over (every dim of every
-    mesh in scope), checked alive: the engine need not check again; and
-    each scoped parameter's DTensor, as resolved now (``_prepare`` reuses
-    them unless FSDP2 adopts other ones). With a
-    ``cached`` summon, the checks that depend on a DTensor's spec alone (placements,
-    meshes) are skipped for the specs it passed before (see [Note: summon
-    cache] in ``_scope``); the rest runs on every call.
+    mesh in scope, and of every gradient's mesh under ``with_grads``),
+    checked alive: the engine does not check again; and each scoped
+    parameter's DTensor, as resolved now (``_prepare`` reuses them unless
+    FSDP2 adopts other ones). With a ``cached`` summon, the checks that
+    depend on a parameter's spec alone (placements, meshes) are skipped for
+    the specs it passed before (see [Note: summon cache] in ``_scope``); the
+    rest runs on every call, the gradients' checks too (a backward makes new
+    gradients).
     """
     refuse_busy(lambda: f"summon_full_params({module_label(module)})", scope.states, list(scope.groups))
     if registry.has_live_slots():  # a context open in any thread: are any of ours in another one's?
@@ -581,11 +584,17 @@ def refuse_before_anything(
     groups = None if cached is None else cached.checked_groups(specs, writeback)
     if groups is not None:
         require_live_groups(groups, lambda: f"the scope of summon_full_params({module_label(module)})")
-        return groups, shardeds
-    named = ((lambda e=entry: slot_fqn(module, e.slots[0]), sharded) for entry, sharded in zip(scope.params, shardeds))
-    groups = refuse_placements(named, writeback)
-    if cached is not None:
-        cached.passed(specs, writeback, groups)
+    else:
+        named = ((lambda e=entry: slot_fqn(module, e.slots[0]), sharded)
+                 for entry, sharded in zip(scope.params, shardeds))
+        groups = refuse_placements(named, writeback)
+        if cached is not None:
+            cached.passed(specs, writeback, groups)
+    if with_grads:
+        grads = [(lambda e=entry: f"{slot_fqn(module, e.slots[0])}.grad", sharded.grad)
+                 for entry, sharded in zip(scope.params, shardeds) if isinstance(sharded.grad, DTensor)]
+        if grads:  # a gradient may live on another mesh than its parameter: its groups are claimed too
+            groups = list({id(g): g for g in (*groups, *refuse_placements(grads, writeback=False))}.values())
     return groups, shardeds
 
 

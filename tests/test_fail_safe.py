@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_shim
 from _faults import InjectedFault, assert_untouched, inject, inject_allocation, local_shards, short_timeout_mesh
-from _helpers import LMConfig, assert_params_equal, build_lm, patched, shard_lm, tokens_for
+from _helpers import LMConfig, assert_params_equal, build_lm, patched, rank, shard_lm, tokens_for
 
 CONFIG = LMConfig(layers=3)
 
@@ -328,3 +328,45 @@ def rank_a_one_sided_fault_marks_the_group_out_of_step():
 
 def test_a_one_sided_fault_marks_the_group_out_of_step(dist_run):
     dist_run(2, rank_a_one_sided_fault_marks_the_group_out_of_step)
+
+
+def rank_out_of_step_groups_are_refused_for_gradients_and_between_batches():
+    """A group can fall out of step where the summon's parameters do not look: a gradient on another mesh
+    (``with_grads``), or, for the stream, the caller's loop body between two batches. Both refuse before a
+    collective is posted on it, and leave nothing claimed."""
+    from torch.distributed.tensor import Shard
+
+    from fsdp_shim import _registry
+    from fsdp_shim._gather.layout import mark_out_of_step
+
+    model, ref = shard_lm(build_lm(CONFIG)), build_lm(CONFIG)
+    before = local_shards(model)
+    other = short_timeout_mesh(5.0)
+    param = model.norm.weight
+    param.grad = DTensor.from_local(torch.ones_like(param._local_tensor), other, [Shard(0)], run_check=False,
+                                    shape=param.shape, stride=param.stride())
+    mark_out_of_step(other.get_group(), RuntimeError("simulated"))
+    with patched():
+        with pytest.raises(RuntimeError, match="out of step"):
+            with FSDP.summon_full_params(model, with_grads=True, writeback=False):
+                raise AssertionError("the body ran")
+        assert_untouched(model, before)
+        assert not _registry._groups and not _registry._live
+        param.grad = None
+        with FSDP.summon_full_params(model, with_grads=True, writeback=False):
+            assert_params_equal(model, ref)
+
+    mesh = short_timeout_mesh(5.0)
+    streamed = shard_lm(build_lm(CONFIG), mesh)
+    stream = fsdp_shim.iter_full_params(streamed, rank0_only=False, bucket_mb=0.002)
+    next(stream)  # the next batch is in flight; the one after launches when the caller asks for more
+    mark_out_of_step(mesh.get_group(), RuntimeError("simulated"))
+    with pytest.raises(RuntimeError, match="out of step"):
+        for _ in stream:
+            pass
+    assert not _registry._groups
+    return rank()
+
+
+def test_out_of_step_groups_are_refused_for_gradients_and_between_batches(dist_run):
+    assert dist_run(2, rank_out_of_step_groups_are_refused_for_gradients_and_between_batches) == [0, 1]
