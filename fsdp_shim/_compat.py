@@ -61,8 +61,8 @@ _ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "al
 
 def all_gather_single(*args: Any, **kwargs: Any) -> Any:
     """``dist.all_gather_single`` (``all_gather_into_tensor`` before 2.13), looked up on ``torch.distributed``
-    at each call, as ``dist.isend``/``dist.irecv`` are: whatever wraps the boundary (a tracer, the tests'
-    fault injection) sees the shim's collectives too."""
+    at each call: whatever wraps the boundary (a tracer, the tests' fault injection) sees the shim's
+    collectives too."""
     return getattr(dist, _ALL_GATHER)(*args, **kwargs)
 
 

@@ -170,12 +170,12 @@ def patch(refusal: str | None = None) -> bool:
         _handle = wrapt.wrap_function_wrapper(_TARGET, _NAME, _summon_full_params_wrapper)
         _install_instance_form()
         if refusal is None:
-            from fsdp_shim import instrumentations as _instrumentation  # noqa: PLC0415
+            from fsdp_shim import instrumentations  # noqa: PLC0415
             from fsdp_shim._fsdp2 import FSDPState  # noqa: PLC0415
 
             if _guard_handle is None:
                 _guard_handle = wrapt.wrap_function_wrapper(FSDPState, "__init__", _refuse_fully_shard_inside)
-            _instrumentation.instrument_all()
+            instrumentations.instrument_all()
         logger.debug("patched FullyShardedDataParallel.summon_full_params%s", " (refusing)" if refusal else "")
         return True
 

@@ -136,8 +136,8 @@ class DTensorSummon:
     [Note: faults]
     Two rules, FSDP1's for the body and a stricter one for entry:
     - A failure before the body runs (a gather error or timeout, a peer that
-      stalls or dies, an exception or ``KeyboardInterrupt`` in a send, receive
-      or all-gather, on one rank or all) writes nothing: the slots get their
+      stalls or dies, an exception or ``KeyboardInterrupt`` in an allocation,
+      a copy or an all-gather, on one rank or all) writes nothing: the slots get their
       objects back, marks and hooks are undone, and the shards stay
       bit-identical, whatever ``writeback`` says. Full tensors whose values
       never arrived are never read: written back, they would put uninitialised

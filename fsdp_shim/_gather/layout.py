@@ -60,7 +60,7 @@ DEFAULT_BUCKET_MB = 4.0
 
 #: [Note: one unit, one collective]
 #: A summon whose scope is one FSDP2 unit (the per-unit weight-sync loop)
-#: gathers it, on the all-gather path, in one collective a dtype, as FSDP2's
+#: gathers it in one collective a dtype, as FSDP2's
 #: own ``unshard()`` does, unless a bucket size was chosen (``bucket_mb``,
 #: ``FSDP_SHIM_BUCKET_MB``): the memory is at most what FSDP2's unshard of
 #: that unit holds, and a collective has a fixed cost that grows with the
