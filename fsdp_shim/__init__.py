@@ -223,9 +223,9 @@ def __getattr__(name: str) -> Any:
     if name == "unsupported_reason":
         return _activate()
     if name in _UNITS_API:
-        from fsdp_shim import _patching as _units  # noqa: PLC0415
+        from fsdp_shim import _patching  # noqa: PLC0415
 
-        return getattr(_units, name)
+        return getattr(_patching, name)
     raise AttributeError(f"module 'fsdp_shim' has no attribute {name!r}")
 
 

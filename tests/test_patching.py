@@ -243,10 +243,10 @@ def test_internals_that_cannot_be_imported_refuse_dtensor_summons():
 
 
 def test_the_internals_probe_lists_what_it_reads_and_finds_it_all_here():
-    from fsdp_shim import _fsdp2 as _fsdp2_probe
+    from fsdp_shim import _fsdp2
 
-    assert _fsdp2_probe.missing_internals() == []
-    assert "FSDPParamGroup._to_sharded" in _fsdp2_probe.READS and "FSDPParam.param_dtype or mp_policy" in _fsdp2_probe.READS
+    assert _fsdp2.missing_internals() == []
+    assert "FSDPParamGroup._to_sharded" in _fsdp2.READS and "FSDPParam.param_dtype or mp_policy" in _fsdp2.READS
 
 
 def torch_version() -> str:

@@ -21,25 +21,24 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from _helpers import LMConfig, assert_params_equal, build_lm, mesh1d, patched, shard_lm, tokens_for
-from fsdp_shim import _scope as _plans
-from fsdp_shim import _summon as _swap
+from fsdp_shim import _scope, _summon
 
 
 @contextlib.contextmanager
 def scopes_collected() -> Iterator[list[nn.Module]]:
     """Record the root of every scope worked out afresh (a summon that did not reuse a plan)."""
     roots: list[nn.Module] = []
-    original = _plans.collect_scope
+    original = _scope.collect_scope
 
     def counting(root: nn.Module, *args, **kwargs):
         roots.append(root)
         return original(root, *args, **kwargs)
 
-    _plans.collect_scope = _swap.collect_scope = counting  # plans use the first, nested calls the second
+    _scope.collect_scope = _summon.collect_scope = counting  # cached_scope uses the first, nested calls the second
     try:
         yield roots
     finally:
-        _plans.collect_scope = _swap.collect_scope = original
+        _scope.collect_scope = _summon.collect_scope = original
 
 
 def _summon_block(model: nn.Module, ref: nn.Module, index: int = 0) -> None:

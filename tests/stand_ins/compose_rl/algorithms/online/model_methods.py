@@ -3,7 +3,7 @@
 ``CausalLMOutputWithPastAndValues`` has upstream's structure: a ``transformers``
 ``ModelOutput`` dataclass with a ``values`` field (the critic's per-token
 values) beside the causal-LM fields. That field shadows ``dict.values``, which
-transformers' pytree flatten calls (see ``fsdp_shim._forward_io``). Upstream's
+transformers' pytree flatten calls (see ``fsdp_shim.instrumentations.forward_io``). Upstream's
 ``past_key_values`` field is left out: transformers 5 renames that keyword in
 ``ModelOutput.__init__``, which breaks FSDP1's own output walk on 5.x.
 """
