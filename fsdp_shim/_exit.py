@@ -69,7 +69,7 @@ def shard_versions(sharded: DTensor) -> tuple[int, int, int]:
     return (sharded._version, id(local), local._version)
 
 
-def judge_changes(item: SwappedParam) -> None:
+def judge_changes(item: SwappedParam, exit_dtype: torch.dtype | None = None) -> None:
     """What changed inside a ``writeback=True`` context, by version counters and by value.
 
     See [Note: exit checks]. One compare where nothing changed (this rank's
@@ -77,6 +77,12 @@ def judge_changes(item: SwappedParam) -> None:
     compared with the shard as it was at entry, to tell which side changed.
     A ``Partial`` shard holds one of many values with the same reduction, so
     only versions judge it, and it is always written.
+
+    ``exit_dtype``: the dtype the shard will have once the conversions made
+    inside are replayed on it (``.double()`` through its unit), if another
+    than its own. Values are compared in it, so an edit that only the new
+    dtype can hold (``p.add_(2**-40)`` after ``.double()``) counts as one;
+    the old shard widened as the replay widens it is the baseline.
     """
     item.shard_changed = shard_versions(item.sharded) != item.shard_versions
     item.full_changed = item.changed_full()
@@ -86,12 +92,15 @@ def judge_changes(item: SwappedParam) -> None:
         item.full_changed = True  # ``p.data = other_shape``: write_back_locals refuses it
         return
     local = item.sharded._local_tensor
-    value = local_value(item.sharded, item.current.detach(), item.layout)
+    value = local_value(item.sharded, item.current.detach(), item.layout, exit_dtype)
+    entry_copy = item.shard_copy
+    if exit_dtype is not None and exit_dtype != local.dtype:
+        local, entry_copy = local.to(exit_dtype), None if entry_copy is None else entry_copy.to(exit_dtype)
     if value is None or same_bits(value, local):
         item.nothing_to_write = True
         return
-    item.shard_changed = item.shard_changed or not same_bits(local, item.shard_copy)
-    item.full_changed = item.full_changed or not same_bits(value, item.shard_copy)
+    item.shard_changed = item.shard_changed or not same_bits(local, entry_copy)
+    item.full_changed = item.full_changed or not same_bits(value, entry_copy)
 
 
 @dataclass(slots=True)
@@ -100,7 +109,9 @@ class SwappedParam:
 
     entry: ScopedParam
     sharded: DTensor  # the DTensor parameter, unchanged, restored on exit
-    full: torch.Tensor  # what every slot holds inside: an nn.Parameter (a plain tensor for buffers)
+    #: What every slot holds inside: an nn.Parameter (a plain tensor for buffers); None on a rank that
+    #: holds no full tensors (``rank0_only``), whose slots keep ``sharded``.
+    full: torch.Tensor | None
     layout: Dim0Layout | None  # how it was gathered; writeback reuses it
     #: full._version once its values arrived; None for an inference tensor (no version counter).
     full_version: int | None = 0
@@ -224,8 +235,11 @@ def write_back_locals(items: Sequence[tuple[DTensor, torch.Tensor, Dim0Layout | 
         torch._foreach_copy_(destinations, sources)
 
 
-def local_value(dtensor: DTensor, full: torch.Tensor, layout: Dim0Layout | None = None) -> torch.Tensor | None:
-    """What this rank's shard of ``dtensor`` would hold for ``full``; None for an empty dim-0 shard.
+def local_value(
+    dtensor: DTensor, full: torch.Tensor, layout: Dim0Layout | None = None, dtype: torch.dtype | None = None,
+) -> torch.Tensor | None:
+    """What this rank's shard of ``dtensor`` would hold for ``full``, in the shard's dtype (or
+    ``dtype``); None for an empty dim-0 shard.
 
     The value writeback copies in, and the one exit compares with the shard
     as it was at entry to tell an edit of the full tensor that no version
@@ -235,10 +249,10 @@ def local_value(dtensor: DTensor, full: torch.Tensor, layout: Dim0Layout | None 
     if layout is None:
         layout = dim0_layout(dtensor)
     if layout is None:
-        return _local_value(dtensor, full)
+        return _local_value(dtensor, full, dtype)
     if not layout.local_rows:
         return None
-    return full.narrow(0, layout.row_offset, layout.local_rows).to(local.device, local.dtype)
+    return full.narrow(0, layout.row_offset, layout.local_rows).to(local.device, dtype or local.dtype)
 
 
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -258,7 +272,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
-def _local_value(dtensor: DTensor, full: torch.Tensor) -> torch.Tensor:
+def _local_value(dtensor: DTensor, full: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """This rank's local tensor for ``full`` under ``dtensor``'s placements, with no communication.
 
     Replicate -> Shard (plain or strided) is a local chunk. A ``Partial`` mesh
@@ -271,7 +285,7 @@ def _local_value(dtensor: DTensor, full: torch.Tensor) -> torch.Tensor:
     placements = list(dtensor.placements)
     partial_ops = {dim: partial_reduce_op(p) for dim, p in enumerate(placements) if p.is_partial()}
     targets = [Replicate() if dim in partial_ops else p for dim, p in enumerate(placements)]
-    replicated = DTensor.from_local(full.to(local.device, local.dtype), mesh, [Replicate()] * mesh.ndim,
+    replicated = DTensor.from_local(full.to(local.device, dtype or local.dtype), mesh, [Replicate()] * mesh.ndim,
                                     run_check=False)
     value = replicated.redistribute(mesh, targets).to_local()
     for dim, op in partial_ops.items():

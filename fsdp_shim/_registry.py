@@ -30,10 +30,19 @@ _lock = threading.Lock()
 
 
 class Summoned(Protocol):
-    """What the registry reads of one summoned tensor's record (``_exit.SwappedParam``)."""
+    """What the registry reads of one summoned tensor's record (``_exit.SwappedParam``).
+
+    Every rank records every tensor in scope, holder of full tensors or not
+    (``full`` is None where this rank holds none: ``rank0_only``): what a
+    nested call or a stream decides from the registry is then the same on
+    every rank (see [Note: every rank decides alike] in ``_summon``).
+    """
 
     @property
-    def full(self) -> torch.Tensor: ...
+    def full(self) -> torch.Tensor | None: ...
+
+    @property
+    def sharded(self) -> torch.Tensor: ...
 
     @property
     def slots(self) -> list[tuple[nn.Module, str]]: ...
@@ -45,7 +54,8 @@ class Summoned(Protocol):
 class LiveContext(Protocol):
     """What the registry reads of one live context (``_summon.DTensorSummon``, the context itself).
 
-    ``swapped`` is complete when the context is registered; the registry
+    ``swapped`` is complete when the context is registered, on every rank
+    alike (see ``Summoned``); the registry
     derives the slot keys and the full parameters from it when a rare lookup
     asks (nesting, threads, ``sharded_param``), so that registering costs one
     dict entry a call.
@@ -78,7 +88,7 @@ class _Registered:
     def full_record(self, param: torch.Tensor) -> Summoned | None:
         """The record whose full parameter is ``param`` itself (buffers are not parameters)."""
         if self.fulls is None:
-            self.fulls = {id(r.full): r for r in self.context.swapped if not r.is_buffer}
+            self.fulls = {id(r.full): r for r in self.context.swapped if r.full is not None and not r.is_buffer}
         record = self.fulls.get(id(param))
         return record if record is not None and record.full is param else None
 
@@ -107,16 +117,29 @@ def has_live_slots() -> bool:
 
 
 def owner_of(key: SlotKey) -> LiveContext | None:
-    """The live context that swapped slot ``key``, if any."""
+    """The live context that summoned slot ``key``, if any (on every rank alike)."""
     for registered in list(_live.values()):
         if key in registered.keys():
             return registered.context
     return None
 
 
+def summoned_at(key: SlotKey) -> Summoned | None:
+    """The record of the tensor a live context summoned into slot ``key``, if any (on every rank alike):
+    what the slot stands for, whatever this rank's slot holds."""
+    if not _live:
+        return None
+    for registered in list(_live.values()):
+        if key in registered.keys():
+            for record in registered.context.swapped:
+                if any((id(m), n) == key for m, n in record.slots):
+                    return record
+    return None
+
+
 def register(context: LiveContext) -> None:
-    """``context``'s slots now hold its full tensors, and its full parameters are out (its ``swapped``
-    is complete: see ``LiveContext``)."""
+    """``context`` has gathered: its slots hold its full tensors where this rank holds them, and its
+    records are complete (see ``LiveContext``). Called on every rank, holder or not."""
     _live[id(context)] = _Registered(context)
 
 

@@ -177,6 +177,9 @@ def has_distributed_params(modules: list[nn.Module]) -> bool:
     """Whether ``collect_scope`` over ``modules`` (a ``scope_modules`` list) could find anything to gather."""
     if any(isinstance(p, DTensor) for m in modules for p in (*m._parameters.values(), *m._buffers.values())):
         return True
+    if registry.has_live_slots() and any(  # a live summon's slots, whatever this rank's hold: every rank alike
+            registry.owner_of((id(m), name)) is not None for m in modules for name in (*m._parameters, *m._buffers)):
+        return True
     owners = fsdp_slot_owners(fsdp2.all_fsdp_states()).by_slot  # unsharded slots hold plain tensors
     return any(slot_key(m, name) in owners for m in modules for name in m._parameters)
 

@@ -129,6 +129,10 @@ def _distinct_params(model: nn.Module) -> list[_Distinct]:
                 if sharded is None:
                     raise untracked_parameter(fqn)
                 tensor = sharded
+            else:  # a slot a live summon holds stands for the DTensor it summoned, on every rank alike
+                record = registry.summoned_at(key)
+                if record is not None:
+                    tensor = value = record.sharded
             identity: object = owner[0] if owner is not None else value
             if id(identity) in found:
                 found[id(identity)].names.append(fqn)  # a tie: named by its first name
@@ -233,8 +237,10 @@ class _InFlightBatch:
         if holds_fulls:
             for index, (tensor, cast) in enumerate(zip(self.batch.tensors, self.batch.casts)):
                 if fulls[index] is None and not isinstance(tensor, DTensor):
+                    # a copy, always: ``.to()`` returns the parameter itself where device and dtype
+                    # match, and a kept tensor would change with the model (see [Note: streaming])
                     dtype = gathered_dtype(tensor, cast)
-                    fulls[index] = tensor.detach().to(device=out_device or tensor.device, dtype=dtype)
+                    fulls[index] = tensor.detach().to(device=out_device or tensor.device, dtype=dtype, copy=True)
         return fulls
 
     def drop(self) -> BaseException | None:

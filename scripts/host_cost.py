@@ -40,11 +40,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
 import sys
 import time
+
+#: The fake backend cannot be wrapped by TORCH_DISTRIBUTED_DEBUG=DETAIL's fingerprint checks (its
+#: wrapper needs a real store), and a wrapper would time its own work: each measuring process runs without.
+_FAKE_ENV = {k: v for k, v in os.environ.items() if k != "TORCH_DISTRIBUTED_DEBUG"}
 
 CONTENDERS = ("summon_unit", "summon_unit_rank0", "unshard", "summon_model", "stream_fp32", "stream_bf16",
               "full_tensor_loop")
@@ -183,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             runs = []
             for _ in range(args.runs):
                 proc = subprocess.run([sys.executable, __file__, "--one", world, model, "--reps", str(args.reps),
-                                       "--device", args.device], capture_output=True, text=True)
+                                       "--device", args.device], capture_output=True, text=True, env=_FAKE_ENV)
                 if proc.returncode != 0:
                     print(f"{model} W={world}: FAILED\n{proc.stderr[-3000:]}", flush=True)
                     return 1

@@ -176,19 +176,31 @@ def rank_offload_to_cpu_warns_like_fsdp1():
             with FSDP.summon_full_params(model, writeback=False, offload_to_cpu=True):
                 assert all(p.device.type == "cpu" for p in model.parameters())
                 assert_params_equal(model, ref)
-        if dist.get_rank() == 0:  # FSDP1's warning, pointing at the caller, once per group (not per rank)
-            assert [str(w.message)[:40] for w in record] == ["offload_to_cpu=True and rank0_only=False"]
-            assert record[0].filename == __file__ and record[0].category is UserWarning
-        else:
-            assert record == []
+        # FSDP1's warning, word for word, on every rank as FSDP1 warns, pointing at the caller
+        assert [str(w.message) for w in record] == [_fsdp1_offload_warning()]
+        assert record[0].filename == __file__ and record[0].category is UserWarning
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             with FSDP.summon_full_params(model, writeback=False, offload_to_cpu=True, rank0_only=True):
                 pass
 
 
+def _fsdp1_offload_warning() -> str:
+    """What FSDP1's own argument check warns (this torch's words), asked directly."""
+    from types import SimpleNamespace
+
+    from torch.distributed.fsdp._unshard_param_utils import _validate_unshard_params_args
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _validate_unshard_params_args(SimpleNamespace(_use_orig_params=True, _handle=None), writeback=False,
+                                      rank0_only=False, offload_to_cpu=True, with_grads=False)
+    [warning] = record
+    return str(warning.message)
+
+
 def test_offload_to_cpu_full_params_on_cpu_and_warning(dist_run):
-    dist_run(2, rank_offload_to_cpu_warns_like_fsdp1)
+    assert dist_run(2, rank_offload_to_cpu_warns_like_fsdp1) == [None, None]
 
 
 def rank_conversion_outside_a_unit_warns_once_per_group():

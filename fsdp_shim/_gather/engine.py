@@ -48,6 +48,7 @@ from collections.abc import Sequence
 from typing import NamedTuple, cast
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from fsdp_shim._compat import all_gather_single, grad_disabled
@@ -60,6 +61,7 @@ from fsdp_shim._gather.layout import (
     delivers_over,
     gathered_dtype,
     mark_out_of_step,
+    mesh_dim_groups,
 )
 from fsdp_shim._gather.staging import AllGatherFlight, BucketEntry, InFlight, InPlace, copy_in
 
@@ -424,3 +426,44 @@ def start_gather(
     Casting is elementwise, so this equals casting the gathered full tensor.
     """
     return BucketGather(dtensors, cast_to=cast_to, bucket_bytes=bucket_bytes, receiver=receiver, launch=launch)
+
+
+class GradPresence(NamedTuple):
+    """What the ranks of a parameter's mesh hold as its gradient, agreed by all of them."""
+
+    missing: bool  # some rank has none
+    present: bool  # some rank has one
+    other_layout: bool  # some rank's is not a DTensor laid out as the parameter (mesh, placements, shape, dtype)
+
+
+def _laid_out_as(grad: torch.Tensor, param: DTensor) -> bool:
+    return (isinstance(grad, DTensor) and grad.device_mesh is param.device_mesh and grad.placements == param.placements
+            and grad.shape == param.shape and grad.dtype == param.dtype
+            and grad._local_tensor.shape == param._local_tensor.shape)
+
+
+def agree_on_grads(dtensors: Sequence[DTensor], by_mesh: dict[int, list[int]]) -> dict[int, GradPresence]:
+    """Every rank's view of which of ``dtensors`` have gradients, made the same on every rank.
+
+    A collective: one ``all_reduce(MAX)`` of three flags a parameter over
+    each dim of each mesh in ``by_mesh`` (positions in ``dtensors``, grouped
+    by mesh, in the caller's order), which reduces over the whole mesh. What
+    a rank holds decides nothing about the collectives that follow: only the
+    agreed answer does. As FSDP1's ``unshard_grad`` all-reduces its count
+    of missing gradients.
+    """
+    agreed: dict[int, GradPresence] = {}
+    for indices in by_mesh.values():
+        first = dtensors[indices[0]]
+        local: list[int] = []
+        for index in indices:
+            param = dtensors[index]
+            grad = param.grad
+            local += [grad is None, grad is not None, grad is not None and not _laid_out_as(grad, param)]
+        flags = torch.tensor(local, dtype=torch.int32).to(_comm_device(first))
+        for group in mesh_dim_groups(first.device_mesh):
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        values = flags.tolist()
+        for position, index in enumerate(indices):
+            agreed[index] = GradPresence(*(bool(v) for v in values[3 * position:3 * position + 3]))
+    return agreed

@@ -170,6 +170,27 @@ def mark_out_of_step(group: dist.ProcessGroup, error: BaseException, buffers: It
     held.extend(buffers)
 
 
+def destroyed_group(user: Callable[[], str]) -> RuntimeError:
+    """The refusal for a mesh whose process group was destroyed (or belongs to another world)."""
+    return RuntimeError(
+        f"cannot gather {user()}: its device mesh uses a process group that was destroyed or belongs to "
+        "another process group world (was it sharded before destroy_process_group()?)"
+    )
+
+
+def live_mesh_dim_groups(mesh: DeviceMesh, user: Callable[[], str]) -> list[dist.ProcessGroup]:
+    """``mesh_dim_groups``, each checked by ``require_live_groups``: a group destroyed before the mesh
+    first named it (torch cannot even resolve it then) is refused in the same words."""
+    try:
+        groups = mesh_dim_groups(mesh)
+    except (RuntimeError, ValueError, KeyError) as error:
+        if not dist.is_initialized() or "resolve" in str(error) or "destroy" in str(error):
+            raise destroyed_group(user) from error
+        raise
+    require_live_groups(groups, user)
+    return groups
+
+
 def require_live_groups(groups: Iterable[dist.ProcessGroup], user: Callable[[], str]) -> None:
     """A destroyed, foreign or out-of-step process group fails here, clearly, not inside a collective.
 
@@ -177,10 +198,7 @@ def require_live_groups(groups: Iterable[dist.ProcessGroup], user: Callable[[], 
     """
     for group in groups:
         if not is_live_group(group):
-            raise RuntimeError(
-                f"cannot gather {user()}: its device mesh uses a process group that was destroyed or belongs to "
-                "another process group world (was it sharded before destroy_process_group()?)"
-            )
+            raise destroyed_group(user)
         if _out_of_step and group in _out_of_step:
             raise RuntimeError(
                 f"cannot gather {user()}: an earlier gather's collective on its process group never completed "
