@@ -148,6 +148,11 @@ def _refuse_forwards(hooks: list[RemovableHandle], modules: list[nn.Module], mes
         hooks.append(module.register_forward_pre_hook(hook, prepend=True))
 
 
+def _holds_unmanaged_dtensor(module: nn.Module, scope: Scope) -> bool:
+    """Whether ``module`` owns a slot of a scoped DTensor that FSDP2 does not manage (tensor parallel)."""
+    return any(entry.fsdp_param is None and any(m is module for m, _ in entry.slots) for entry in scope.params)
+
+
 def install_forward_hooks(
     scope: Scope, swapped: list[SwappedParam], hooks: list[RemovableHandle], rank0_only: bool, holds_fulls: bool
 ) -> None:
@@ -161,6 +166,8 @@ def install_forward_hooks(
         # every rank, before FSDP2's own pre-forward runs.
         root = scope.root
         guarded = [*(m for g in scope.groups for m in fsdp2.group_modules(g)), root, *roots]
+        if not scope.fsdp2_only:  # tensor-parallel modules run collectives of their own in forward
+            guarded += [m for m in scope.modules if _holds_unmanaged_dtensor(m, scope)]
         _refuse_forwards(hooks, guarded, lambda: (
             f"forward inside summon_full_params({module_label(root)}, rank0_only=True) "
             "is not supported: only rank 0 (of each FSDP shard group) holds full parameters"

@@ -237,10 +237,10 @@ def collect_scope(
     for module in modules:
         for name, buffer in module._buffers.items():
             key = slot_key(module, name)
-            if not isinstance(buffer, DTensor):
-                continue
-            if key in enclosing:
+            if key in enclosing:  # before the type: a rank0_only holder's slot holds a plain full tensor
                 enclosed.append(key)
+                continue
+            if not isinstance(buffer, DTensor):
                 continue
             entry = buffers.get(id(buffer))
             if entry is None:

@@ -29,7 +29,6 @@ from _helpers import (
     rank,
     shard_lm,
     snapshot,
-    tokens_for,
 )
 
 def _mesh(kind: str) -> DeviceMesh:
@@ -154,15 +153,25 @@ def _rows_of(param: DTensor, coordinate: int) -> slice:
     return slice(coordinate * chunk, min(param.shape[0], (coordinate + 1) * chunk))
 
 
+def _grads_from_seed(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A full gradient for every parameter, the same on every rank, set as each rank's sharded ``.grad``
+    (by DTensor itself, not the shim): exact expectations, and no backward (torch 2.7's HSDP backward
+    fails on the CPU)."""
+    torch.manual_seed(11)
+    fulls = {}
+    for name, p in model.named_parameters():
+        fulls[name] = full = torch.randn(p.shape)
+        p.grad = distribute_tensor(full, p.device_mesh, p.placements)
+    return fulls
+
+
 def rank_gradients_on_some_ranks_only(kind: str, writeback: bool):
     mesh = _mesh(kind)
     model = shard_lm(build_lm(), mesh)
-    model(tokens_for(model.config)).sum().backward()
+    fulls = _grads_from_seed(model)
     fc1, bias = model.blocks[0].fc1.weight, model.norm.bias
     coordinate = mesh.get_local_rank(mesh.ndim - 1)
-    full_grad = fc1.grad.full_tensor()
-    fc2_grad = model.blocks[0].fc2.weight.grad.full_tensor()
-    expected = full_grad.clone()
+    expected = fulls["blocks.0.fc1.weight"].clone()
     expected[_rows_of(fc1, 1)] = 0.0  # shard coordinate 1 has none: FSDP1 gathers zeros there
     if coordinate == 1:
         fc1.grad = None
@@ -172,7 +181,7 @@ def rank_gradients_on_some_ranks_only(kind: str, writeback: bool):
         with FSDP.summon_full_params(model, writeback=writeback, with_grads=True):
             assert torch.equal(model.blocks[0].fc1.weight.grad, expected)
             assert model.norm.bias.grad is None
-            assert torch.equal(model.blocks[0].fc2.weight.grad, fc2_grad)  # present everywhere: as it is
+            assert torch.equal(model.blocks[0].fc2.weight.grad, fulls["blocks.0.fc2.weight"])  # everywhere: as is
             if writeback:
                 with torch.no_grad():
                     model.blocks[0].fc1.weight.grad.add_(1.0)
@@ -257,3 +266,75 @@ def rank_a_group_destroyed_before_the_first_summon_is_named():
 
 def test_a_group_destroyed_before_the_first_summon_is_named(dist_run):
     dist_run(2, rank_a_group_destroyed_before_the_first_summon_is_named)
+
+
+# --------------------------------------------------------------------------- found by a hostile read
+def rank_a_dtensor_buffer_held_under_rank0_only_refuses_a_nested_writeback_alike():
+    mesh = _mesh("1d")
+    root = nn.Module()
+    root.a, root.b = nn.Module(), nn.Linear(4, 4)
+    root.a.register_buffer("table", distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)]))
+    root.b.weight = nn.Parameter(distribute_tensor(root.b.weight.detach().clone(), mesh, [Shard(0)]))
+    with patched():
+        with FSDP.summon_full_params(root.a, writeback=False, rank0_only=True):
+            with pytest.raises(RuntimeError, match="enclosing writeback=False"):
+                with FSDP.summon_full_params(root, writeback=True):
+                    raise AssertionError("the body ran")
+    assert isinstance(root.a.table, DTensor)
+
+
+def test_a_dtensor_buffer_held_under_rank0_only_refuses_a_nested_writeback_alike(dist_run):
+    dist_run(2, rank_a_dtensor_buffer_held_under_rank0_only_refuses_a_nested_writeback_alike)
+
+
+def rank_gradients_laid_out_otherwise_on_some_ranks_are_refused_alike(how: str):
+    model = shard_lm(build_lm())
+    _grads_from_seed(model)
+    param = model.norm.weight
+    other = param.grad.full_tensor() if how == "plain" else param.grad.redistribute(  # a collective: every rank
+        param.device_mesh, [Replicate()])
+    if rank() == 1:
+        param.grad = other
+    with patched():
+        with pytest.raises(RuntimeError, match="norm.weight.grad"):
+            with FSDP.summon_full_params(model, writeback=False, with_grads=True):
+                raise AssertionError("the body ran")
+        param.grad = None
+        with FSDP.summon_full_params(model, writeback=False, with_grads=True):  # the group is still in step
+            assert model.norm.weight.grad is None
+    return rank()
+
+
+@pytest.mark.parametrize("how", ["plain", "replicate"])
+def test_gradients_laid_out_otherwise_on_some_ranks_are_refused_alike(dist_run, how):
+    assert dist_run(2, rank_gradients_laid_out_otherwise_on_some_ranks_are_refused_alike, how) == [0, 1]
+
+
+def rank_a_conversion_inside_rank0_only_lands_alike(kind: str):
+    mesh = _mesh(kind)
+    ref, model = build_lm(), shard_lm(build_lm(), mesh)
+    with patched():
+        with FSDP.summon_full_params(model, writeback=False, rank0_only=True):
+            model.double()
+            streamed = dict(fsdp_shim.iter_full_params(model, rank0_only=False))  # every rank alike
+            assert all(torch.equal(streamed[n], p) for n, p in ref.named_parameters())
+    got = full_state(model)  # at exit the conversion lands on every rank's shards
+    assert all(got[n].dtype == torch.float64 and torch.equal(got[n], p.double()) for n, p in ref.named_parameters())
+
+
+@pytest.mark.parametrize("world_size,kind", [(2, "1d"), (4, "hsdp")])
+def test_a_conversion_inside_rank0_only_lands_alike(dist_run, world_size, kind):
+    dist_run(world_size, rank_a_conversion_inside_rank0_only_lands_alike, kind)
+
+
+def rank_a_tensor_parallel_forward_inside_rank0_only_is_refused_alike():
+    ref, model = _tensor_parallel()
+    with patched():
+        with FSDP.summon_full_params(model, writeback=False, rank0_only=True):
+            with pytest.raises(RuntimeError, match="rank0_only=True"):
+                model.down(torch.ones(2, 16))
+    return rank()
+
+
+def test_a_tensor_parallel_forward_inside_rank0_only_is_refused_alike(dist_run):
+    assert dist_run(2, rank_a_tensor_parallel_forward_inside_rank0_only_is_refused_alike) == [0, 1]
