@@ -371,8 +371,9 @@ def iter_full_params(
             log a warning (a typo, or a model without such parameters).
         rank0_only: only global rank 0 receives tensors; the others get
             ``None`` for each name (and still send their shards).
-        device: where the full tensors land (``"cpu"`` for host memory); default
-            where the gather runs.
+        device: where the full tensors land, as torch names devices: ``"cpu"``
+            for host memory (pageable, as FSDP1's offload), ``"cuda"`` for the
+            current GPU; default where the gather runs.
         bucket_mb: cap on one gather bucket, in MiB (default: ``$FSDP_SHIM_BUCKET_MB`` or 6).
 
     The generator drops each tensor at the next step of the iteration, and
@@ -392,12 +393,9 @@ def iter_full_params(
         NotImplementedError: a parameter's placements cannot be gathered on this torch.
     """
     _require_support()
-    import torch  # noqa: PLC0415
-
     from fsdp_shim._stream import check_stream_args, stream_full_params  # noqa: PLC0415
 
-    check_stream_args(model, dtype, bucket_mb, keep_dtype)
+    check_stream_args(model, dtype, bucket_mb, keep_dtype, device)
     return stream_full_params(
-        model, dtype=dtype, rank0_only=rank0_only, device=None if device is None else torch.device(device),
-        bucket_mb=bucket_mb, keep_dtype=keep_dtype,
+        model, dtype=dtype, rank0_only=rank0_only, device=device, bucket_mb=bucket_mb, keep_dtype=keep_dtype,
     )

@@ -274,6 +274,29 @@ def reshard_group(group: FSDPParamGroup) -> None:
         group._to_sharded()
 
 
+def order_after_writeback(states: list[FSDPState]) -> None:
+    """Make FSDP2's next all-gather wait for a writeback just made on the current stream.
+
+    By default FSDP2's root waits its all-gather streams on the current
+    stream, which orders the writeback's copies before its next copy-in. With
+    ``set_post_optim_event(event)`` it waits on that event instead, recorded
+    by the user after the optimizer step and so, possibly, before the
+    writeback. Re-recording the same event here, on the current stream,
+    moves it after the writeback: FSDP2 still waits on the user's event, and
+    the event covers both. (An event may be recorded again until something
+    waits on it; FSDP2 waits once, at the next root forward, and drops it.)
+    """
+    seen: set[int] = set()
+    for state in states:
+        context = state._state_ctx
+        if id(context) in seen:
+            continue
+        seen.add(id(context))
+        event = getattr(context, "post_optim_event", None)  # optional: torch >= 2.7 has it
+        if event is not None:
+            event.record()
+
+
 def param_dtype_for_forward(group: FSDPParamGroup, fsdp_param: FSDPParam) -> torch.dtype | None:
     """The dtype FSDP2 would compute this parameter in, if it differs from the stored one.
 

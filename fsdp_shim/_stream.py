@@ -55,7 +55,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim import _registry as registry
-from fsdp_shim._gather.engine import BucketGather, start_gather
+from fsdp_shim._gather.engine import BucketGather, resolve_device, start_gather
 from fsdp_shim._gather.layout import Receiver, bucket_cap, gathered_dtype, receivers_for_stream, require_live_groups
 from fsdp_shim._patching import is_fsdp1_tree
 from fsdp_shim._scope import fsdp_slot_owners, module_label, slot_key, tracked_sharded, untracked_parameter
@@ -224,6 +224,15 @@ class _InFlightBatch:
         for _, pending in self._pending:
             pending.launch()
 
+    def wait(self) -> None:
+        """Wait for every launched collective of the batch (its values are in); nothing is copied out."""
+        try:
+            for _, pending in self._pending:
+                pending.wait()
+        except BaseException:
+            self.drop()
+            raise
+
     def finish(self, holds_fulls: bool, out_device: torch.device | None) -> list[torch.Tensor | None]:
         fulls: list[torch.Tensor | None] = [None] * len(self.batch.tensors)
         try:
@@ -271,9 +280,13 @@ def _drop_all(in_flight: list[_InFlightBatch], groups: list[Any], raising: bool 
         raise error
 
 
-def check_stream_args(model: object, dtype: object, bucket_mb: float | None, keep_dtype: object = None) -> None:
+def check_stream_args(
+    model: object, dtype: object, bucket_mb: float | None, keep_dtype: object = None, device: object = None,
+) -> None:
     """Refuse bad arguments at the call, before the generator (and any collective) starts."""
     bucket_cap(bucket_mb, STREAM_BUCKET_MB)
+    if device is not None:
+        torch.device(device)  # type: ignore[call-overload]  # raises for a device torch cannot name
     name_matcher(keep_dtype)  # type: ignore[arg-type]
     if not isinstance(model, nn.Module):
         raise TypeError(f"iter_full_params expects an nn.Module, got {type(model).__name__}")
@@ -291,12 +304,13 @@ def stream_full_params(
     *,
     dtype: torch.dtype | None,
     rank0_only: bool,
-    device: torch.device | None,
+    device: torch.device | str | None,
     bucket_mb: float | None,
     keep_dtype: KeepDtype = None,
 ) -> FullParams:
     """The generator behind ``fsdp_shim.iter_full_params`` (arguments already checked)."""
     bucket_bytes = bucket_cap(bucket_mb, STREAM_BUCKET_MB).bucket_bytes
+    device = resolve_device(device)
     call = f"iter_full_params({module_label(model)})"
     states = [state for state in (fsdp2.fsdp_state_of(m) for m in model.modules()) if state is not None]
     refuse_busy(lambda: call, states, [group for state in states for group in fsdp2.param_groups(state)])
@@ -317,12 +331,15 @@ def stream_full_params(
         for index, batch in enumerate(batches):
             if index + 1 < len(batches):  # staged while batch k arrives, launched once it is in
                 in_flight.append(_InFlightBatch(batches[index + 1], bucket_bytes, receiver, launch=False))
-            fulls = in_flight[0].finish(holds_fulls, device)  # left in the list until it is in: see below
+            arrived = in_flight[0]
+            arrived.wait()  # left in the list until it is in: see below
             in_flight.pop(0)
             if in_flight:
                 # the caller's loop body ran since the last launch: a summon there may have failed one-sidedly
                 require_live_groups(groups, lambda: call)
-                in_flight[0].launch()
+                in_flight[0].launch()  # batch k + 1 on the wire while batch k is copied out
+            fulls = arrived.finish(holds_fulls, device)
+            del arrived
             sent_bytes += batch.nbytes
             for position, name in enumerate(batch.names):
                 yield name, fulls[position]

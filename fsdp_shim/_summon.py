@@ -213,7 +213,7 @@ class DTensorSummon:
             self._record(dtensors, gathered, grads, holds_fulls)
             if holds_fulls:
                 self._mark_groups()
-                self._convert_inside()
+            self._convert_inside()
             del gathered, grads
             install_forward_hooks(scope, self.swapped, self._hooks, self.rank0_only, holds_fulls)
             if logger.isEnabledFor(logging.DEBUG):
@@ -299,29 +299,34 @@ class DTensorSummon:
         agree first: a gradient that no rank of its parameter's mesh has stays
         ``None``; one that some ranks lack is gathered with zeros there (and is
         ``None`` again on those ranks after exit). A gradient on another layout
-        than its parameter (mesh, placements or shape) is gathered by its own
-        spec where every rank has one, and refused on every rank where some lack
-        it: zeros could not be given its layout there.
+        than its parameter (mesh, placements, shape or dtype) is gathered by its
+        own spec where every rank has one laid out the same way, and refused on
+        every rank otherwise: zeros could not be given its layout, and differing
+        layouts gather differently.
         """
         by_mesh: dict[int, list[int]] = {}
         for index, dtensor in enumerate(dtensors):
             by_mesh.setdefault(id(dtensor.device_mesh), []).append(index)
-        agreed = agree_on_grads(dtensors, by_mesh)
+        agreed = agree_on_grads(dtensors, by_mesh)  # a collective, before any gather
         chosen: list[tuple[int, DTensor]] = []
         foreign: list[tuple[Callable[[], str], DTensor]] = []
-        for index, (missing, present, other_layout) in agreed.items():
+        for index, (missing, present, other_layout, one_layout) in agreed.items():
             if not present:
                 continue
             sharded = dtensors[index]
             grad = sharded.grad
             name = (lambda i=index: f"{slot_fqn(module, self.scope.params[i].slots[0])}.grad")
-            if other_layout:
-                if missing:
+            if other_layout:  # refused alike: every rank knows what every other holds
+                if missing or not one_layout:
                     raise RuntimeError(
-                        f"summon_full_params({module_label(module)}, with_grads=True) refused: {name()!r} is "
-                        "missing on some ranks and, on others, laid out otherwise than its parameter, so no "
-                        "rank can stand in zeros for it. Nothing was gathered.")
-                foreign.append((name, cast(DTensor, grad)))
+                        f"summon_full_params({module_label(module)}, with_grads=True) refused: {name()!r} is laid "
+                        "out otherwise than its parameter on some ranks and missing or laid out differently on "
+                        "others, so the ranks cannot gather it alike. Nothing was gathered.")
+                if not isinstance(grad, DTensor):
+                    raise RuntimeError(
+                        f"summon_full_params({module_label(module)}, with_grads=True) refused: {name()!r} is a "
+                        f"plain {type(grad).__name__}, not a DTensor like its parameter. Nothing was gathered.")
+                foreign.append((name, grad))
             if grad is None:
                 grad = torch.zeros_like(sharded)  # FSDP1's zeros, in the parameter's layout: no communication
             chosen.append((index, cast(DTensor, grad)))
@@ -352,8 +357,12 @@ class DTensorSummon:
         call; on exit the same call is replayed through FSDP2's own ``_apply`` on the
         restored shards, before writeback. So inside, the slots keep full tensors
         (``state_dict()`` stays full), and after exit the module is as the same call
-        outside would have left it, plus the writeback rule.
+        outside would have left it, plus the writeback rule. A rank that holds no
+        full tensors (``rank0_only``) records the call too and converts nothing until
+        exit: every rank's shards change at the same point, so a stream or a nested
+        summon inside gathers the same dtypes everywhere.
         """
+        holds_fulls = self._holds_fulls
         for group, fully_summoned in self.scope.groups.items():
             if not fully_summoned:
                 continue
@@ -363,6 +372,8 @@ class DTensorSummon:
 
                 def apply_to_full(*args: Any, _unit: nn.Module = unit, **kwargs: Any) -> nn.Module:
                     self._conversions.append((_unit, args, kwargs))
+                    if not holds_fulls:
+                        return _unit  # deferred to exit, where the holders' shards change too
                     return nn.Module._apply(_unit, *args, **kwargs)  # not FSDP2's: it would reshard
 
                 unit.__dict__["_apply"] = apply_to_full
@@ -404,6 +415,7 @@ class DTensorSummon:
                 self._replay_conversions()
                 if self.writeback and self._body_ran:
                     write_back(self.swapped, self._name, self.with_grads)
+                    fsdp2.order_after_writeback(states_of(self.scope))
         finally:
             self.swapped.clear()
             if torch.is_grad_enabled() is not grad_enabled:

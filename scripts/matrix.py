@@ -95,7 +95,7 @@ def _pytest_summary(output: str) -> str:
 
 def _check_summary(output: str) -> str:
     for line in reversed(output.splitlines()):
-        if re.match(r"^\d+ passed, \d+ failed$", line.strip()):
+        if re.match(r"^\d+ passed, \d+ failed(, \d+ skipped)?$", line.strip()):
             return line.strip()
     return "no summary"
 

@@ -21,8 +21,12 @@ def _run(*args: str, cwd: Path | None = None, timeout: float = 300) -> subproces
 def test_check_passes_and_prints_a_table():
     result = _run(sys.executable, "-m", "fsdp_shim", "check", "--verbose")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "7 passed, 0 failed" in result.stdout
+    assert "10 passed, 0 failed, 1 skipped" in result.stdout
     assert "generate() under summon(root, recurse=False)" in result.stdout
+    for name in ("iter_full_params stream", "offload_to_cpu=True, rank0_only=True", "with_grads=True"):
+        assert f"\n{name}" in result.stdout, name
+    hsdp = next(line for line in result.stdout.splitlines() if line.startswith("HSDP on a 2-D mesh"))
+    assert "SKIP " in hsdp and "not run: needs an even world size of 4 or more (--ranks 4); this run has 2" in hsdp
     assert "route=dtensor" in result.stdout and "torch " in result.stdout
     assert "FSDP2 internals read: " in result.stdout and "all present: FSDPState._lazy_init" in result.stdout
 
@@ -117,7 +121,15 @@ def test_check_passes_on_three_ranks():
     """Uneven shards everywhere, and gradient averaging that is not exact."""
     result = _run(sys.executable, "-m", "fsdp_shim", "check", "--ranks", "3")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "7 passed, 0 failed" in result.stdout
+    assert "10 passed, 0 failed, 1 skipped" in result.stdout
+
+
+def test_check_runs_hsdp_on_four_ranks():
+    result = _run(sys.executable, "-m", "fsdp_shim", "check", "--ranks", "4")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "11 passed, 0 failed" in result.stdout and "SKIPPED" not in result.stdout
+    hsdp = next(line for line in result.stdout.splitlines() if line.startswith("HSDP on a 2-D mesh"))
+    assert "PASS" in hsdp and "39 params exact on a (2, 2) replicate x shard mesh" in hsdp
 
 
 def test_rank_output_on_stdout_never_reaches_the_report(tmp_path):

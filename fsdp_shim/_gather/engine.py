@@ -33,6 +33,15 @@ on every backend: the one collective NCCL users take, and the one gloo
 runs in the tests (``docs/gather-engine.md`` says why gloo's point-to-point
 transport was deleted).
 
+[Note: offloaded memory]
+Full tensors moved to the host (``offload_to_cpu``, ``device="cpu"``) live
+in pageable memory, as FSDP1's do, and go back to the allocator when the
+caller drops them. Pinned memory would come from torch's host caching
+allocator, which rounds each block up to a power of two and keeps it for the
+life of the process: a model's worth pinned for good on every rank that
+offloads, beside an inference engine that needs it. The copy is one
+``.to("cpu")`` a bucket, synchronous (the host reads the values next).
+
 [Note: a group of one] is at ``_start_alone``, [Note: cast before gather] at
 ``start_gather``, [Note: every posted work is waited for] at ``_wait_all``.
 Measurements behind each, and the history of removed mechanisms:
@@ -44,6 +53,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import zlib
 from collections.abc import Sequence
 from typing import NamedTuple, cast
 
@@ -69,6 +79,25 @@ logger = logging.getLogger("fsdp_shim")
 
 
 _CPU = torch.device("cpu")
+
+
+def resolve_device(device: torch.device | str | int | None) -> torch.device | None:
+    """A device as a user names it, as torch means it: the host for ``"cpu"`` and ``"cpu:0"``; an
+    accelerator named without an index (``"cuda"``, ``torch.device("cuda")``) is the current one.
+
+    Results land where the resolved device says, compared with ``==``: an unresolved ``"cuda"`` never
+    equals the ``cuda:k`` a tensor is on, and only a host target offloads (``_finish_bucket``).
+    """
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type == "cpu":
+        return _CPU
+    if device.index is None:
+        handle = getattr(torch, device.type, None)
+        if handle is not None and hasattr(handle, "current_device"):
+            return torch.device(device.type, handle.current_device())
+    return device
 
 
 def _comm_device(dtensor: DTensor) -> torch.device:
@@ -187,13 +216,10 @@ def _finish_bucket(flight: InFlight, holds_fulls: bool, out_device: torch.device
     output = flight.output
     assert output is not None, "a rank that keeps full tensors received them"
     if out_device is not None and out_device != output.device:
-        # offload_to_cpu: move the whole bucket at once, pinned and
-        # asynchronous on accelerators, then split on the host.
-        host = torch.empty(output.shape, dtype=output.dtype, pin_memory=output.device.type != "cpu")
-        host.copy_(output, non_blocking=True)
-        if output.device.type != "cpu":
-            getattr(torch, output.device.type).current_stream().synchronize()
-        output = host
+        # The whole bucket at once, then split where it landed. To the host (offload_to_cpu,
+        # ``device="cpu"``): pageable memory, as FSDP1's offloaded parameters are, in one
+        # copy that the host waits for; see [Note: offloaded memory].
+        output = output.to(out_device)
     if len(flight.bucket) == 1:  # see [Note: a bucket of one]
         return [_unpadded(output.view(flight.bucket[0].layout.padded_shape), flight.bucket[0].layout)]
     return _copy_out(output, flight)
@@ -321,6 +347,20 @@ class BucketGather:
             self._drop()
             raise
 
+    def wait(self) -> None:
+        """Wait for every launched collective, in bucket order: the values are in; ``finish`` copies out.
+
+        The stream waits for batch ``k``, launches batch ``k + 1``, then copies
+        batch ``k`` out, so the copies overlap the next transfer. On an error
+        every launched collective is still waited for (see [Note: every posted work is waited for]).
+        """
+        try:
+            for flight in self._flights:
+                _wait_once(flight)
+        except BaseException:
+            self._drop()
+            raise
+
     def finish(self, *, holds_fulls: bool, out_device: torch.device | None = None) -> list[torch.Tensor | None]:
         """Wait and copy out, bucket by bucket (each output freed as soon as it is copied), then the fallbacks."""
         return self.finish_with_layouts(holds_fulls=holds_fulls, out_device=out_device).tensors
@@ -434,6 +474,7 @@ class GradPresence(NamedTuple):
     missing: bool  # some rank has none
     present: bool  # some rank has one
     other_layout: bool  # some rank's is not a DTensor laid out as the parameter (mesh, placements, shape, dtype)
+    one_layout: bool  # every rank that has a gradient lays it out the same way
 
 
 def _laid_out_as(grad: torch.Tensor, param: DTensor) -> bool:
@@ -442,15 +483,30 @@ def _laid_out_as(grad: torch.Tensor, param: DTensor) -> bool:
             and grad._local_tensor.shape == param._local_tensor.shape)
 
 
+def _layout_code(grad: torch.Tensor) -> int:
+    """A number for a gradient's global layout, the same on every rank that has the same one."""
+    if isinstance(grad, DTensor):
+        text = f"{grad.device_mesh.mesh.tolist()}:{grad.placements}:{tuple(grad.shape)}:{grad.dtype}"
+    else:
+        text = f"plain:{tuple(grad.shape)}:{grad.dtype}"
+    return zlib.crc32(text.encode())
+
+
+_NO_CODE = -(1 << 62)
+
+
 def agree_on_grads(dtensors: Sequence[DTensor], by_mesh: dict[int, list[int]]) -> dict[int, GradPresence]:
     """Every rank's view of which of ``dtensors`` have gradients, made the same on every rank.
 
-    A collective: one ``all_reduce(MAX)`` of three flags a parameter over
+    A collective: one ``all_reduce(MAX)`` of five numbers a parameter over
     each dim of each mesh in ``by_mesh`` (positions in ``dtensors``, grouped
-    by mesh, in the caller's order), which reduces over the whole mesh. What
-    a rank holds decides nothing about the collectives that follow: only the
-    agreed answer does. As FSDP1's ``unshard_grad`` all-reduces its count
-    of missing gradients.
+    by mesh, in the caller's order), which reduces over the whole mesh:
+    missing somewhere, present somewhere, laid out otherwise than the
+    parameter somewhere, and the largest and (negated) smallest code of the
+    present gradients' layouts (equal: one layout on every rank). What a
+    rank holds decides nothing about the collectives that follow: only the
+    agreed answer does. As FSDP1's ``unshard_grad`` all-reduces its count of
+    missing gradients.
     """
     agreed: dict[int, GradPresence] = {}
     for indices in by_mesh.values():
@@ -459,11 +515,15 @@ def agree_on_grads(dtensors: Sequence[DTensor], by_mesh: dict[int, list[int]]) -
         for index in indices:
             param = dtensors[index]
             grad = param.grad
-            local += [grad is None, grad is not None, grad is not None and not _laid_out_as(grad, param)]
-        flags = torch.tensor(local, dtype=torch.int32).to(_comm_device(first))
+            other = grad is not None and not _laid_out_as(grad, param)
+            code = None if grad is None else _layout_code(grad)  # every present one: are they all alike?
+            local += [grad is None, grad is not None, other,
+                      _NO_CODE if code is None else code, _NO_CODE if code is None else -code]
+        flags = torch.tensor(local, dtype=torch.int64).to(_comm_device(first))
         for group in mesh_dim_groups(first.device_mesh):
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
         values = flags.tolist()
         for position, index in enumerate(indices):
-            agreed[index] = GradPresence(*(bool(v) for v in values[3 * position:3 * position + 3]))
+            missing, present, other, largest, negated_smallest = values[5 * position:5 * position + 5]
+            agreed[index] = GradPresence(bool(missing), bool(present), bool(other), largest == -negated_smallest)
     return agreed

@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -180,15 +180,64 @@ def destroyed_group(user: Callable[[], str]) -> RuntimeError:
 
 def live_mesh_dim_groups(mesh: DeviceMesh, user: Callable[[], str]) -> list[dist.ProcessGroup]:
     """``mesh_dim_groups``, each checked by ``require_live_groups``: a group destroyed before the mesh
-    first named it (torch cannot even resolve it then) is refused in the same words."""
+    first named it (torch cannot even resolve it then) is refused in the same words. Warns once if an
+    NCCL group's faults would go unnoticed (``nccl_fault_rule``)."""
     try:
         groups = mesh_dim_groups(mesh)
-    except (RuntimeError, ValueError, KeyError) as error:
-        if not dist.is_initialized() or "resolve" in str(error) or "destroy" in str(error):
-            raise destroyed_group(user) from error
-        raise
+    except (RuntimeError, ValueError, KeyError, TypeError) as error:  # torch's words differ by release
+        raise destroyed_group(user) from error
     require_live_groups(groups, user)
+    _warn_if_unguarded(groups)
     return groups
+
+
+NcclFaultRule = Literal["watchdog", "blocking_wait", "unguarded"]
+
+
+def nccl_fault_rule(env: Mapping[str, str]) -> NcclFaultRule:
+    """What stops an NCCL all-gather that failed (a timeout, a dead peer) from being read as arrived.
+
+    [Note: faults on NCCL]
+    On gloo ``work.wait()`` blocks the host and raises on a timeout or a dead
+    peer, and the summon's fault rules rest on that (see [Note: faults] in
+    ``_summon``). On NCCL it only makes the current stream wait, and raises
+    nothing. What guards the values there is one of:
+    - ``"watchdog"``, torch's default (``TORCH_NCCL_ASYNC_ERROR_HANDLING`` 1
+      or 3, or unset): NCCL's watchdog tears the process down when a
+      collective fails or times out. No body runs on values that never
+      arrived and nothing is written back: the job dies, loudly.
+    - ``"blocking_wait"`` (``TORCH_NCCL_BLOCKING_WAIT=1``): ``wait()`` blocks
+      and raises as on gloo, so gloo's rules hold: nothing written back, the
+      group recorded out of step.
+    - ``"unguarded"`` (async error handling 0 or 2 without blocking wait, as
+      some fault-tolerant stacks set): a failed all-gather's output could be
+      read, and under ``writeback=True`` copied into the training shards.
+      The shim warns once per process; set ``TORCH_NCCL_BLOCKING_WAIT=1``.
+    Torch's older spellings (``NCCL_BLOCKING_WAIT``, ``NCCL_ASYNC_ERROR_HANDLING``) count too.
+    """
+    def value(name: str, default: str) -> str:
+        return env.get(f"TORCH_{name}", env.get(name, default)).strip()
+
+    if value("NCCL_BLOCKING_WAIT", "0") not in ("", "0"):
+        return "blocking_wait"
+    return "unguarded" if value("NCCL_ASYNC_ERROR_HANDLING", "3") in ("0", "2") else "watchdog"
+
+
+_fault_rule_checked: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
+
+
+def _warn_if_unguarded(groups: Iterable[dist.ProcessGroup]) -> None:
+    for group in groups:
+        if group in _fault_rule_checked:
+            continue
+        _fault_rule_checked.add(group)
+        if dist.get_backend(group) == "nccl" and nccl_fault_rule(os.environ) == "unguarded":
+            logger.warning(
+                "NCCL with TORCH_NCCL_ASYNC_ERROR_HANDLING=%s and no TORCH_NCCL_BLOCKING_WAIT: a failed or "
+                "timed-out all-gather is not noticed, so summon_full_params could read (and with writeback=True "
+                "write back) values that never arrived. Set TORCH_NCCL_BLOCKING_WAIT=1 (docs/troubleshooting.md).",
+                os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", os.environ.get("NCCL_ASYNC_ERROR_HANDLING")))
+            return
 
 
 def require_live_groups(groups: Iterable[dist.ProcessGroup], user: Callable[[], str]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import fsdp_shim
 from fsdp_shim.tools.launch import rank_device, report_progress
@@ -32,6 +33,11 @@ class Outcome:
     ms: float
     detail: str = ""
     paths: list[str] = field(default_factory=list)
+    skipped: bool = False  # not run here (``detail`` says why): neither a pass nor a failure
+
+
+class Skipped(Exception):
+    """Raised by a scenario this world cannot run (e.g. HSDP on fewer than 4 ranks); the message says why."""
 
 
 class _PathRecorder(logging.Handler):
@@ -53,6 +59,13 @@ def _mismatches(model: torch.nn.Module, reference: torch.nn.Module) -> list[str]
         if have is None or isinstance(have, DTensor) or have.dtype != want.dtype or not torch.equal(have, want):
             bad.append(name)
     return bad
+
+
+def _sharded_as_before(model: torch.nn.Module, before: list[tuple[str, torch.nn.Parameter]]) -> bool:
+    """The same parameter objects under the same names, every one a DTensor shard."""
+    after = list(model.named_parameters())
+    return [n for n, _ in after] == [n for n, _ in before] and all(
+        a is b and isinstance(a, DTensor) for (_, a), (_, b) in zip(after, before))
 
 
 def _require(condition: bool, message: str) -> None:
@@ -164,6 +177,99 @@ class Scenarios:
         _require(not bad, f"differs after 3 SGD steps: {bad[:3]}")
         return f"3 SGD steps after summons match the reference, {tolerance_note}"
 
+    def stream(self) -> str:
+        reference, model = self.models()
+        before = list(model.named_parameters())
+        want = {n: p.detach() for n, p in reference.named_parameters()}
+        rank0 = dist.get_rank() == 0
+        runs: list[tuple[str, dict, torch.dtype | None, torch.device]] = [
+            ("rank0_only", {}, None, self.device),
+            ("bf16 on every rank", dict(rank0_only=False, dtype=torch.bfloat16), torch.bfloat16, self.device),
+        ]
+        if self.device.type != "cpu":
+            runs.append(("device='cpu'", dict(rank0_only=False, device="cpu"), None, torch.device("cpu")))
+        problems: list[str] = []  # raised after every stream ended: all ranks run the same collectives
+        for label, kwargs, dtype, device in runs:
+            seen: list[str] = []
+            for name, tensor in fsdp_shim.iter_full_params(model, **kwargs):
+                seen.append(name)
+                if name not in want:
+                    problems.append(f"{label}: unknown name {name}")
+                elif kwargs.get("rank0_only", True) and not rank0:
+                    if tensor is not None:
+                        problems.append(f"{label}: rank {dist.get_rank()} got a tensor for {name}")
+                else:
+                    expected = want[name].to(dtype) if dtype is not None else want[name]
+                    if tensor is None or isinstance(tensor, DTensor):
+                        problems.append(f"{label}: {name} not a full tensor")
+                    elif tensor.device != device:
+                        problems.append(f"{label}: {name} on {tensor.device}, not {device}")
+                    elif tensor.dtype != expected.dtype or not torch.equal(tensor.cpu(), expected.cpu()):
+                        problems.append(f"{label}: {name} differs from the reference")
+            if sorted(seen) != sorted(want):
+                problems.append(f"{label}: names differ or repeat: {sorted(set(seen) ^ set(want))}")
+        _require(not problems, f"{len(problems)} problems: {problems[:3]}")
+        _require(_sharded_as_before(model, before), "the stream changed the model")
+        return f"{len(want)} tensors exact: {', '.join(label for label, *_ in runs)}"
+
+    def offload_to_cpu(self) -> str:
+        reference, model = self.models()
+        before = list(model.named_parameters())
+        rank0 = dist.get_rank() == 0
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with FSDP.summon_full_params(model, rank0_only=True, offload_to_cpu=True, writeback=False):
+                if rank0:
+                    bad = _mismatches(model, reference.cpu())
+                    _require(not bad, f"rank 0: differs from reference: {bad[:3]}")
+                    _require(all(p.device.type == "cpu" for p in model.parameters()), "rank 0: not on CPU")
+                    _require(model.lm_head.weight is model.embed.weight, "tie broken inside")
+                else:
+                    _require(_sharded_as_before(model, before), f"rank {dist.get_rank()}: shards not kept")
+        offload_warnings = [str(w.message) for w in caught if "offload" in str(w.message)]
+        _require(not offload_warnings, f"warned with rank0_only=True: {offload_warnings[:1]}")
+        _require(_sharded_as_before(model, before), "not sharded as before after exit")
+        return f"rank 0: {len(before)} full params on CPU, exact; other ranks kept their shards"
+
+    def hsdp(self) -> str:
+        world = dist.get_world_size()
+        if world < 4 or world % 2:
+            raise Skipped(f"needs an even world size of 4 or more (--ranks 4); this run has {world}")
+        mesh = init_device_mesh(self.device.type, (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        reference = build_lm(self.config).to(self.device)
+        model = shard_lm(build_lm(self.config).to(self.device), mesh, mp_policy=self.mp)
+        before = list(model.named_parameters())
+        placements = tuple(model.blocks[0].fc1.weight.placements)
+        _require(placements == (Replicate(), Shard(0)), f"not HSDP placements: {placements}")
+        with FSDP.summon_full_params(model, writeback=False, recurse=True):
+            bad = _mismatches(model, reference)
+            _require(not bad, f"differs from reference: {bad[:3]}")
+            _require(model.lm_head.weight is model.embed.weight, "tie broken inside")
+        _require(_sharded_as_before(model, before), "not sharded as before after exit")
+        return f"{len(before)} params exact on a (2, {world // 2}) replicate x shard mesh"
+
+    def with_grads(self) -> str:
+        reference, model = self.models(mixed=False)
+        before = list(model.named_parameters())
+        for m in (model, reference):
+            m(self.tokens).float().pow(2).mean().backward()
+        want = dict(reference.named_parameters())
+        inexact = []
+        with FSDP.summon_full_params(model, with_grads=True, writeback=False):
+            for name, param in model.named_parameters():
+                grad, ref_grad = param.grad, want[name].grad
+                _require(grad is not None and not isinstance(grad, DTensor), f"{name}: no full gradient")
+                _require(grad.shape == ref_grad.shape and grad.dtype == ref_grad.dtype, f"{name}: shape or dtype")
+                if not torch.equal(grad, ref_grad):
+                    # averaging W equal gradients may round (W not a power of two, or a ring's order)
+                    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7, msg=f"{name}: gradient differs")
+                    inexact.append(name)
+        _require(_sharded_as_before(model, before), "not sharded as before after exit")
+        _require(all(isinstance(p.grad, DTensor) for p in model.parameters()), "gradients not sharded after exit")
+        note = "exact" if not inexact else (
+            f"{len(before) - len(inexact)} exact, {len(inexact)} within 1e-5 (reduce order)")
+        return f"{len(before)} full gradients after forward/backward match the reference: {note}"
+
     def misuse(self) -> str:
         _, model = self.models()
         for kwargs in (dict(writeback=True, rank0_only=True), dict(with_grads=True, offload_to_cpu=True)):
@@ -184,6 +290,10 @@ class Scenarios:
             ("tied lm_head edit, writeback=True", self.tied_head_edit),
             ("training continues after summons", self.training),
             ("misuse raises FSDP1's errors", self.misuse),
+            ("iter_full_params stream (rank0_only, bf16)", self.stream),
+            ("offload_to_cpu=True, rank0_only=True", self.offload_to_cpu),
+            ("HSDP on a 2-D mesh, recurse=True", self.hsdp),
+            ("with_grads=True after forward/backward", self.with_grads),
         ]
 
 
@@ -215,13 +325,17 @@ def check_on_rank(device_type: str) -> list[Outcome]:
             recorder.lines.clear()
             dist.barrier()
             start = time.perf_counter()
+            skipped = False
             try:
                 detail, ok = scenario(), True
+            except Skipped as exc:
+                detail, ok, skipped = f"SKIPPED, not run: {exc}", True, True
             except Exception as exc:  # noqa: BLE001  (reported in the table)
                 detail, ok = f"{type(exc).__name__}: {exc}", False
             ms = (time.perf_counter() - start) * 1e3
-            outcomes.append(Outcome(name, ok, ms, detail, _runs(recorder.lines)))
-            report_progress(f"fsdp-shim check: {number}/{len(scenarios)} {name} {'ok' if ok else 'FAILED'} "
+            outcomes.append(Outcome(name, ok, ms, detail, _runs(recorder.lines), skipped))
+            verdict = "skipped" if skipped else "ok" if ok else "FAILED"
+            report_progress(f"fsdp-shim check: {number}/{len(scenarios)} {name} {verdict} "
                             f"({ms:.0f} ms on rank 0)")
     finally:
         logger.removeHandler(recorder)

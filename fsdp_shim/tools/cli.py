@@ -91,7 +91,7 @@ def cmd_check(args: argparse.Namespace) -> int:
               f"{', '.join(_fsdp2.READS)}")
         for module, status in statuses().items():
             print(f"  instrumentation {module}: {status}")
-    print(f"fsdp-shim check: starting {args.ranks} ranks, then 7 scenarios...", flush=True)
+    print(f"fsdp-shim check: starting {args.ranks} ranks, then the scenarios...", flush=True)
     try:
         per_rank = run_on_ranks(check_on_rank, args.ranks, (args.device,), backend=_backend(args.device),
                                 timeout_s=args.timeout)
@@ -100,17 +100,20 @@ def cmd_check(args: argparse.Namespace) -> int:
         return 2
     width = max(len(o.name) for o in per_rank[0]) + 2
     print(f"\n{'scenario':<{width}}{'result':<8}{'ms':>9}  detail")
-    failures = 0
+    failures = skipped = 0
     for index, outcome in enumerate(per_rank[0]):
         ranks_ok = all(r[index].ok for r in per_rank)
         failures += not ranks_ok
+        skip = ranks_ok and all(r[index].skipped for r in per_rank)
+        skipped += skip
         detail = outcome.detail if outcome.ok else next(r[index].detail for r in per_rank if not r[index].ok)
-        print(f"{outcome.name:<{width}}{'PASS' if ranks_ok else 'FAIL':<8}{outcome.ms:>9.1f}  {detail}")
+        result = "SKIP" if skip else "PASS" if ranks_ok else "FAIL"
+        print(f"{outcome.name:<{width}}{result:<8}{outcome.ms:>9.1f}  {detail}")
         if args.verbose:
             for line in outcome.paths:
                 print(f"{'':<{width}}  path: {line}")
     total = len(per_rank[0])
-    print(f"\n{total - failures} passed, {failures} failed")
+    print(f"\n{total - failures - skipped} passed, {failures} failed" + (f", {skipped} skipped" if skipped else ""))
     return 1 if failures else 0
 
 
