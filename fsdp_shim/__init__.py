@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     import torch
     import torch.nn as nn
 
-    from fsdp_shim._patching import fsdp_units, is_fsdp_module, param_fqn
+    from fsdp_shim._units import fsdp_units, is_fsdp_module, param_fqn
 
 
 __version__ = _versions.__version__
@@ -173,10 +173,20 @@ def _activate() -> str | None:
             if refusal is not None:
                 _versions.log_warning(
                     "fsdp_shim refuses DTensor summons here (FSDP1 and plain modules are unaffected): %s", refusal)
-            from fsdp_shim import _patching  # noqa: PLC0415
-
-            _patching.patch(refusal)
+            _install(refusal)
         return unsupported_reason
+
+
+def _install(refusal: str | None) -> bool:
+    """``_patching.patch``, handed the DTensor summon unless refusing: the one place above both that
+    knows of both (``_patching`` never imports the summon; see [Note: refusing mode] there)."""
+    from fsdp_shim import _patching  # noqa: PLC0415  (torch is imported by now, not at ours)
+
+    if refusal is not None:
+        return _patching.patch(refusal)
+    from fsdp_shim._summon import summon  # noqa: PLC0415  (needs the FSDP2 internals)
+
+    return _patching.patch(summon=summon)
 
 
 def _submodule_importing(besides: str = "") -> bool:
@@ -223,9 +233,9 @@ def __getattr__(name: str) -> Any:
     if name == "unsupported_reason":
         return _activate()
     if name in _UNITS_API:
-        from fsdp_shim import _patching  # noqa: PLC0415
+        from fsdp_shim import _units  # noqa: PLC0415
 
-        return getattr(_patching, name)
+        return getattr(_units, name)
     raise AttributeError(f"module 'fsdp_shim' has no attribute {name!r}")
 
 
@@ -253,9 +263,7 @@ def patch() -> bool:
     if _versions.env_flag(_versions.DISABLE_ENV):
         logger.info("fsdp_shim: %s is set, not patching", _versions.DISABLE_ENV)
         return False
-    from fsdp_shim import _patching  # noqa: PLC0415
-
-    return _patching.patch(_refusal)
+    return _install(_refusal)
 
 
 def unpatch() -> bool:

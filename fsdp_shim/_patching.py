@@ -1,11 +1,9 @@
 """The patch lifecycle, and which FSDP serves a module: FSDP1's, or the shim's DTensor summon.
 
-Owns the decision "is this an FSDP1 tree" (``is_fsdp1_tree``): the patch's
-wrapper, in both modes, and the stream ask it; ``_summon.summon`` routes
-the rest. Also the public unit helpers (``fsdp_units``, ``is_fsdp_module``,
-``param_fqn``), which treat FSDP1 and FSDP2 units alike. Everything here
-reads public torch only, so refusing mode can import it (see [Note:
-refusing mode]).
+Routing itself is ``_units.route``, which both modes ask (the active one
+through ``_summon.summon``). Everything here reads public torch only, and
+the summon is handed in by ``fsdp_shim.patch``, never imported, so
+refusing mode can import this module (see [Note: refusing mode]).
 
 [Note: one handle]
 ``wrap_function_wrapper`` returns the ``FunctionWrapper`` it installs; that
@@ -43,15 +41,15 @@ from __future__ import annotations
 import inspect
 import logging
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ContextManager
 
 import torch.nn as nn
 import wrapt
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-from torch.distributed.tensor import DTensor
 
 from fsdp_shim import _versions
+from fsdp_shim._units import route
 
 logger = logging.getLogger("fsdp_shim")
 
@@ -61,7 +59,10 @@ _NAME = "summon_full_params"
 _lock = threading.Lock()
 _handle: wrapt.FunctionWrapper | None = None
 _refusal: str | None = None  # see [Note: refusing mode]
-_summon: Any = None  # _summon.summon, bound by patch() when not refusing
+#: The DTensor summon (``_summon.summon``) the wrapper routes to, handed to ``patch()`` by the layer
+#: above (``fsdp_shim.patch``), so that this module never imports the summon: refusing mode must not.
+SummonFn = Callable[..., ContextManager[Any]]
+_summon: SummonFn | None = None
 
 
 def _fsdp1_arguments(
@@ -79,26 +80,14 @@ def _fsdp1_arguments(
 def _summon_full_params_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Route one ``FSDP.summon_full_params(...)`` call (see [Note: summon lifecycle] in ``_summon``)."""
     bound = _fsdp1_arguments(*args, **kwargs)
-    if _refusal is not None:
-        return _refusing_summon(wrapped, _refusal, *bound)
+    if _refusal is not None or _summon is None:
+        return _refusing_summon(wrapped, _refusal or "fsdp_shim is not active", *bound)
     return _summon(*bound, fsdp1=wrapped)
 
 
-def is_fsdp1_tree(module: nn.Module, recurse: bool) -> bool:
-    """Whether FSDP1 serves ``summon_full_params(module, recurse)``: the module is an FSDP1 wrapper, or,
-    with ``recurse``, holds one. The one test, for routing in both modes and for the stream's refusal."""
-    if isinstance(module, FullyShardedDataParallel):
-        return True
-    return recurse and any(isinstance(m, FullyShardedDataParallel) for m in module.modules())
-
-
 def _refusing_summon(wrapped: Any, refusal: str, module: Any, recurse: bool, *rest: Any) -> Any:
-    """FSDP1's own context, unless the module holds DTensors: then raise. See [Note: refusing mode]."""
-    if not isinstance(module, nn.Module) or is_fsdp1_tree(module, recurse):
-        return wrapped(module, recurse, *rest)
-    if isinstance(module, FSDPModule) or (isinstance(module, nn.Module) and any(
-        isinstance(t, DTensor) for t in (*module.parameters(), *module.buffers())
-    )):
+    """FSDP1's own context, unless the call would take the DTensor route: then raise. See [Note: refusing mode]."""
+    if isinstance(module, nn.Module) and route(module, recurse)[0] == "dtensor":
         raise RuntimeError(
             f"summon_full_params({type(module).__name__}) holds DTensor parameters, which fsdp_shim cannot gather "
             f"on this torch: {refusal}. Without fsdp_shim this call would silently do nothing."
@@ -153,20 +142,20 @@ def is_patched() -> bool:
     return _handle is not None and wrapt.is_wrapped_by(current, _handle)
 
 
-def patch(refusal: str | None = None) -> bool:
+def patch(refusal: str | None = None, summon: SummonFn | None = None) -> bool:
     """Install the wrapper; returns False (and changes nothing) if ours is already there.
 
-    With ``refusal``, the wrapper refuses DTensor summons: see [Note: refusing mode].
+    With ``refusal``, the wrapper refuses DTensor summons: see [Note: refusing mode]. Otherwise
+    ``summon`` (``_summon.summon``) serves them, and the instrumentations and the guard are installed.
     """
+    if refusal is None and summon is None:
+        raise TypeError("patch() needs the DTensor summon to route to, or a refusal")
     global _handle, _refusal, _summon, _guard_handle
     with _lock:
         if is_patched():
             return False
         _refusal = refusal
-        if refusal is None:
-            from fsdp_shim._summon import summon  # noqa: PLC0415  (needs the FSDP2 internals)
-
-            _summon = summon
+        _summon = summon
         _handle = wrapt.wrap_function_wrapper(_TARGET, _NAME, _summon_full_params_wrapper)
         _install_instance_form()
         if refusal is None:
@@ -202,45 +191,3 @@ def unpatch() -> bool:
             return False
         logger.debug("restored FullyShardedDataParallel.summon_full_params")
         return True
-
-
-# -- units, FSDP1 and FSDP2 alike (public: ``fsdp_units``, ``is_fsdp_module``, ``param_fqn``) ------
-# FSDP1-era code often gates on ``isinstance(m, FullyShardedDataParallel)``,
-# which is never true for FSDP2 modules (and must stay so: FSDP1 code paths
-# would then reach for flat parameters). These helpers are the one-line
-# replacement for such gates.
-
-
-_UNIT_TYPES: tuple[type, ...] = (FullyShardedDataParallel, FSDPModule)
-
-#: The prefix FSDP1 wrappers add to every name below them.
-FSDP1_PREFIX = "_fsdp_wrapped_module."
-
-
-def is_fsdp_module(module: nn.Module) -> bool:
-    """True for FSDP1 wrappers and FSDP2 (``fully_shard``) units."""
-    return isinstance(module, _UNIT_TYPES)
-
-
-def clean_fqn(name: str) -> str:
-    """A name without FSDP1's wrapper prefixes: the name in the unwrapped model."""
-    return name.replace(FSDP1_PREFIX, "")
-
-
-def fsdp_units(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """``(fqn, unit)`` for every FSDP1 or FSDP2 unit in ``model``, outermost first."""
-    for name, module in model.named_modules():
-        if is_fsdp_module(module):
-            yield clean_fqn(name), module
-
-
-def param_fqn(model: nn.Module, param: nn.Parameter) -> str:
-    """The first name under which ``param`` (this very object) is reachable in ``model`` now.
-
-    Inside ``summon_full_params`` the full parameters are new objects, so look
-    them up there, not in a map built before the context.
-    """
-    for name, candidate in model.named_parameters(remove_duplicate=False):
-        if candidate is param:
-            return clean_fqn(name)
-    raise KeyError("parameter is not reachable from this module right now")

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim import _registry as registry
+from fsdp_shim._units import scope_modules
 
 if TYPE_CHECKING:
     from fsdp_shim._gather.layout import BucketPlan
@@ -85,24 +86,6 @@ class Scope:
     owned_outside: bool = False
     #: Whether FSDP2 manages every entry (no tensor-parallel-only DTensor, no DTensor buffer).
     fsdp2_only: bool = False
-
-
-def scope_modules(root: nn.Module, recurse: bool) -> list[nn.Module]:
-    """``root``'s subtree in ``named_modules()`` order; without ``recurse``,
-    nested FSDP2 units and everything below them are left out."""
-    seen: set[int] = set()
-    ordered: list[nn.Module] = []
-    stack = [root]
-    while stack:
-        module = stack.pop()
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
-        if module is not root and not recurse and fsdp2.is_fsdp2_module(module):
-            continue
-        ordered.append(module)
-        stack.extend(reversed([c for c in module._modules.values() if c is not None]))
-    return ordered
 
 
 @dataclass

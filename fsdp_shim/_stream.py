@@ -57,7 +57,7 @@ from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim import _registry as registry
 from fsdp_shim._gather.engine import BucketGather, resolve_device, start_gather
 from fsdp_shim._gather.layout import Receiver, bucket_cap, gathered_dtype, receivers_for_stream, require_live_groups
-from fsdp_shim._patching import is_fsdp1_tree
+from fsdp_shim._units import is_fsdp1_tree
 from fsdp_shim._scope import fsdp_slot_owners, module_label, slot_key, tracked_sharded, untracked_parameter
 from fsdp_shim._summon import group_in_use, refuse_busy, refuse_placements
 

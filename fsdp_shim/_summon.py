@@ -58,6 +58,7 @@ from fsdp_shim._compat import ungatherable_reason, writeback_refusal
 from fsdp_shim._exit import SwappedParam, inspect_slots, judge_changes, shard_versions, write_back
 from fsdp_shim._forward_hooks import install_forward_hooks
 from fsdp_shim._gather.engine import Gathered, agree_on_grads, gather_full_tensors
+from fsdp_shim._units import route
 from fsdp_shim._gather.layout import (
     BucketCap,
     Receiver,
@@ -66,7 +67,6 @@ from fsdp_shim._gather.layout import (
     receivers_for_summon,
     require_live_groups,
 )
-from fsdp_shim._patching import is_fsdp1_tree
 from fsdp_shim._scope import (
     CachedSummon,
     Scope,
@@ -76,7 +76,6 @@ from fsdp_shim._scope import (
     first_untracked_slot,
     has_distributed_params,
     module_label,
-    scope_modules,
     slot_fqn,
     slot_key,
     states_of,
@@ -104,16 +103,14 @@ def summon(
     """Route one call (see [Note: summon lifecycle]). ``fsdp1`` is FSDP1's original, if known."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"summon_full_params expects an nn.Module, got {type(module).__name__}")
-    if is_fsdp1_tree(module, recurse):
+    served_by, modules = route(module, recurse, has_distributed_params)  # the walk, reused by the scope
+    if served_by == "fsdp1":
         logger.debug("summon_full_params(%s): route=fsdp1", module_label(module))
         original = fsdp1 if fsdp1 is not None else FullyShardedDataParallel.summon_full_params
         return original(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads)
-    modules = None
-    if not fsdp2.is_fsdp2_module(module):  # a unit takes the DTensor path: it validates, then may find nothing
-        modules = scope_modules(module, recurse)  # the walk, reused by the scope
-        if not has_distributed_params(modules):
-            logger.debug("summon_full_params(%s): route=none", module_label(module))
-            return contextlib.nullcontext()
+    if served_by == "none":
+        logger.debug("summon_full_params(%s): route=none", module_label(module))
+        return contextlib.nullcontext()
     logger.debug("summon_full_params(%s): route=dtensor", module_label(module))
     # Checked at the call, which a with statement makes at once: FSDP1 checks at __enter__, one step later.
     validate_args(writeback, rank0_only, offload_to_cpu, with_grads, module)
@@ -602,7 +599,7 @@ def original_params(param: torch.Tensor) -> list[nn.Parameter]:
 # Never from what one rank holds: full tensors under ``rank0_only``, the
 # contents of its slots, ``.grad``, a rank-local cache. The decisions, and
 # what each reads:
-# - *route* (``summon``): the module tree (``is_fsdp1_tree``), FSDP2's units
+# - *route* (``_units.route``, from ``summon``): the module tree (``is_fsdp1_tree``), FSDP2's units
 #   and ownership, DTensor specs, and the registry (a slot a live summon holds
 #   counts as distributed on every rank, whatever this rank's slot holds);
 # - *scope* (``_scope.collect_scope``, and nesting in ``_scope_of_call``): the

@@ -3,12 +3,12 @@
 No module docstring over 40 lines: notes live next to the code they explain,
 figures in ``docs/``. (0.8.1's 450-line cap per module is gone: it split the
 house by size, not by object, and FSDP2's own files run to 1,100 lines.) The runtime import graph among
-the package's modules (imports at module level, outside ``TYPE_CHECKING``)
+the package's modules (every import, inside functions too, outside ``TYPE_CHECKING``)
 has no cycle, and ``_registry`` imports nothing of the package: it is data
 the summon fills in, never a caller back into it. Runtime modules never
 import ``tools/`` (anywhere, deferred imports too), and the summon's rooms
 never import ``instrumentations/``: ``_patching`` installs them, deferred.
-One summon, entered and left, runs code in the eleven rooms of
+One summon, entered and left on one of two ranks, runs code in the twelve rooms of
 ``docs/contributing.md`` and no others (0.9.0's 34 modules: fifteen).
 """
 
@@ -35,21 +35,23 @@ PACKAGES = {_module_name(path) for path in MODULES if path.name == "__init__.py"
 
 
 def _runtime_imports(path: Path) -> set[str]:
-    """Package modules ``path`` imports at module level, outside ``if TYPE_CHECKING:``."""
+    """Package modules ``path`` imports at run time, anywhere (inside functions too: a deferred import
+    is still an arrow), outside ``if TYPE_CHECKING:``."""
     tree = ast.parse(path.read_text())
     found: set[str] = set()
-    for node in tree.body:  # module level only: imports inside functions are deferred on purpose
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+    typing_only = {id(sub) for node in ast.walk(tree)
+                   if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) for sub in ast.walk(node)}
+    for sub in ast.walk(tree):
+        if id(sub) in typing_only:
             continue
-        for sub in ast.walk(node) if isinstance(node, (ast.If, ast.Try)) else [node]:
-            if isinstance(sub, ast.ImportFrom) and sub.module and sub.module.startswith("fsdp_shim"):
-                if sub.module in PACKAGES:
-                    found.update(f"{sub.module}.{alias.name}" if f"{sub.module}.{alias.name}" in NAMES
-                                 else sub.module for alias in sub.names)
-                else:
-                    found.add(sub.module)
-            elif isinstance(sub, ast.Import):
-                found.update(a.name for a in sub.names if a.name.startswith("fsdp_shim."))
+        if isinstance(sub, ast.ImportFrom) and sub.module and sub.module.startswith("fsdp_shim"):
+            if sub.module in PACKAGES:
+                found.update(f"{sub.module}.{alias.name}" if f"{sub.module}.{alias.name}" in NAMES
+                             else sub.module for alias in sub.names)
+            else:
+                found.add(sub.module)
+        elif isinstance(sub, ast.Import):
+            found.update(a.name for a in sub.names if a.name.startswith("fsdp_shim."))
     found.discard(_module_name(path))
     return found
 
@@ -109,46 +111,44 @@ def test_only_the_patch_imports_the_instrumentations():
     assert importers == {"fsdp_shim._patching"}
 
 
-ONE_SUMMON = """
-import json, os, sys
-import torch, torch.nn as nn, torch.distributed as dist
-import fsdp_shim
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, fully_shard
-dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
-torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
-for layer in model:
-    fully_shard(layer)
-fully_shard(model)
-model(torch.randn(2, 4)).sum().backward()
+def rank_one_summon_runs_in():
+    """The rooms one per-unit summon with writeback runs code in, on a rank of a 2-rank group: the
+    all-gather path, copy-out and local writeback included."""
+    import torch
+    import torch.nn as nn
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import fully_shard
 
-def summon():
-    with FSDP.summon_full_params(model[0], recurse=False, writeback=True), torch.no_grad():
-        model[0].weight.add_(1.0)
+    import fsdp_shim
+    from _helpers import patched
 
-summon()  # the first call works its scope out; the second is weight sync's steady state
-package = os.path.dirname(fsdp_shim.__file__)
-ran = set()
-sys.setprofile(lambda frame, event, arg: ran.add(os.path.relpath(frame.f_code.co_filename, package))
-               if frame.f_code.co_filename.startswith(package) else None)
-summon()
-sys.setprofile(None)
-print(json.dumps(sorted(ran)))
-dist.destroy_process_group()
-"""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    model(torch.randn(2, 4)).sum().backward()
+
+    def summon():
+        with FSDP.summon_full_params(model[0], recurse=False, writeback=True), torch.no_grad():
+            model[0].weight.add_(1.0)
+
+    package = os.path.dirname(fsdp_shim.__file__)
+    ran: set[str] = set()
+    with patched():
+        summon()  # the first call works its scope out; the second is weight sync's steady state
+        sys.setprofile(lambda frame, event, arg: ran.add(os.path.relpath(frame.f_code.co_filename, package))
+                       if frame.f_code.co_filename.startswith(package) else None)
+        try:
+            summon()
+        finally:
+            sys.setprofile(None)
+    return sorted(ran)
 
 
-def test_one_summon_runs_in_the_rooms_the_layout_names():
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FSDP_SHIM_")}
-    proc = subprocess.run([sys.executable, "-c", ONE_SUMMON, str(port)], capture_output=True, text=True,
-                          timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.splitlines()[-1]) == [
+def test_one_summon_runs_in_the_rooms_the_layout_names(dist_run):
+    rooms = [
         "_compat.py", "_exit.py", "_forward_hooks.py", "_fsdp2.py", "_gather/engine.py", "_gather/layout.py",
-        "_gather/staging.py", "_patching.py", "_registry.py", "_scope.py", "_summon.py",
+        "_gather/staging.py", "_patching.py", "_registry.py", "_scope.py", "_summon.py", "_units.py",
     ]
+    assert dist_run(2, rank_one_summon_runs_in) == [rooms, rooms]

@@ -33,16 +33,7 @@ on every backend: the one collective NCCL users take, and the one gloo
 runs in the tests (``docs/gather-engine.md`` says why gloo's point-to-point
 transport was deleted).
 
-[Note: offloaded memory]
-Full tensors moved to the host (``offload_to_cpu``, ``device="cpu"``) live
-in pageable memory, as FSDP1's do, and go back to the allocator when the
-caller drops them. Pinned memory would come from torch's host caching
-allocator, which rounds each block up to a power of two and keeps it for the
-life of the process: a model's worth pinned for good on every rank that
-offloads, beside an inference engine that needs it. The copy is one
-``.to("cpu")`` a bucket, synchronous (the host reads the values next).
-
-[Note: a group of one] is at ``_start_alone``, [Note: cast before gather] at
+[Note: a group of one] is at ``_start_alone``, [Note: offloaded memory] at ``_finish_bucket``, [Note: cast before gather] at
 ``start_gather``, [Note: every posted work is waited for] at ``_wait_all``.
 Measurements behind each, and the history of removed mechanisms:
 ``docs/gather-engine.md``.
@@ -204,6 +195,15 @@ def _wait_all(flights: Sequence[InFlight]) -> BaseException | None:
 
 def _finish_bucket(flight: InFlight, holds_fulls: bool, out_device: torch.device | None) -> list[torch.Tensor]:
     """Wait for the bucket's collective and copy each tensor out. See [Note: bucket layout].
+
+    [Note: offloaded memory]
+    Full tensors moved to the host (``offload_to_cpu``, ``device="cpu"``) live
+    in pageable memory, as FSDP1's do, and go back to the allocator when the
+    caller drops them. Pinned memory would come from torch's host caching
+    allocator, which rounds each block up to a power of two and keeps it for the
+    life of the process: a model's worth pinned for good on every rank that
+    offloads, beside an inference engine that needs it. The copy is one
+    ``.to("cpu")`` a bucket, synchronous (the host reads the values next).
 
     Called under ``no_grad``.
     """

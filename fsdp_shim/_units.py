@@ -1,0 +1,116 @@
+"""Units and routing, FSDP1 and FSDP2 alike, from public torch only: the leaf below the patch, the summon and the stream.
+
+Owns two decisions: "is this an FSDP1 tree" (``is_fsdp1_tree``) and which
+implementation serves a call (``route``: FSDP1's, the DTensor summon, or a
+null context). The patch's wrapper asks ``route`` in both of its modes, the
+active one through ``_summon.summon`` (which adds FSDP2's ownership of
+unsharded slots and the registry's live summons to "holds anything
+distributed"), the refusing one directly, so the two modes route the same
+module the same way. Also the public unit helpers (``fsdp_units``,
+``is_fsdp_module``, ``param_fqn``): FSDP1-era code gates on
+``isinstance(m, FullyShardedDataParallel)``, never true for FSDP2 units (and
+it must stay so: FSDP1 code paths would reach for flat parameters); these
+are the one-line replacement. Nothing here reads FSDP2's private state, so
+refusing mode can use it on a torch whose internals moved (see [Note:
+refusing mode] in ``_patching``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Literal
+
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.distributed.tensor import DTensor
+
+#: Which implementation serves one ``summon_full_params`` call.
+Route = Literal["fsdp1", "dtensor", "none"]
+
+_UNIT_TYPES: tuple[type, ...] = (FullyShardedDataParallel, FSDPModule)
+
+#: The prefix FSDP1 wrappers add to every name below them.
+FSDP1_PREFIX = "_fsdp_wrapped_module."
+
+
+def is_fsdp1_tree(module: nn.Module, recurse: bool) -> bool:
+    """Whether FSDP1 serves ``summon_full_params(module, recurse)``: the module is an FSDP1 wrapper, or,
+    with ``recurse``, holds one. The one test, for routing in both modes and for the stream's refusal."""
+    if isinstance(module, FullyShardedDataParallel):
+        return True
+    return recurse and any(isinstance(m, FullyShardedDataParallel) for m in module.modules())
+
+
+def scope_modules(root: nn.Module, recurse: bool) -> list[nn.Module]:
+    """``root``'s subtree in ``named_modules()`` order; without ``recurse``,
+    nested FSDP2 units and everything below them are left out."""
+    seen: set[int] = set()
+    ordered: list[nn.Module] = []
+    stack = [root]
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        if module is not root and not recurse and isinstance(module, FSDPModule):
+            continue
+        ordered.append(module)
+        stack.extend(reversed([c for c in module._modules.values() if c is not None]))
+    return ordered
+
+
+def holds_dtensors(modules: list[nn.Module]) -> bool:
+    """Whether a parameter or buffer slot of ``modules`` holds a DTensor."""
+    return any(isinstance(t, DTensor) for m in modules for t in (*m._parameters.values(), *m._buffers.values()))
+
+
+def route(
+    module: nn.Module, recurse: bool, holds_distributed: Callable[[list[nn.Module]], bool] = holds_dtensors,
+) -> tuple[Route, list[nn.Module] | None]:
+    """Which implementation serves ``summon_full_params(module, recurse)``, and the scope's modules if
+    the answer walked them (the summon reuses the walk).
+
+    FSDP1 trees go to FSDP1, untouched. An FSDP2 unit takes the DTensor path
+    (it validates its arguments, then may find nothing to gather). Any other
+    module takes it when ``holds_distributed`` says its scope (``scope_modules``:
+    ``recurse`` honoured) holds something distributed, else gets a null
+    context, as FSDP1's is for a module without FSDP1 state. The module tree
+    and slot types are the same on every rank outside contexts; inside one,
+    the active mode's ``holds_distributed`` also asks the registry, which
+    every rank keeps alike (see [Note: every rank decides alike] in ``_summon``).
+    """
+    if is_fsdp1_tree(module, recurse):
+        return "fsdp1", None
+    if isinstance(module, FSDPModule):
+        return "dtensor", None
+    modules = scope_modules(module, recurse)
+    return ("dtensor" if holds_distributed(modules) else "none"), modules
+
+
+def is_fsdp_module(module: nn.Module) -> bool:
+    """True for FSDP1 wrappers and FSDP2 (``fully_shard``) units."""
+    return isinstance(module, _UNIT_TYPES)
+
+
+def clean_fqn(name: str) -> str:
+    """A name without FSDP1's wrapper prefixes: the name in the unwrapped model."""
+    return name.replace(FSDP1_PREFIX, "")
+
+
+def fsdp_units(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``(fqn, unit)`` for every FSDP1 or FSDP2 unit in ``model``, outermost first."""
+    for name, module in model.named_modules():
+        if is_fsdp_module(module):
+            yield clean_fqn(name), module
+
+
+def param_fqn(model: nn.Module, param: nn.Parameter) -> str:
+    """The first name under which ``param`` (this very object) is reachable in ``model`` now.
+
+    Inside ``summon_full_params`` the full parameters are new objects, so look
+    them up there, not in a map built before the context.
+    """
+    for name, candidate in model.named_parameters(remove_duplicate=False):
+        if candidate is param:
+            return clean_fqn(name)
+    raise KeyError("parameter is not reachable from this module right now")
