@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import wrapt
 from torch.distributed._composable_state import _module_state_mapping
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
@@ -297,6 +298,42 @@ def order_after_writeback(states: list[FSDPState]) -> None:
             event.record()
 
 
+def group_params(group: FSDPParamGroup) -> list[FSDPParam]:
+    """The ``FSDPParam``s of ``group``, in FSDP2's order."""
+    return group.fsdp_params
+
+
+# -- what the shim wraps or redirects of FSDP2 (listed in ``READS`` too) ---------------------------
+
+def wrap_state_init(wrapper: Any) -> Any:
+    """Put ``wrapper`` (a wrapt wrapper function) around ``FSDPState.__init__``; returns the handle.
+
+    ``fully_shard``'s ``contract`` builds the state before it registers
+    anything on the module, so a wrapper that raises leaves the module untouched
+    (``_patching``'s guard against ``fully_shard`` inside a context).
+    """
+    return wrapt.wrap_function_wrapper(FSDPState, "__init__", wrapper)
+
+
+def unwrap_state_init(handle: Any) -> None:
+    wrapt.unwrap_object(FSDPState, "__init__", handle, missing_ok=True)
+
+
+def redirect_apply(unit: nn.Module, replacement: Any) -> bool:
+    """For a context's duration, ``unit._apply`` (FSDP2's, which reshards first) is ``replacement``:
+    an instance attribute, so the class is untouched. False, changing nothing, if one is already
+    in place (an enclosing context's). See [Note: conversions inside] in ``_summon``."""
+    if "_apply" in unit.__dict__:
+        return False
+    unit.__dict__["_apply"] = replacement
+    return True
+
+
+def restore_apply(unit: nn.Module) -> None:
+    """Undo ``redirect_apply``: FSDP2's own ``_apply`` again."""
+    unit.__dict__.pop("_apply", None)
+
+
 def param_dtype_for_forward(group: FSDPParamGroup, fsdp_param: FSDPParam) -> torch.dtype | None:
     """The dtype FSDP2 would compute this parameter in, if it differs from the stored one.
 
@@ -462,7 +499,8 @@ def group_modules(group: FSDPParamGroup) -> tuple[nn.Module, ...]:
 # default are optional and not listed. The probe is static, so it runs
 # without a process group, once, at activation on an unverified torch.
 _METHODS: dict[type, tuple[str, ...]] = {
-    FSDPState: ("_lazy_init",),
+    FSDPModule: ("_apply",),  # redirected inside contexts (``redirect_apply``)
+    FSDPState: ("_lazy_init", "__init__"),  # ``__init__``: wrapped by the ``fully_shard`` guard
     FSDPParamGroup: ("_to_sharded", "is_sharded"),
     FSDPParam: ("reset_sharded_param",),
 }
@@ -474,11 +512,17 @@ _FIELDS: dict[type, tuple[str | tuple[str, ...], ...]] = {
                 ("param_dtype", "mp_policy")),
     ParamModuleInfo: ("module", "param_name", "shared_modules", "shared_param_names"),
 }
+#: Module-level names of FSDP2's ``_fsdp_state`` the ``fsdp2_cast`` instrumentation
+#: (``instrumentations/forward_io``) reads or wraps: the cast it recognises, and the walk FSDP2
+#: casts forward inputs with (``tree_map`` up to 2.7, ``_apply_to_tensors`` from 2.8: one of them).
+CAST_WALKS = ("tree_map", "_apply_to_tensors")
+_STATE_MODULE_NAMES: tuple[str | tuple[str, ...], ...] = ("_cast_fp_tensor", CAST_WALKS)
+
 #: Everything probed, for ``fsdp-shim check -v``.
 READS: tuple[str, ...] = tuple(
     f"{owner.__name__}.{name if isinstance(name, str) else ' or '.join(name)}"
     for table in (_METHODS, _FIELDS) for owner, names in table.items() for name in names
-) + ("TrainingState.IDLE", "ShardedState.UNSHARDED", "torch._C._current_graph_task_id",
+) + tuple(f"_fsdp_state.{n if isinstance(n, str) else ' or '.join(n)}" for n in _STATE_MODULE_NAMES) + ("TrainingState.IDLE", "ShardedState.UNSHARDED", "torch._C._current_graph_task_id",
      "distributed_c10d._world.pg_map")
 
 
@@ -511,6 +555,11 @@ def missing_internals() -> list[str]:
     for enum, member in ((TrainingState, "IDLE"), (ShardedState, "UNSHARDED")):
         if not hasattr(enum, member):
             missing.append(f"{enum.__name__}.{member}")
+    state_module = sys.modules.get(FSDPState.__module__)
+    for wanted in _STATE_MODULE_NAMES:
+        alternatives = (wanted,) if isinstance(wanted, str) else wanted
+        if not any(callable(getattr(state_module, a, None)) for a in alternatives):
+            missing.append(f"_fsdp_state.{' or '.join(alternatives)}")
     if not callable(getattr(torch._C, "_current_graph_task_id", None)):
         missing.append("torch._C._current_graph_task_id")
     c10d = sys.modules.get("torch.distributed.distributed_c10d")

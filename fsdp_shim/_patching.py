@@ -160,10 +160,10 @@ def patch(refusal: str | None = None, summon: SummonFn | None = None) -> bool:
         _install_instance_form()
         if refusal is None:
             from fsdp_shim import instrumentations  # noqa: PLC0415
-            from fsdp_shim._fsdp2 import FSDPState  # noqa: PLC0415
+            from fsdp_shim import _fsdp2  # noqa: PLC0415  (FSDP2's internals: not in refusing mode)
 
             if _guard_handle is None:
-                _guard_handle = wrapt.wrap_function_wrapper(FSDPState, "__init__", _refuse_fully_shard_inside)
+                _guard_handle = _fsdp2.wrap_state_init(_refuse_fully_shard_inside)
             instrumentations.instrument_all()
         logger.debug("patched FullyShardedDataParallel.summon_full_params%s", " (refusing)" if refusal else "")
         return True
@@ -179,12 +179,12 @@ def unpatch() -> bool:
         _handle = None
         _remove_instance_form()
         if _refusal is None:
-            from fsdp_shim._fsdp2 import FSDPState  # noqa: PLC0415
+            from fsdp_shim import _fsdp2  # noqa: PLC0415
             from fsdp_shim.instrumentations import uninstrument_all  # noqa: PLC0415
 
             uninstrument_all()
             if _guard_handle is not None:
-                wrapt.unwrap_object(FSDPState, "__init__", _guard_handle, missing_ok=True)
+                _fsdp2.unwrap_state_init(_guard_handle)
                 _guard_handle = None
         if removed is None:
             _versions.log_warning("summon_full_params was replaced by someone else; nothing to unpatch")

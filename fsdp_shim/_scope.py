@@ -100,7 +100,7 @@ def fsdp_slot_owners(states: Iterable[fsdp2.FSDPState]) -> _Owners:
     owners = _Owners()
     for state in states:
         for group in fsdp2.param_groups(state):
-            for fsdp_param in group.fsdp_params:
+            for fsdp_param in fsdp2.group_params(group):
                 slots = owners.slots[id(fsdp_param)] = fsdp2.param_slots(fsdp_param)
                 for module, name in slots:
                     owners.by_slot[slot_key(module, name)] = (fsdp_param, group)
@@ -243,7 +243,7 @@ def collect_scope(
         if entry.group is not None and entry.group not in scope.groups:
             scope.groups[entry.group] = all(
                 (id(m), n) in covered
-                for fsdp_param in entry.group.fsdp_params
+                for fsdp_param in fsdp2.group_params(entry.group)
                 for m, n in owners.slots[id(fsdp_param)]
             )
     scope.states = states

@@ -364,17 +364,14 @@ class DTensorSummon:
             if not fully_summoned:
                 continue
             for unit in fsdp2.group_modules(group):
-                if "_apply" in unit.__dict__:
-                    continue  # an enclosing context already converts it
-
                 def apply_to_full(*args: Any, _unit: nn.Module = unit, **kwargs: Any) -> nn.Module:
                     self._conversions.append((_unit, args, kwargs))
                     if not holds_fulls:
                         return _unit  # deferred to exit, where the holders' shards change too
                     return nn.Module._apply(_unit, *args, **kwargs)  # not FSDP2's: it would reshard
 
-                unit.__dict__["_apply"] = apply_to_full
-                self._converting.append(unit)
+                if fsdp2.redirect_apply(unit, apply_to_full):  # else an enclosing context converts it
+                    self._converting.append(unit)
 
     # -- exit --------------------------------------------------------------
     def restore(self) -> None:
@@ -449,7 +446,7 @@ class DTensorSummon:
         self._originals.clear()
         converting, self._converting = self._converting, []
         for unit in converting:
-            unit.__dict__.pop("_apply", None)
+            fsdp2.restore_apply(unit)
         marks, self._marks = self._marks, []
         claimed, self._claimed = self._claimed, None
         first: BaseException | None = None

@@ -152,3 +152,38 @@ def test_one_summon_runs_in_the_rooms_the_layout_names(dist_run):
         "_gather/staging.py", "_patching.py", "_registry.py", "_scope.py", "_summon.py", "_units.py",
     ]
     assert dist_run(2, rank_one_summon_runs_in) == [rooms, rooms]
+
+
+#: FSDP2's private fields and methods the probe lists (``_fsdp2._METHODS``, ``_FIELDS``): no runtime
+#: module but ``_fsdp2`` may name one as an attribute, nor import ``_fully_shard`` at run time.
+_FSDP2_PRIVATE = {
+    "fsdp_params", "_fsdp_param_group", "_fsdp_param_groups", "_sharded_state", "_training_state", "_state_ctx",
+    "post_forward_mesh_info", "_reset_sharded_params", "_unsharded_param", "_sharded_post_forward_param",
+    "_module_info", "reset_sharded_param", "_to_sharded", "_lazy_init", "mesh_info", "_is_root",
+}
+
+
+def test_only_fsdp2_touches_fsdp2s_private_state():
+    runtime = [p for p in MODULES if "tools" not in p.relative_to(PACKAGE).parts and p.name != "_fsdp2.py"]
+    touches: dict[str, set[str]] = {}
+    for path in runtime:
+        tree = ast.parse(path.read_text())
+        typing_only = {id(sub) for node in ast.walk(tree)
+                       if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                       for sub in ast.walk(node)}
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.Attribute) and node.attr in _FSDP2_PRIVATE:
+                touches.setdefault(path.name, set()).add(node.attr)
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributed.fsdp._fully_shard"):
+                touches.setdefault(path.name, set()).add(node.module)  # type: ignore[arg-type]
+    assert touches == {}
+
+
+def test_the_probe_lists_what_is_wrapped_and_redirected():
+    from fsdp_shim import _fsdp2
+
+    for name in ("FSDPModule._apply", "FSDPState.__init__", "_fsdp_state._cast_fp_tensor",
+                 "_fsdp_state.tree_map or _apply_to_tensors", "FSDPParamGroup.fsdp_params", "FSDPState._state_ctx"):
+        assert name in _fsdp2.READS, name

@@ -49,11 +49,12 @@ import wrapt
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils import _pytree
 
+from fsdp_shim._fsdp2 import CAST_WALKS
 from fsdp_shim.instrumentations.base import Instrumentation
 
 logger = logging.getLogger("fsdp_shim")
 
-_CAST_WALKS = ("tree_map", "_apply_to_tensors")  # see [Note: where the cast is reached]
+_CAST_WALKS = CAST_WALKS  # see [Note: where the cast is reached]; listed by the probe in ``_fsdp2``
 
 
 def _is_namedtuple(x: Any) -> bool:
