@@ -319,9 +319,11 @@ def test_summon_window_holds_two_buckets_at_most(dist_run):
 
 
 def rank_one_unit_takes_one_collective():
-    """[Note: one unit, one collective]: on the all-gather path a per-unit summon gathers its unit in one
-    collective, as FSDP2's unshard() does, unless a bucket size is chosen; a summon of several units keeps
-    the cap. The units here are larger than the default cap (4 MiB)."""
+    """[Note: one unit, one collective]: on the all-gather path a per-unit summon packs its unit's
+    tensors below the cap in one collective, as FSDP2's unshard() does, even where they add up to more
+    than the cap, unless a bucket size is chosen; a tensor above the cap gets a collective of its own,
+    whose output is its full tensor (held once, never copied out of a flat buffer); a summon of several
+    units keeps the cap."""
     import torch.nn as nn
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import fully_shard
@@ -330,16 +332,23 @@ def rank_one_unit_takes_one_collective():
     from _faults import inject
     from _helpers import patched
 
-    torch.manual_seed(0)
-    ref = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1280), nn.LayerNorm(1280)) for _ in range(2)])
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1280), nn.LayerNorm(1280)) for _ in range(2)])
-    model.load_state_dict(ref.state_dict())
-    mesh = mesh1d()
-    for unit in model:
-        fully_shard(unit, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    unit_bytes = sum(p.numel() * 4 for p in ref[0].parameters())
-    assert unit_bytes > DEFAULT_BUCKET_MB * 2**20
+    def build(make):
+        torch.manual_seed(0)
+        ref = nn.Sequential(*[make() for _ in range(2)])
+        model = nn.Sequential(*[make() for _ in range(2)])
+        model.load_state_dict(ref.state_dict())
+        mesh = mesh1d()
+        for unit in model:
+            fully_shard(unit, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return ref, model
+
+    cap = DEFAULT_BUCKET_MB * 2**20
+    small_ref, small = build(lambda: nn.Sequential(*[nn.Linear(512, 640) for _ in range(4)]))
+    big_ref, big = build(lambda: nn.Sequential(nn.Linear(1024, 1280), nn.LayerNorm(1280)))
+    assert all(p.numel() * 4 < cap for p in small_ref.parameters())
+    assert sum(p.numel() * 4 for p in small_ref[0].parameters()) > cap
+    assert big_ref[0][0].weight.numel() * 4 > cap
     never = 10**9
 
     def collectives(summon) -> int:
@@ -355,11 +364,12 @@ def rank_one_unit_takes_one_collective():
         return summon
 
     with patched():
-        assert collectives(check(model[0], ref[0], recurse=False)) == 1
-        assert collectives(check(model[0], ref[0], recurse=False, bucket_mb=1)) > 1  # chosen: the cap holds
-        assert collectives(check(model, ref)) > 2  # several units: capped, more than one a unit
-        with FSDP.summon_full_params(model[1], recurse=False, writeback=False):  # the patched call site too
-            assert torch.equal(model[1][0].weight, ref[1][0].weight)
+        assert collectives(check(small[0], small_ref[0], recurse=False)) == 1  # small ones: one, past the cap
+        assert collectives(check(small[0], small_ref[0], recurse=False, bucket_mb=1)) > 1  # chosen: the cap holds
+        assert collectives(check(big[0], big_ref[0], recurse=False)) == 2  # the weight alone, then the rest
+        assert collectives(check(small, small_ref)) > 2  # several units: capped, more than one a unit
+        with FSDP.summon_full_params(small[1], recurse=False, writeback=False):  # the patched call site too
+            assert torch.equal(small[1][0].weight, small_ref[1][0].weight)
 
 
 def test_one_unit_takes_one_collective(dist_run):

@@ -60,13 +60,16 @@ DEFAULT_BUCKET_MB = 4.0
 
 #: [Note: one unit, one collective]
 #: A summon whose scope is one FSDP2 unit (the per-unit weight-sync loop)
-#: gathers it in one collective a dtype, as FSDP2's
-#: own ``unshard()`` does, unless a bucket size was chosen (``bucket_mb``,
-#: ``FSDP_SHIM_BUCKET_MB``): the memory is at most what FSDP2's unshard of
-#: that unit holds, and a collective has a fixed cost that grows with the
-#: world size, so several a unit would cost more host time than FSDP2's one
-#: (``docs/host-cost.md``). A summon of several units keeps the cap, bounding
-#: the memory beyond the full tensors.
+#: packs the unit's tensors up to the bucket cap in one collective a dtype,
+#: as FSDP2's own ``unshard()`` does, unless a bucket size was chosen
+#: (``bucket_mb``, ``FSDP_SHIM_BUCKET_MB``): a collective has a fixed cost
+#: that grows with the world size, so several a unit would cost more host
+#: time than FSDP2's one (``docs/host-cost.md``). Tensors above the cap
+#: still get a collective each, gathered into memory that becomes their full
+#: tensor: FSDP2's single collective is then copied out of its flat buffer,
+#: holding the unit twice (a 70B decoder block: 2.0x its bytes); FSDP1's
+#: flat parameter, and this, hold it once. A summon of several units keeps
+#: the cap for every bucket, bounding the memory beyond the full tensors.
 UNCAPPED = 1 << 62
 
 
@@ -404,10 +407,12 @@ def split_into_buckets(
 
     Buckets hold tensors of one (process group, dtype, device) in the caller's
     order and close when the next tensor would push the gathered size past
-    ``bucket_bytes``. A tensor larger than the cap gets a bucket of its own
-    and leaves the open bucket open: the small tensors around it (a layer's
-    norms and biases around its big matrices) share one collective instead
-    of one each between the big ones (a collective has a fixed cost).
+    ``bucket_bytes``. A tensor larger than ``bucket_bytes`` gets a bucket of
+    its own, whatever ``collective_bytes`` says, and leaves the open bucket
+    open: its all-gather output is its full tensor (see [Note: a bucket of
+    one] in ``engine``), so it is never held twice, while the small tensors
+    around it (a layer's norms and biases around its big matrices) share one
+    collective instead of one each (a collective has a fixed cost).
     ``cast_to`` is the dtype floating tensors travel in
     (see [Note: cast before gather]). ``collective_bytes``, if given, is the
     cap where buckets move by a collective (see [Note: one unit, one
@@ -426,10 +431,10 @@ def split_into_buckets(
         dtype = gathered_dtype(dtensor, cast_to)
         key = (layout.group, dtype, dtensor._local_tensor.device)
         nbytes = layout.world_size * layout.padded_numel * dtype.itemsize
-        cap = bucket_bytes if collective_bytes is None else collective_bytes
-        if nbytes > cap:
+        if nbytes > bucket_bytes:  # its own collective, the output its full tensor: held once
             buckets.append([BucketEntry(index, dtensor, layout)])
             continue
+        cap = bucket_bytes if collective_bytes is None else collective_bytes
         bucket, size = open_buckets.get(key, (None, [0]))
         if bucket is None or size[0] + nbytes > cap:
             bucket, size = [], [0]
