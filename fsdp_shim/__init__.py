@@ -98,7 +98,7 @@ def _environment_problem() -> tuple[str | None, str | None]:
     See [Note: version policy] in ``_versions``.
     """
     try:
-        import torch  # noqa: PLC0415
+        import torch  # noqa: PLC0415  (the probe: torch may be missing)
     except ImportError as exc:
         return f"torch cannot be imported ({exc})", None
     wrapt_version = getattr(wrapt, "__version__", "0")
@@ -108,7 +108,7 @@ def _environment_problem() -> tuple[str | None, str | None]:
     allowed = _versions.env_flag(_versions.ALLOW_UNSUPPORTED_TORCH_ENV)
     override = f"set {_versions.ALLOW_UNSUPPORTED_TORCH_ENV}=1 to gather anyway, at your own risk"
     try:
-        from fsdp_shim import _fsdp2  # noqa: PLC0415
+        from fsdp_shim import _fsdp2  # noqa: PLC0415  (the probe: the FSDP2 internals may have moved)
     except ImportError as exc:  # the FSDP2 internals we rely on moved
         return None, f"torch {version} lacks the FSDP2 internals fsdp_shim uses ({exc})"
     if _versions.is_supported_torch(version):
@@ -233,7 +233,7 @@ def __getattr__(name: str) -> Any:
     if name == "unsupported_reason":
         return _activate()
     if name in _UNITS_API:
-        from fsdp_shim import _units  # noqa: PLC0415
+        from fsdp_shim import _units  # noqa: PLC0415  (needs torch: on first use, PEP 562)
 
         return getattr(_units, name)
     raise AttributeError(f"module 'fsdp_shim' has no attribute {name!r}")
@@ -270,7 +270,7 @@ def unpatch() -> bool:
     """Restore the exact original ``summon_full_params``; returns False if there was nothing to undo."""
     if _activate() is not None and _refusal is None:
         return False
-    from fsdp_shim import _patching  # noqa: PLC0415
+    from fsdp_shim import _patching  # noqa: PLC0415  (needs torch: after activation)
 
     return _patching.unpatch()
 
@@ -279,7 +279,7 @@ def is_patched() -> bool:
     """Whether our wrapper is currently installed on ``FullyShardedDataParallel`` (refusing or not)."""
     if _activate() is not None and _refusal is None:
         return False
-    from fsdp_shim import _patching  # noqa: PLC0415
+    from fsdp_shim import _patching  # noqa: PLC0415  (needs torch: after activation)
 
     return _patching.is_patched()
 
@@ -298,7 +298,7 @@ def sharded_param(param: torch.Tensor) -> nn.Parameter | None:
     """
     if _activate() is not None:
         return None
-    from fsdp_shim._summon import sharded_param as _sharded_param  # noqa: PLC0415
+    from fsdp_shim._summon import sharded_param as _sharded_param  # noqa: PLC0415  (after activation)
 
     return _sharded_param(param)
 
@@ -333,7 +333,7 @@ def summon_full_params(
         AssertionError: called during FSDP2 forward or backward (FSDP1 raises the same).
     """
     _require_support()
-    from fsdp_shim._summon import summon  # noqa: PLC0415
+    from fsdp_shim._summon import summon  # noqa: PLC0415  (after activation)
 
     return summon(
         module, recurse, writeback, rank0_only, offload_to_cpu, with_grads, bucket_mb=bucket_mb
@@ -401,7 +401,7 @@ def iter_full_params(
         NotImplementedError: a parameter's placements cannot be gathered on this torch.
     """
     _require_support()
-    from fsdp_shim._stream import check_stream_args, stream_full_params  # noqa: PLC0415
+    from fsdp_shim._stream import check_stream_args, stream_full_params  # noqa: PLC0415  (after activation)
 
     check_stream_args(model, dtype, bucket_mb, keep_dtype, device)
     return stream_full_params(

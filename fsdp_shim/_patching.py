@@ -159,7 +159,7 @@ def patch(refusal: str | None = None, summon: SummonFn | None = None) -> bool:
         _handle = wrapt.wrap_function_wrapper(_TARGET, _NAME, _summon_full_params_wrapper)
         _install_instance_form()
         if refusal is None:
-            from fsdp_shim import instrumentations  # noqa: PLC0415
+            from fsdp_shim import instrumentations  # noqa: PLC0415  (not in refusing mode)
             from fsdp_shim import _fsdp2  # noqa: PLC0415  (FSDP2's internals: not in refusing mode)
 
             if _guard_handle is None:
@@ -179,8 +179,8 @@ def unpatch() -> bool:
         _handle = None
         _remove_instance_form()
         if _refusal is None:
-            from fsdp_shim import _fsdp2  # noqa: PLC0415
-            from fsdp_shim.instrumentations import uninstrument_all  # noqa: PLC0415
+            from fsdp_shim import _fsdp2  # noqa: PLC0415  (not in refusing mode)
+            from fsdp_shim.instrumentations import uninstrument_all  # noqa: PLC0415  (not in refusing mode)
 
             uninstrument_all()
             if _guard_handle is not None:

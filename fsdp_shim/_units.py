@@ -1,4 +1,4 @@
-"""Units and routing, FSDP1 and FSDP2 alike, from public torch only: the leaf below the patch, the summon and the stream.
+"""Units and routing, FSDP1 and FSDP2 alike, from public torch only: the leaf below the patch, the summon, the stream.
 
 Owns two decisions: "is this an FSDP1 tree" (``is_fsdp1_tree``) and which
 implementation serves a call (``route``: FSDP1's, the DTensor summon, or a

@@ -11,6 +11,10 @@ One virtual environment per release under ``--cache`` (default
 ``~/.cache/fsdp-shim-matrix``), reused while it holds that exact release; the
 project is reinstalled (editable, with its test extras and the release's
 ``CLIENT_PINS``: the real Composer on compose-rl's torch) into it every run.
+The oldest verified torch's row is also the floor row: it installs every other
+lower bound of setup.cfg's ``install_requires`` exactly (``wrapt==2.5.0`` for
+``wrapt>=2.5.0``), so the declared floor is tested at no extra row's cost; each
+row reports the wrapt it ran with.
 Torch wheels are downloaded once into ``CACHE/wheels`` and installed from
 there, so a second run on the same machine downloads nothing. Registry builds
 of torch are CUDA builds: they import and run on the CPU once their
@@ -26,6 +30,7 @@ Exit status: 0 if every row passed, 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import configparser
 import importlib.util
 import json
 import os
@@ -49,11 +54,27 @@ def _versions_module():
     return module
 
 
+def floor_pins(setup_cfg: Path = ROOT / "setup.cfg") -> tuple[str, ...]:
+    """Every ``name>=X`` of setup.cfg's ``install_requires`` but torch (the row's own), as ``name==X``."""
+    parser = configparser.ConfigParser(interpolation=None)
+    parser.read(setup_cfg)
+    pins = []
+    for line in parser.get("options", "install_requires").splitlines():
+        match = re.fullmatch(r"([A-Za-z0-9_.-]+)\s*>=\s*([^\s,;]+)", line.strip())
+        if match is not None and match.group(1).lower() != "torch":
+            pins.append(f"{match.group(1)}=={match.group(2)}")
+    if not any(pin.startswith("wrapt==") for pin in pins):
+        raise RuntimeError(f"{setup_cfg}: no wrapt>=X in [options] install_requires")
+    return tuple(pins)
+
+
 @dataclass
 class Row:
     torch: str
     python: str = ""  # the venv's Python, major.minor
     installed: str = ""  # torch.__version__ as the venv reports it
+    wrapt: str = ""  # the venv's wrapt
+    floor: bool = False  # installed at setup.cfg's lower bounds (``floor_pins``)
     install_s: float = 0.0
     pytest: str = "not run"
     pytest_ok: bool = False
@@ -100,11 +121,11 @@ def _check_summary(output: str) -> str:
     return "no summary"
 
 
-def _venv_torch(python: Path) -> str:
+def _venv_version(python: Path, distribution: str = "torch") -> str:
     if not python.exists():
         return ""
     proc = subprocess.run(
-        [str(python), "-c", "import importlib.metadata as m; print(m.version('torch'))"],
+        [str(python), "-c", f"import importlib.metadata as m; print(m.version({distribution!r}))"],
         capture_output=True, text=True,
     )
     return proc.stdout.strip() if proc.returncode == 0 else ""
@@ -141,8 +162,9 @@ def newest_torch(interpreter: str = sys.executable) -> str:
 
 
 def run_release(version: str, cache: Path, logs: Path, pytest_args: list[str], timeout: float,
-                interpreter: str = sys.executable) -> Row:
-    row = Row(version, python=_python_version(interpreter))
+                interpreter: str = sys.executable, floor: bool = False) -> Row:
+    """One row; with ``floor``, the project's other dependencies at their declared lower bounds."""
+    row = Row(version, python=_python_version(interpreter), floor=floor)
     name = _venv_name(version, row.python)
     venv = cache / "venvs" / name
     python = venv / "bin" / "python"
@@ -156,7 +178,7 @@ def run_release(version: str, cache: Path, logs: Path, pytest_args: list[str], t
     env.pop("PYTHONPATH", None)
     with open(log_path, "w") as log:
         start = time.perf_counter()
-        if _venv_torch(python).split("+")[0] != version:
+        if _venv_version(python).split("+")[0] != version:
             shutil.rmtree(venv, ignore_errors=True)
             steps = [
                 [interpreter, "-m", "venv", str(venv)],
@@ -170,13 +192,14 @@ def run_release(version: str, cache: Path, logs: Path, pytest_args: list[str], t
                 if code != 0:
                     row.pytest = row.check = f"install failed (exit {code})"
                     return row
-        pins = CLIENT_PINS.get(version, ())
+        pins = (*CLIENT_PINS.get(version, ()), *(floor_pins() if floor else ()))
         code, _ = _run([str(python), "-m", "pip", "install", "--quiet", "-e", ".[test]", *pins], log,
                        {**env, **_UNCAPPED})
         if code != 0:
             row.pytest = row.check = f"project install failed (exit {code})"
             return row
-        row.installed = _venv_torch(python)
+        row.installed = _venv_version(python)
+        row.wrapt = _venv_version(python, "wrapt")
         row.install_s = time.perf_counter() - start
 
         start = time.perf_counter()
@@ -192,14 +215,20 @@ def run_release(version: str, cache: Path, logs: Path, pytest_args: list[str], t
     return row
 
 
+def _wrapt_cell(row: Row) -> str:
+    return f"{row.wrapt or '?'} (floor)" if row.floor else row.wrapt
+
+
 def print_table(rows: list[Row]) -> None:
-    header = f"| {'torch':<8} | {'python':<6} | {'installed':<14} | {'pytest':<28} | {'fsdp-shim check':<16} | {'minutes':>7} |"
+    header = (f"| {'torch':<8} | {'python':<6} | {'installed':<14} | {'wrapt':<13} | {'pytest':<28} "
+              f"| {'fsdp-shim check':<16} | {'minutes':>7} |")
     print(header)
     print("|" + "|".join("-" * (len(cell) + 0) for cell in header.split("|")[1:-1]) + "|")
     for row in rows:
         minutes = (row.install_s + row.pytest_s + row.check_s) / 60
         mark = "" if row.ok else " FAIL"
-        print(f"| {row.torch:<8} | {row.python:<6} | {row.installed:<14} | {row.pytest + mark:<28} | {row.check:<16} | {minutes:>7.1f} |")
+        print(f"| {row.torch:<8} | {row.python:<6} | {row.installed:<14} | {_wrapt_cell(row):<13} "
+              f"| {row.pytest + mark:<28} | {row.check:<16} | {minutes:>7.1f} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -229,12 +258,18 @@ def main(argv: list[str] | None = None) -> int:
         if newest not in releases:
             releases.append(newest)
 
+    # The floor row: the oldest verified torch, its own venv, so the exact pins never reach another row's.
+    floor_torch = min(versions.VERIFIED_TORCH, key=versions.parse_version)
     rows: list[Row] = []
     for version in releases:
-        print(f"matrix: torch {version} ...", flush=True)
-        row = run_release(version, args.cache, args.logs, args.pytest_args.split(), args.timeout, args.python)
+        floor = version == floor_torch
+        print(f"matrix: torch {version}{' (floor row: ' + ', '.join(floor_pins()) + ')' if floor else ''} ...",
+              flush=True)
+        row = run_release(version, args.cache, args.logs, args.pytest_args.split(), args.timeout, args.python,
+                          floor=floor)
         rows.append(row)
-        print(f"matrix: torch {version}: pytest {row.pytest}; check {row.check}; log {row.log}", flush=True)
+        print(f"matrix: torch {version}: wrapt {_wrapt_cell(row) or '(not installed)'}; pytest {row.pytest}; "
+              f"check {row.check}; log {row.log}", flush=True)
         if args.remove_venvs:
             shutil.rmtree(args.cache / "venvs" / _venv_name(version, python_version), ignore_errors=True)
     print(f"\nfsdp_shim version matrix, {time.strftime('%Y-%m-%d')}, Python {python_version}\n")

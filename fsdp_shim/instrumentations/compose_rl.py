@@ -19,7 +19,7 @@ from fsdp_shim._summon import original_params
 from fsdp_shim.instrumentations.base import Instrumentation
 
 
-class FSDPUnitGate(wrapt.ObjectProxy):  # type: ignore[misc]
+class FSDPUnitGate(wrapt.ObjectProxy):
     """``FullyShardedDataParallel`` as one module sees it: FSDP2 units pass its ``isinstance``.
 
     Everything else (``summon_full_params``, ``StateDictType``, ...) is the
@@ -31,7 +31,7 @@ class FSDPUnitGate(wrapt.ObjectProxy):  # type: ignore[misc]
         return isinstance(instance, (self.__wrapped__, FSDPModule))
 
 
-class NamesOfSummonedParams(dict):  # type: ignore[type-arg]
+class NamesOfSummonedParams(dict):
     """A parameter -> name map built outside a context that also answers for its full parameters.
 
     Inside ``summon_full_params`` the slots hold new full parameters; FSDP1
@@ -86,7 +86,7 @@ class ComposeRLWeightSync(Instrumentation):
 
     def _undo(self, module: ModuleType) -> None:
         if getattr(module, "FSDP", None) is self._gate:
-            setattr(module, "FSDP", FullyShardedDataParallel)  # noqa: B010
+            setattr(module, "FSDP", FullyShardedDataParallel)  # noqa: B010  (a module global, by name)
         wrapt.unwrap_object(module, "build_param_fullnames", self._names_handle, missing_ok=True)
 
 
@@ -113,7 +113,7 @@ def _flag_holder(block: nn.Module) -> nn.Module:
 
 def _flip_in_ffn(blocks: list[nn.Module]) -> None:
     for block in blocks:
-        holder = _flag_holder(block)
+        holder: Any = _flag_holder(block)  # MPT's plain bool attribute, which nn.Module's typing cannot know
         holder.use_pad_tok_in_ffn = not holder.use_pad_tok_in_ffn
 
 

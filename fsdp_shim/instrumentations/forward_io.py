@@ -92,7 +92,7 @@ def cast_keeping_identity(cast: Any, x: Any) -> Any:
     if isinstance(x, (list, tuple, set)):
         old = list(x)
         new = [cast_keeping_identity(cast, v) for v in old]
-        if all(n is o for n, o in zip(new, old)):
+        if all(n is o for n, o in zip(new, old, strict=True)):
             return x
         return type(x)(*new) if _is_namedtuple(x) else type(x)(new)
     return x

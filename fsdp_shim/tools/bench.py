@@ -189,12 +189,12 @@ def _contenders(
     if held is not None:
         def forward_backward(summon: bool) -> Callable[[], None]:
             def run() -> None:
-                loss = cast(nn.Module, held)(tokens).float().pow(2).mean()
+                loss = held(tokens).float().pow(2).mean()
                 if summon:  # FSDP1 keeps forward's storage; the shim copies it instead of gathering
-                    with fsdp_shim.summon_full_params(cast(nn.Module, held), writeback=False):
+                    with fsdp_shim.summon_full_params(held, writeback=False):
                         pass
                 loss.backward()
-                cast(nn.Module, held).zero_grad(set_to_none=True)
+                held.zero_grad(set_to_none=True)
             return run
 
         contenders["fwd_bwd"] = forward_backward(False)
@@ -295,7 +295,7 @@ def time_on_rank(cfg: BenchConfig) -> dict[str, object]:
                 faults[name].append(_minor_faults() - faulted)
     pairs = [(label, num, den) for label, num, den in RATIOS if num in times and den in times]
     pairs += [(f"{name} / unshard", name, "unshard") for name in contenders if name.startswith("shim@")]
-    per_rep_ratios = {label: [a / b for a, b in zip(times[num], times[den])] for label, num, den in pairs}
+    per_rep_ratios = {label: [a / b for a, b in zip(times[num], times[den], strict=True)] for label, num, den in pairs}
     full_bytes = sum(p.numel() * p.element_size() for p in build_lm(model_cfg).parameters())
     return {
         "config": asdict(cfg),

@@ -65,7 +65,7 @@ def _sharded_as_before(model: torch.nn.Module, before: list[tuple[str, torch.nn.
     """The same parameter objects under the same names, every one a DTensor shard."""
     after = list(model.named_parameters())
     return [n for n, _ in after] == [n for n, _ in before] and all(
-        a is b and isinstance(a, DTensor) for (_, a), (_, b) in zip(after, before))
+        a is b and isinstance(a, DTensor) for (_, a), (_, b) in zip(after, before, strict=True))
 
 
 def _require(condition: bool, message: str) -> None:
@@ -93,7 +93,7 @@ class Scenarios:
             bad = _mismatches(model, reference)
             _require(not bad, f"differs from reference: {bad[:3]}")
             _require(model.lm_head.weight is model.embed.weight, "tie broken inside")
-        _require(all(a is b for a, b in zip(before, (p for _, p in model.named_parameters()))),
+        _require(all(a is b for a, b in zip(before, (p for _, p in model.named_parameters()), strict=True)),
                  "parameter objects replaced")
         return f"{len(before)} params exact, fp32 master weights under a bf16 policy"
 
@@ -171,7 +171,7 @@ class Scenarios:
         if bad and dist.get_world_size() & (dist.get_world_size() - 1):
             # gradient averaging over a world size that is not a power of two rounds
             with FSDP.summon_full_params(model, writeback=False):
-                for (_, p), (_, r) in zip(model.named_parameters(), reference.named_parameters()):
+                for (_, p), (_, r) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
                     torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
             bad, tolerance_note = [], "within 1e-5 (non power-of-two world size)"
         _require(not bad, f"differs after 3 SGD steps: {bad[:3]}")
@@ -239,7 +239,8 @@ class Scenarios:
         reference = build_lm(self.config).to(self.device)
         model = shard_lm(build_lm(self.config).to(self.device), mesh, mp_policy=self.mp)
         before = list(model.named_parameters())
-        placements = tuple(model.blocks[0].fc1.weight.placements)
+        weight = model.get_parameter("blocks.0.fc1.weight")
+        placements = tuple(weight.placements) if isinstance(weight, DTensor) else None
         _require(placements == (Replicate(), Shard(0)), f"not HSDP placements: {placements}")
         with FSDP.summon_full_params(model, writeback=False, recurse=True):
             bad = _mismatches(model, reference)
@@ -258,7 +259,10 @@ class Scenarios:
         with FSDP.summon_full_params(model, with_grads=True, writeback=False):
             for name, param in model.named_parameters():
                 grad, ref_grad = param.grad, want[name].grad
-                _require(grad is not None and not isinstance(grad, DTensor), f"{name}: no full gradient")
+                if grad is None or isinstance(grad, DTensor):
+                    raise AssertionError(f"{name}: no full gradient")
+                if ref_grad is None:
+                    raise AssertionError(f"{name}: the reference has no gradient")
                 _require(grad.shape == ref_grad.shape and grad.dtype == ref_grad.dtype, f"{name}: shape or dtype")
                 if not torch.equal(grad, ref_grad):
                     # averaging W equal gradients may round (W not a power of two, or a ring's order)

@@ -1,3 +1,4 @@
+# ruff: noqa: PLC0415  (imports deferred throughout: parsing imports nothing heavy, see the docstring)
 """The ``fsdp-shim`` command: ``check``, ``bench`` and ``run``.
 
 Parsing imports nothing heavy: torch is imported only once a command runs,
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -26,8 +28,8 @@ def _backend(device: str) -> str:
 
 
 def _environment_line(ranks: int, device: str) -> str:
-    import torch  # noqa: PLC0415
-    import wrapt  # noqa: PLC0415
+    import torch
+    import wrapt
 
     return (
         f"torch {torch.__version__}, wrapt {getattr(wrapt, '__version__', '?')}, fsdp_shim {_versions.__version__}; "
@@ -42,7 +44,7 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
     if args.timeout <= 0:
         return f"--timeout must be positive, got {args.timeout}"
     if args.device == "cuda":
-        import torch  # noqa: PLC0415
+        import torch
 
         if not torch.cuda.is_available():
             return "--device cuda: this machine has no usable CUDA device (torch.cuda.is_available() is False)"
@@ -60,11 +62,11 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    import torch  # noqa: PLC0415
+    import torch
 
-    import fsdp_shim  # noqa: PLC0415
-    from fsdp_shim.tools.check import check_on_rank  # noqa: PLC0415
-    from fsdp_shim.tools.launch import RankError, run_on_ranks  # noqa: PLC0415
+    import fsdp_shim
+    from fsdp_shim.tools.check import check_on_rank
+    from fsdp_shim.tools.launch import RankError, run_on_ranks
 
     if _versions.env_flag(_versions.DISABLE_ENV):
         print(f"fsdp-shim check: {_versions.DISABLE_ENV}={os.environ[_versions.DISABLE_ENV]} is set, so the shim "
@@ -77,8 +79,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     print(f"fsdp-shim check: {_environment_line(args.ranks, args.device)}")
     if args.verbose:
-        from fsdp_shim import _fsdp2  # noqa: PLC0415
-        from fsdp_shim.instrumentations import statuses  # noqa: PLC0415
+        from fsdp_shim import _fsdp2
+        from fsdp_shim.instrumentations import statuses
 
         verified = "verified" if _versions.is_verified_torch(torch.__version__) else (
             "supported, not itself verified" if _versions.is_supported_torch(torch.__version__) else
@@ -122,8 +124,8 @@ def _format_bytes(n: float) -> str:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from fsdp_shim.tools.bench import BenchConfig, memory_on_rank, time_on_rank  # noqa: PLC0415
-    from fsdp_shim.tools.launch import RankError, run_on_ranks  # noqa: PLC0415
+    from fsdp_shim.tools.bench import BenchConfig, memory_on_rank, time_on_rank
+    from fsdp_shim.tools.launch import RankError, run_on_ranks
 
     cfg = BenchConfig(
         layers=args.layers, width=args.width, vocab=args.vocab, reps=args.reps, warmup=args.warmup,
@@ -208,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:  # everything after "run" belongs to the program
-        from fsdp_shim.run import main as run_main  # noqa: PLC0415
+        from fsdp_shim.run import main as run_main
 
         return run_main(argv[1:], prog="fsdp-shim run")
     parser = build_parser()
@@ -222,8 +224,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _configure_logging() -> None:
     """``FSDP_SHIM_LOG=debug`` (or info, warning) shows the ``fsdp_shim`` logger on stderr."""
-    import logging  # noqa: PLC0415
-
     level = os.environ.get("FSDP_SHIM_LOG", "").strip().upper()
     if level:
         logging.basicConfig(format="%(name)s %(levelname)s: %(message)s")

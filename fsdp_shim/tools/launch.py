@@ -59,7 +59,7 @@ class RankError(RuntimeError):
 
 def rank_device(device_type: str) -> torch_device:
     """The device this rank computes on: the CPU, or the accelerator ``_init_process_group`` selected."""
-    import torch  # noqa: PLC0415
+    import torch  # noqa: PLC0415  (on a rank: this module imports without torch)
 
     if device_type == "cpu":
         return torch.device("cpu")
@@ -67,8 +67,8 @@ def rank_device(device_type: str) -> torch_device:
 
 
 def _init_process_group(rank: int, world_size: int, port: int, backend: str, timeout_s: float) -> None:
-    import torch  # noqa: PLC0415
-    import torch.distributed as dist  # noqa: PLC0415
+    import torch  # noqa: PLC0415  (on a rank: this module imports without torch)
+    import torch.distributed as dist  # noqa: PLC0415  (as above)
 
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -106,7 +106,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout_s: floa
                 conn.send(("ok", fn(*args)))
             except BaseException:  # noqa: BLE001  (reported to the parent)
                 conn.send(("error", traceback.format_exc()))
-    except BaseException:  # noqa: BLE001
+    except BaseException:  # noqa: BLE001  (reported to the parent while the pipe lasts)
         try:
             conn.send(("error", traceback.format_exc()))
         except OSError:
@@ -159,7 +159,7 @@ class RankPool:
             if not ready:
                 break
             for conn in ready:
-                rank = self._conns.index(conn)  # type: ignore[arg-type]
+                rank = self._conns.index(conn)  # type: ignore[arg-type]  # wait() returns some of the Connections given
                 try:
                     status, value = self._conns[rank].recv()
                 except EOFError:
