@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as _c10d  # its private world: ``is_live_group`` reads it
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
@@ -34,7 +35,7 @@ from fsdp_shim._versions import parse_version
 try:  # private, but the only way to name it; present on every release we support
     from torch.distributed.tensor.placement_types import _StridedShard
 except ImportError:  # pragma: no cover - a future torch without it
-    _StridedShard = None  # type: ignore[assignment,misc]
+    _StridedShard = None  # type: ignore[assignment,misc]  # a class where torch has one
 
 _TORCH = parse_version(torch.__version__)
 
@@ -68,7 +69,7 @@ def all_gather_single(*args: Any, **kwargs: Any) -> Any:
 
 def is_dim0_shard(placement: Placement) -> bool:
     """Exactly ``Shard(0)``: no subclass (``_StridedShard`` is one on torch <= 2.9)."""
-    return type(placement) is Shard and placement.dim == 0  # type: ignore[attr-defined]
+    return type(placement) is Shard and placement.dim == 0
 
 
 def is_replicate(placement: Placement) -> bool:
@@ -86,9 +87,7 @@ STRIDED_SHARD_FULL_TENSOR_BROKEN = (2, 10) <= _TORCH[:2] < (2, 12)
 
 def is_live_group(group: dist.ProcessGroup) -> bool:
     """Whether ``group`` is still registered with c10d (not destroyed, and from this process's world)."""
-    from torch.distributed import distributed_c10d  # noqa: PLC0415
-
-    return dist.is_initialized() and group in distributed_c10d._world.pg_map
+    return dist.is_initialized() and group in _c10d._world.pg_map
 
 
 #: ``Partial`` reduce ops whose full value a writeback can represent locally: the
@@ -135,5 +134,5 @@ def _is_standalone_strided(placement: Placement, placements: Sequence[Placement]
     """
     if not is_strided_shard(placement):
         return False
-    dim = placement.dim  # type: ignore[attr-defined]
-    return not any(type(other) is Shard and other.dim == dim for other in placements)  # type: ignore[attr-defined]
+    dim = placement.dim  # type: ignore[attr-defined]  # a _StridedShard (checked above), no Shard on torch >= 2.10
+    return not any(type(other) is Shard and other.dim == dim for other in placements)

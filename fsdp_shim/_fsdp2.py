@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import sys
 import types
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,12 +59,16 @@ __all__ = [
     "fsdp_state_of",
     "is_fsdp2_module",
     "summon_cache",
+    "unit_summon_cache",
     "lazy_init_root",
     "mark_summoned",
-    "SuspendedHooks",
-    "suspend_load_post_hooks",
+    "suspend_hooks",
+    "resume_hooks",
+    "group_hook_sites",
+    "load_post_hook_sites",
     "unsharded_param_if_any",
     "sharded_behind",
+    "sharded_params",
     "param_dtype_for_forward",
     "param_groups",
     "param_slots",
@@ -105,13 +110,18 @@ def param_slots(fsdp_param: FSDPParam) -> list[Slot]:
     """Every (module, attribute name) through which the parameter is reachable."""
     info = fsdp_param._module_info
     slots: list[Slot] = [(info.module, info.param_name)]
-    slots.extend(zip(info.shared_modules, info.shared_param_names))
+    slots.extend(zip(info.shared_modules, info.shared_param_names, strict=True))  # FSDP2 appends them in pairs
     return slots
 
 
 def sharded_param(fsdp_param: FSDPParam) -> nn.Parameter:
     """The DTensor parameter FSDP2, and every optimizer, hold for this slot."""
     return fsdp_param.sharded_param
+
+
+def sharded_params(fsdp_params: Iterable[FSDPParam]) -> list[nn.Parameter]:
+    """``sharded_param`` of each, in one call: every summon asks it of every parameter in scope."""
+    return [fsdp_param.sharded_param for fsdp_param in fsdp_params]
 
 
 def sharded_behind(fsdp_param: FSDPParam, group: FSDPParamGroup, value: Any) -> Any:
@@ -137,6 +147,15 @@ def sharded_behind(fsdp_param: FSDPParam, group: FSDPParamGroup, value: Any) -> 
 
 #: Where fsdp_shim keeps a unit's cached summons on its FSDP2 state (see [Note: summon cache] in ``_scope``).
 _CACHE_ATTR = "_fsdp_shim_summon_cache"
+
+
+def unit_summon_cache(module: nn.Module) -> dict[Any, Any] | None:
+    """``summon_cache`` of ``module``'s state if ``module`` is an FSDP2 unit, else None: one call, as
+    every summon of a unit asks."""
+    if not isinstance(module, FSDPModule):
+        return None
+    state = _get_module_fsdp_state(module)
+    return None if state is None else summon_cache(state)
 
 
 def summon_cache(state: FSDPState) -> dict[Any, Any]:
@@ -322,7 +341,7 @@ def unwrap_state_init(handle: Any) -> None:
 def redirect_apply(unit: nn.Module, replacement: Any) -> bool:
     """For a context's duration, ``unit._apply`` (FSDP2's, which reshards first) is ``replacement``:
     an instance attribute, so the class is untouched. False, changing nothing, if one is already
-    in place (an enclosing context's). See [Note: conversions inside] in ``_summon``."""
+    in place (an enclosing context's). See [Note: conversions inside] in ``_group``."""
     if "_apply" in unit.__dict__:
         return False
     unit.__dict__["_apply"] = replacement
@@ -358,48 +377,76 @@ def _suspended_hook(*args: Any, **kwargs: Any) -> None:
     """What a suspended hook's place holds: it does nothing."""
 
 
-@dataclass
-class SuspendedHooks:
-    """Module hooks made no-ops for a while, then given back, each in its own place.
+#: Suspended hooks, to give back: each hook's dict, its id, and the hook.
+Suspended = list[tuple[dict[int, Any], int, Any]]
+
+
+def suspend_hooks(sites: Iterable[HookSite], suspended: Suspended) -> None:
+    """Make the hook at each site a no-op for a while (one already suspended, or gone, is left
+    alone), recording it in ``suspended``; ``resume_hooks`` gives each back in its own place.
 
     A hook's dict entry keeps its key and position and only its value is
     swapped, so the hook order stays exactly as it was, with nothing to
-    reorder on resume (a pop and re-insert had to sort the dict back). The
-    entries hold the hook dicts themselves: a summon suspends and resumes
-    its hooks within one context, while its modules are alive.
+    reorder on resume. The entries hold the hook dicts themselves: a summon
+    suspends and resumes its hooks within one context, while its modules are
+    alive.
     """
-
-    entries: list[tuple[dict[int, Any], int, Any]] = field(default_factory=list)
-
-    def suspend(self, module: nn.Module, hooks_attr: str, hook_id: int) -> None:
-        hooks: dict[int, Any] = getattr(module, hooks_attr)
+    for hooks, hook_id in sites:
         hook = hooks.get(hook_id)
         if hook is not None and hook is not _suspended_hook:
-            self.entries.append((hooks, hook_id, hook))
+            suspended.append((hooks, hook_id, hook))
             hooks[hook_id] = _suspended_hook
 
-    def resume(self) -> None:
-        for hooks, hook_id, hook in reversed(self.entries):
-            hooks[hook_id] = hook
-        self.entries.clear()
+
+def resume_hooks(suspended: Suspended) -> None:
+    """Give back every hook ``suspend_hooks`` recorded, last first."""
+    for hooks, hook_id, hook in reversed(suspended):
+        hooks[hook_id] = hook
+    suspended.clear()
 
 
-def suspend_load_post_hooks(fsdp_params: list[FSDPParam], suspended: SuspendedHooks) -> None:
-    """Keep ``load_state_dict`` inside the context from making FSDP2 adopt a full tensor.
+#: Where a module hook lives: the module's hook dict and the hook's id in it.
+HookSite = tuple[dict[int, Any], int]
 
-    Each ``FSDPParam`` registers a load post-hook that calls
-    ``reset_sharded_param``, which adopts whatever the attribute holds.
-    """
+_SITES_ATTR = "_fsdp_shim_hook_sites"
+
+
+def load_post_hook_sites(fsdp_params: Iterable[FSDPParam]) -> list[HookSite]:
+    """The load post-hooks of these parameters: keep ``load_state_dict`` inside a context from making
+    FSDP2 adopt a full tensor. Each ``FSDPParam`` registers one that calls ``reset_sharded_param``,
+    which adopts whatever the attribute holds."""
+    sites = []
     for fsdp_param in fsdp_params:
         handle = getattr(fsdp_param, "_post_load_hook_handle", None)
         if handle is not None:
-            suspended.suspend(fsdp_param._module_info.module, "_load_state_dict_post_hooks", handle.id)
+            sites.append((fsdp_param._module_info.module._load_state_dict_post_hooks, handle.id))
+    return sites
+
+
+def group_hook_sites(group: FSDPParamGroup) -> list[HookSite]:
+    """Every hook a summon suspends while it holds the whole group: the group's state-dict save and
+    load pre-hooks (its ``to_sharded``) and every parameter's load post-hook.
+
+    Worked out once a group and kept on it: ``fully_shard`` registers them all, once, and a
+    summon of every unit at every step would otherwise look them up again.
+    """
+    sites = group.__dict__.get(_SITES_ATTR)
+    if sites is None:
+        sites = []
+        for attr, handles in (
+            ("_state_dict_pre_hooks", getattr(group, "_module_to_pre_save_state_dict_hook_handle", {})),
+            ("_load_state_dict_pre_hooks", getattr(group, "_module_to_pre_load_state_dict_hook_handle", {})),
+        ):
+            sites += [(getattr(module, attr), handle.id) for module, handle in handles.items()]
+        sites += load_post_hook_sites(group.fsdp_params)
+        group.__dict__[_SITES_ATTR] = sites
+    return sites
 
 
 @dataclass(slots=True)
 class GroupMark:
     """What ``mark_summoned`` changed on one group's state, to undo it exactly (its hooks are
-    in the caller's ``SuspendedHooks``, resumed by the caller)."""
+    suspended and resumed by the caller: ``suspend_hooks``)."""
 
     group: FSDPParamGroup
     sharded_state: ShardedState
@@ -415,7 +462,7 @@ class GroupMark:
         self.lent_unsharded.clear()
 
 
-def mark_summoned(group: FSDPParamGroup, suspended: SuspendedHooks) -> GroupMark:
+def mark_summoned(group: FSDPParamGroup) -> GroupMark:
     """Make FSDP2 leave the group's module attributes alone.
 
     [Note: summoned groups]
@@ -425,30 +472,23 @@ def mark_summoned(group: FSDPParamGroup, suspended: SuspendedHooks) -> GroupMark
     whose every parameter is summoned is therefore *marked*: its sharded state
     reads UNSHARDED, so ``unshard()`` is a no-op, and ``post_forward_mesh_info``
     is ``None``, so ``reshard()`` in forward is a no-op; its ``to_sharded``
-    state-dict save and load pre-hooks are suspended (``suspend_load_post_hooks``
-    does the same for the per-parameter load post-hooks of every summoned
-    parameter, marked group or not). Its own all-gather buffers stay freed,
+    state-dict save and load pre-hooks are suspended (``group_hook_sites``;
+    ``load_post_hook_sites`` names the per-parameter load post-hooks, suspended
+    for every summoned parameter, marked group or not). Its own all-gather buffers stay freed,
     since the group really is sharded underneath. From torch 2.14 the forward
     pre-hook also reads each parameter's ``unsharded_param`` after its (no-op)
     ``unshard()``; a group never all-gathered has none, so the mark lends the
     summoned full parameter for the duration. ``unmark`` restores all of it
     exactly.
 
-    Called once every parameter of the group holds its summoned full parameter.
-    The group's state-dict pre-hooks go into ``suspended``: one per context,
-    not one per group, as every summon of a unit makes one.
+    Called once every parameter of the group holds its summoned full parameter;
+    its hooks are the caller's to suspend (``_group.SummonedGroup``).
     """
     mark = GroupMark(group, group._sharded_state, group.post_forward_mesh_info)
-    for attr, handles in (
-        ("_state_dict_pre_hooks", getattr(group, "_module_to_pre_save_state_dict_hook_handle", {})),
-        ("_load_state_dict_pre_hooks", getattr(group, "_module_to_pre_load_state_dict_hook_handle", {})),
-    ):
-        for module, handle in handles.items():
-            suspended.suspend(module, attr, handle.id)
     for fsdp_param in group.fsdp_params:
-        if unsharded_param_if_any(fsdp_param) is None:  # torch >= 2.14 reads it in pre_forward
+        if getattr(fsdp_param, "_unsharded_param", None) is None:  # torch >= 2.14 reads it in pre_forward
             info = fsdp_param._module_info
-            fsdp_param._unsharded_param = info.module._parameters[info.param_name]  # type: ignore[assignment]
+            fsdp_param._unsharded_param = info.module._parameters[info.param_name]  # type: ignore[assignment]  # a registered parameter: never None
             mark.lent_unsharded.append(fsdp_param)
     group._sharded_state = ShardedState.UNSHARDED
     group.post_forward_mesh_info = None
@@ -478,7 +518,7 @@ def root_modules(states: list[FSDPState]) -> list[nn.Module]:
 def shard_rank(group: FSDPParamGroup) -> int:
     """This rank's coordinate in the group's FSDP shard group (what FSDP1 calls its rank)."""
     # FSDPMeshInfo (HSDP's subclass too) has shard_mesh_rank; the annotation names the base class.
-    return int(group.mesh_info.shard_mesh_rank)  # type: ignore[attr-defined]
+    return int(group.mesh_info.shard_mesh_rank)  # type: ignore[attr-defined]  # see the line above
 
 
 def group_modules(group: FSDPParamGroup) -> tuple[nn.Module, ...]:
@@ -519,11 +559,15 @@ CAST_WALKS = ("tree_map", "_apply_to_tensors")
 _STATE_MODULE_NAMES: tuple[str | tuple[str, ...], ...] = ("_cast_fp_tensor", CAST_WALKS)
 
 #: Everything probed, for ``fsdp-shim check -v``.
-READS: tuple[str, ...] = tuple(
-    f"{owner.__name__}.{name if isinstance(name, str) else ' or '.join(name)}"
-    for table in (_METHODS, _FIELDS) for owner, names in table.items() for name in names
-) + tuple(f"_fsdp_state.{n if isinstance(n, str) else ' or '.join(n)}" for n in _STATE_MODULE_NAMES) + ("TrainingState.IDLE", "ShardedState.UNSHARDED", "torch._C._current_graph_task_id",
-     "distributed_c10d._world.pg_map")
+READS: tuple[str, ...] = (
+    tuple(
+        f"{owner.__name__}.{name if isinstance(name, str) else ' or '.join(name)}"
+        for table in (_METHODS, _FIELDS) for owner, names in table.items() for name in names
+    )
+    + tuple(f"_fsdp_state.{n if isinstance(n, str) else ' or '.join(n)}" for n in _STATE_MODULE_NAMES)
+    + ("TrainingState.IDLE", "ShardedState.UNSHARDED", "torch._C._current_graph_task_id",
+       "distributed_c10d._world.pg_map")
+)
 
 
 def _names_in(cls: type) -> set[str]:
@@ -533,7 +577,7 @@ def _names_in(cls: type) -> set[str]:
         names.update(vars(klass).get("__annotations__", {}))
         for value in vars(klass).values():
             functions = [value.fget, value.fset] if isinstance(value, property) else [getattr(value, "__func__", value)]
-            stack = [f.__code__ for f in functions if hasattr(f, "__code__")]
+            stack = [code for f in functions if isinstance(code := getattr(f, "__code__", None), types.CodeType)]
             while stack:
                 code = stack.pop()
                 names.update(code.co_names)

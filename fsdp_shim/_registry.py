@@ -30,7 +30,7 @@ _lock = threading.Lock()
 
 
 class Summoned(Protocol):
-    """What the registry reads of one summoned tensor's record (``_exit.SwappedParam``).
+    """What the registry reads of one summoned tensor's record (``_param.SummonedParam``).
 
     Every rank records every tensor in scope, holder of full tensors or not
     (``full`` is None where this rank holds none: ``rank0_only``): what a
@@ -54,7 +54,7 @@ class Summoned(Protocol):
 class LiveContext(Protocol):
     """What the registry reads of one live context (``_summon.DTensorSummon``, the context itself).
 
-    ``swapped`` is complete when the context is registered, on every rank
+    ``summoned`` is complete when the context is registered, on every rank
     alike (see ``Summoned``); the registry
     derives the slot keys and the full parameters from it when a rare lookup
     asks (nesting, threads, ``sharded_param``), so that registering costs one
@@ -68,7 +68,7 @@ class LiveContext(Protocol):
     def writeback(self) -> bool: ...
 
     @property
-    def swapped(self) -> Sequence[Summoned]: ...
+    def summoned(self) -> Sequence[Summoned]: ...
 
 
 @dataclass(eq=False, slots=True)
@@ -82,13 +82,13 @@ class _Registered:
     def keys(self) -> set[SlotKey]:
         """The slots its records were swapped into."""
         if self.slot_keys is None:
-            self.slot_keys = {(id(module), name) for record in self.context.swapped for module, name in record.slots}
+            self.slot_keys = {(id(module), name) for record in self.context.summoned for module, name in record.slots}
         return self.slot_keys
 
     def full_record(self, param: torch.Tensor) -> Summoned | None:
         """The record whose full parameter is ``param`` itself (buffers are not parameters)."""
         if self.fulls is None:
-            self.fulls = {id(r.full): r for r in self.context.swapped if r.full is not None and not r.is_buffer}
+            self.fulls = {id(r.full): r for r in self.context.summoned if r.full is not None and not r.is_buffer}
         record = self.fulls.get(id(param))
         return record if record is not None and record.full is param else None
 
@@ -131,7 +131,7 @@ def summoned_at(key: SlotKey) -> Summoned | None:
         return None
     for registered in list(_live.values()):
         if key in registered.keys():
-            for record in registered.context.swapped:
+            for record in registered.context.summoned:
                 if any((id(m), n) == key for m, n in record.slots):
                     return record
     return None
@@ -166,45 +166,54 @@ def has_live_context(thread: int) -> bool:
 
 def claim(thread: int, groups: Iterable[dist.ProcessGroup]) -> bool:
     """Claim ``groups`` for this thread (a context or a stream); False, claiming nothing, if another
-    thread uses one of them (``_summon.group_in_use`` says why that is refused)."""
-    groups = list(groups)
+    thread uses one of them (``_refusals.group_in_use`` says why that is refused)."""
     with _lock:
-        for group in groups:
-            owner = _groups.get(id(group))
-            if owner is not None and owner[0] != thread:
-                return False
-        for group in groups:
-            owner = _groups.get(id(group))
-            _groups[id(group)] = (thread, 1 if owner is None else owner[1] + 1)
+        return _claim(thread, list(groups))
+
+
+def _claim(thread: int, groups: list[dist.ProcessGroup]) -> bool:
+    """``claim``, under ``_lock``."""
+    for group in groups:
+        owner = _groups.get(id(group))
+        if owner is not None and owner[0] != thread:
+            return False
+    for group in groups:
+        owner = _groups.get(id(group))
+        _groups[id(group)] = (thread, 1 if owner is None else owner[1] + 1)
     return True
 
 
 def release(groups: Iterable[dist.ProcessGroup]) -> None:
     """Give back one claim on each of ``groups``."""
     with _lock:
-        for group in groups:
-            owner = _groups.get(id(group))
-            if owner is None:
-                continue
-            if owner[1] <= 1:
-                del _groups[id(group)]
-            else:
-                _groups[id(group)] = (owner[0], owner[1] - 1)
+        _release(groups)
+
+
+def _release(groups: Iterable[dist.ProcessGroup]) -> None:
+    """``release``, under ``_lock``."""
+    for group in groups:
+        owner = _groups.get(id(group))
+        if owner is None:
+            continue
+        if owner[1] <= 1:
+            del _groups[id(group)]
+        else:
+            _groups[id(group)] = (owner[0], owner[1] - 1)
 
 
 def enter(thread: int, groups: Iterable[dist.ProcessGroup]) -> bool:
     """``claim`` for a new context of this thread, which then has one more live context."""
-    if not claim(thread, groups):
-        return False
     with _lock:
+        if not _claim(thread, list(groups)):
+            return False
         _depth[thread] = _depth.get(thread, 0) + 1
     return True
 
 
 def leave(thread: int, groups: Iterable[dist.ProcessGroup]) -> None:
     """Undo ``enter``."""
-    release(groups)
     with _lock:
+        _release(groups)
         remaining = _depth.get(thread, 0) - 1
         if remaining > 0:
             _depth[thread] = remaining

@@ -1,7 +1,7 @@
 """Which parameters a call covers: the ``recurse`` rule, ties, FSDP2 ownership, and the summon cache.
 
 A *slot* is a ``(module, attribute name)`` pair; a parameter tied across two
-modules has two slots. FSDP2 may hold a plain unsharded tensor in a slot (after
+modules has two slots (one ``_param.ScopedParam``). FSDP2 may hold a plain unsharded tensor in a slot (after
 forward) where the sharded DTensor is what we gather, so slots that FSDP2
 manages are resolved through its ``FSDPParam`` rather than the attribute.
 The cache is at ``CachedSummon`` ([Note: summon cache]).
@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim import _registry as registry
+from fsdp_shim._param import ScopedParam
 from fsdp_shim._units import scope_modules
 
 if TYPE_CHECKING:
@@ -48,27 +49,6 @@ def slot_fqn(root: nn.Module, slot: tuple[nn.Module, str]) -> str:
 
 
 @dataclass
-class ScopedParam:
-    """One distinct DTensor parameter in scope and every slot that holds it."""
-
-    slots: list[tuple[nn.Module, str]]
-    fsdp_param: fsdp2.FSDPParam | None = None  # None: a DTensor FSDP2 does not manage (TP)
-    group: fsdp2.FSDPParamGroup | None = None
-    is_buffer: bool = False  # a DTensor buffer: gathered and swapped like a parameter
-
-    def sharded(self) -> nn.Parameter:
-        """The DTensor parameter: FSDP2's (and the optimizer's) object, or the attribute's."""
-        if self.fsdp_param is not None:
-            return fsdp2.sharded_param(self.fsdp_param)
-        module, name = self.slots[0]
-        return self.tensors(module)[name]  # type: ignore[return-value]
-
-    def tensors(self, module: nn.Module) -> dict[str, Any]:
-        """The dict a slot of this entry lives in: ``_parameters`` or ``_buffers``."""
-        return module._buffers if self.is_buffer else module._parameters
-
-
-@dataclass
 class Scope:
     root: nn.Module
     modules: list[nn.Module]
@@ -86,6 +66,8 @@ class Scope:
     owned_outside: bool = False
     #: Whether FSDP2 manages every entry (no tensor-parallel-only DTensor, no DTensor buffer).
     fsdp2_only: bool = False
+    #: Each entry's ``FSDPParam``, in order, where FSDP2 manages every one (``fsdp2_only``), else None.
+    managed: list[fsdp2.FSDPParam] | None = None
 
 
 @dataclass
@@ -107,22 +89,11 @@ def fsdp_slot_owners(states: Iterable[fsdp2.FSDPState]) -> _Owners:
     return owners
 
 
-def untracked_parameter(fqn: str) -> RuntimeError:
-    """The refusal for a slot FSDP2 manages that holds a parameter FSDP2 does not track."""
-    return RuntimeError(
-        f"{fqn!r} holds a parameter assigned after fully_shard (or a tie made or undone since): FSDP2 does "
-        "not track it, and its forward, its optimizer and every gather keep using the parameter fully_shard "
-        "registered, so neither summon_full_params nor iter_full_params can serve it. Assign parameters "
-        "and ties before fully_shard, or copy new values into the existing parameter (under torch.no_grad(): "
-        "param.copy_(new), or inside summon_full_params(writeback=True)). Nothing was gathered."
-    )
-
-
 def tracked_sharded(
     fsdp_param: fsdp2.FSDPParam, group: fsdp2.FSDPParamGroup, module: nn.Module, name: str
-) -> DTensor | None:
+) -> nn.Parameter | None:
     """FSDP2's sharded parameter behind slot ``(module, name)``, which ``fsdp_param`` manages; None if
-    the slot holds something FSDP2 does not track (the refusal: ``untracked_parameter``).
+    the slot holds something FSDP2 does not track (the refusal: ``_refusals.untracked_parameter``).
 
     The one test of "is this slot still FSDP2's", for the summon and the
     stream: both gather FSDP2's sharded parameter behind a slot, whatever
@@ -133,7 +104,7 @@ def tracked_sharded(
     sharded = fsdp2.sharded_param(fsdp_param)
     if value is sharded:  # the common answer, and every summon's
         return sharded
-    behind = fsdp2.sharded_behind(fsdp_param, group, value)  # type: ignore[arg-type]
+    behind: nn.Parameter | None = fsdp2.sharded_behind(fsdp_param, group, value)
     if behind is None and registry.owner_of((id(module), name)) is not None:
         return sharded  # a live context's full parameter: it stands for FSDP2's own
     return behind
@@ -145,13 +116,13 @@ def first_untracked_slot(entries: Iterable[ScopedParam], shardeds: Iterable[Any]
     ``shardeds``: each entry's ``sharded()``, resolved by the caller: a slot
     still holding it (the common answer) costs no call.
     """
-    for entry, sharded in zip(entries, shardeds):
+    for entry, sharded in zip(entries, shardeds, strict=True):
         fsdp_param = entry.fsdp_param
         if fsdp_param is None:
             continue
         for module, name in entry.slots:
             if module._parameters.get(name) is not sharded and \
-                    tracked_sharded(fsdp_param, entry.group, module, name) is None:  # type: ignore[arg-type]
+                    tracked_sharded(fsdp_param, entry.group, module, name) is None:  # type: ignore[arg-type]  # an entry with an FSDPParam has its group
                 return module, name
     return None
 
@@ -239,6 +210,8 @@ def collect_scope(
     scope = Scope(root, modules, params)
     scope.owned_outside = look_outside
     scope.fsdp2_only = all(entry.fsdp_param is not None for entry in params)
+    if scope.fsdp2_only:
+        scope.managed = [entry.fsdp_param for entry in params]  # type: ignore[misc]  # fsdp2_only: none is None
     for entry in params:
         if entry.group is not None and entry.group not in scope.groups:
             scope.groups[entry.group] = all(
@@ -249,6 +222,13 @@ def collect_scope(
     scope.states = states
     scope.enclosed = enclosed
     return scope
+
+
+def sharded_params(scope: Scope) -> list[DTensor]:
+    """Each scoped parameter's DTensor, as ``ScopedParam.sharded`` resolves it, in scope order."""
+    if scope.managed is not None:
+        return fsdp2.sharded_params(scope.managed)  # type: ignore[return-value]  # FSDP2's are DTensors
+    return [entry.sharded() for entry in scope.params]  # type: ignore[misc]  # a scoped parameter is one
 
 
 def states_of(scope: Scope) -> list[fsdp2.FSDPState]:
@@ -367,17 +347,18 @@ class CachedSummon:
         self.stale = True
 
 
-def cached_scope(module: nn.Module, recurse: bool, modules: list[nn.Module] | None) -> tuple[Scope, CachedSummon | None]:
+def cached_scope(
+    module: nn.Module, recurse: bool, modules: list[nn.Module] | None
+) -> tuple[Scope, CachedSummon | None]:
     """The scope of a summon from outside any context, and the cached summon that serves it, if it
     can have one: the stored one while it matches, else a new one (see [Note: summon cache]).
 
     ``modules``: ``scope_modules(module, recurse)`` if the caller walked the tree already.
     """
-    state = fsdp2.fsdp_state_of(module) if fsdp2.is_fsdp2_module(module) else None
-    if state is None:  # not a unit: nowhere to keep a cached summon, so none is worked out
+    cache = fsdp2.unit_summon_cache(module)
+    if cache is None:  # not a unit: nowhere to keep a cached summon, so none is worked out
         return collect_scope(module, recurse, modules=modules), None
     key = (id(module), recurse)
-    cache = fsdp2.summon_cache(state)
     cached = cache.get(key)
     if cached is not None and cached.matches(module, recurse):
         return cached.scope, cached

@@ -25,7 +25,7 @@ an inference engine) without a context and without swapping anything:
 * *Fresh memory.* Every full tensor handed out is fresh memory nothing
   else writes: a caller may keep it, or anything that reaches its memory.
 * *Refused up front, never dropped.* The stream refuses what the summon
-  refuses (``_summon``'s refusals) before its first batch and its groups'
+  refuses (``_refusals``, the summon's words) before its first batch and its groups'
   step before each launch (the loop body may break one), claims its groups
   until it ends, and on any error or early stop waits for every batch in flight.
 * *Cast before gather.* With ``dtype``, floating shards are cast as they are
@@ -58,8 +58,8 @@ from fsdp_shim import _registry as registry
 from fsdp_shim._gather.engine import BucketGather, resolve_device, start_gather
 from fsdp_shim._gather.layout import Receiver, bucket_cap, gathered_dtype, receivers_for_stream, require_live_groups
 from fsdp_shim._units import is_fsdp1_tree
-from fsdp_shim._scope import fsdp_slot_owners, module_label, slot_key, tracked_sharded, untracked_parameter
-from fsdp_shim._summon import group_in_use, refuse_busy, refuse_placements
+from fsdp_shim._refusals import group_in_use, refuse_busy, refuse_placements, untracked_parameter
+from fsdp_shim._scope import fsdp_slot_owners, module_label, slot_key, tracked_sharded
 
 logger = logging.getLogger("fsdp_shim")
 
@@ -204,17 +204,17 @@ class _InFlightBatch:
 
     def __init__(self, batch: _Batch, bucket_bytes: int, receiver: Receiver, launch: bool = True):
         self.batch = batch
-        by_cast: dict[torch.dtype | None, list[int]] = {}
-        for index, (tensor, cast) in enumerate(zip(batch.tensors, batch.casts)):
+        by_cast: dict[torch.dtype | None, tuple[list[int], list[DTensor]]] = {}
+        for index, (tensor, cast) in enumerate(zip(batch.tensors, batch.casts, strict=True)):
             if isinstance(tensor, DTensor):
-                by_cast.setdefault(cast, []).append(index)
+                indices, dtensors = by_cast.setdefault(cast, ([], []))
+                indices.append(index)
+                dtensors.append(tensor)
         self._pending: list[tuple[list[int], BucketGather]] = []
         try:
-            for cast, indices in by_cast.items():
-                dtensors = [batch.tensors[i] for i in indices]
-                self._pending.append((indices, start_gather(dtensors, cast_to=cast,  # type: ignore[arg-type]
-                                                            bucket_bytes=bucket_bytes, receiver=receiver,
-                                                            launch=launch)))
+            for cast, (indices, dtensors) in by_cast.items():
+                self._pending.append((indices, start_gather(dtensors, cast_to=cast, bucket_bytes=bucket_bytes,
+                                                            receiver=receiver, launch=launch)))
         except BaseException:
             self.drop()
             raise
@@ -237,14 +237,15 @@ class _InFlightBatch:
         fulls: list[torch.Tensor | None] = [None] * len(self.batch.tensors)
         try:
             for indices, pending in self._pending:
-                for index, full in zip(indices, pending.finish(holds_fulls=holds_fulls, out_device=out_device)):
+                batch_fulls = pending.finish(holds_fulls=holds_fulls, out_device=out_device)  # None where not held
+                for index, full in zip(indices, batch_fulls, strict=True):
                     fulls[index] = full
         except BaseException:
             self.drop()
             raise
         self._pending = []
         if holds_fulls:
-            for index, (tensor, cast) in enumerate(zip(self.batch.tensors, self.batch.casts)):
+            for index, (tensor, cast) in enumerate(zip(self.batch.tensors, self.batch.casts, strict=True)):
                 if fulls[index] is None and not isinstance(tensor, DTensor):
                     # a copy, always: ``.to()`` returns the parameter itself where device and dtype
                     # match, and a kept tensor would change with the model (see [Note: streaming])
@@ -287,7 +288,7 @@ def check_stream_args(
     bucket_cap(bucket_mb, STREAM_BUCKET_MB)
     if device is not None:
         torch.device(device)  # type: ignore[call-overload]  # raises for a device torch cannot name
-    name_matcher(keep_dtype)  # type: ignore[arg-type]
+    name_matcher(keep_dtype)  # type: ignore[arg-type]  # any object: raises TypeError for one it cannot use
     if not isinstance(model, nn.Module):
         raise TypeError(f"iter_full_params expects an nn.Module, got {type(model).__name__}")
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -315,10 +316,9 @@ def stream_full_params(
     states = [state for state in (fsdp2.fsdp_state_of(m) for m in model.modules()) if state is not None]
     refuse_busy(lambda: call, states, [group for state in states for group in fsdp2.param_groups(state)])
     batches = batch_params(model, bucket_bytes, dtype, name_matcher(keep_dtype))
-    groups = refuse_placements(
-        ((lambda n=name: n, t) for b in batches for name, t in zip(b.names, b.tensors) if isinstance(t, DTensor)),
-        writeback=False,
-    )
+    named = ((lambda n=name: n, t) for b in batches for name, t in zip(b.names, b.tensors, strict=True)
+             if isinstance(t, DTensor))
+    groups = refuse_placements(named, writeback=False)
     receiver, holds_fulls = receivers_for_stream(rank0_only)
     if not registry.claim(registry.current_thread(), groups):
         raise group_in_use(call)

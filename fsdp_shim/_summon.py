@@ -25,12 +25,15 @@ Exit (``DTensorSummon.restore``), always, also when the body raised: hooks
 off, every slot gets back the exact object it held and every mark is undone,
 conversions made inside are replayed on the shards (see [Note: conversions
 inside]), then writeback if asked (local copies into the original shards,
-see [Note: writeback needs no collective] in ``_exit``) and if the body ran:
+see [Note: writeback needs no collective] in ``_param``) and if the body ran:
 as FSDP1 does, after a body that raised too, but never after a fault before
 the body (see [Note: faults]).
 
-The checks of step 1 (and FSDP1's argument checks, at the call) are here
-too, in the words the stream shares: a refusal leaves everything as it was.
+The checks of step 1 (and FSDP1's argument checks, at the call) are in
+``_refusals``, in the words the stream shares: a refusal leaves everything
+as it was. Each parameter's part is a ``_param.SummonedParam``, each FSDP2
+group's a ``_group.SummonedGroup``; the context drives them, as FSDP2's
+state drives its groups.
 What chooses the collectives, and why every rank chooses alike: [Note: every
 rank decides alike], above the refusals.
 """
@@ -40,9 +43,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import warnings
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, ContextManager, cast
+from collections.abc import Callable
+from typing import Any, ContextManager, cast
 
 import torch
 import torch.distributed as dist
@@ -54,37 +56,29 @@ from torch.utils.hooks import RemovableHandle
 from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim import _registry as registry
 from fsdp_shim import _versions
-from fsdp_shim._compat import ungatherable_reason, writeback_refusal
-from fsdp_shim._exit import SwappedParam, inspect_slots, judge_changes, shard_versions, write_back
-from fsdp_shim._forward_hooks import install_forward_hooks
 from fsdp_shim._gather.engine import Gathered, agree_on_grads, gather_full_tensors
-from fsdp_shim._units import route
-from fsdp_shim._gather.layout import (
-    BucketCap,
-    Receiver,
-    bucket_cap,
-    live_mesh_dim_groups,
-    receivers_for_summon,
-    require_live_groups,
+from fsdp_shim._gather.layout import BucketCap, Receiver, bucket_cap, receivers_for_summon
+from fsdp_shim._group import Conversion, SummonedGroup, refuse_forwards
+from fsdp_shim._param import SummonedParam, carry_requires_grad, inspect_slots, to_full, to_sharded, write_back
+from fsdp_shim._refusals import (
+    group_in_use,
+    refuse_before_anything,
+    refuse_grad_layouts,
+    refuse_placements,
+    refuse_writeback_inside_no_writeback,
+    validate_args,
 )
 from fsdp_shim._scope import (
     CachedSummon,
     Scope,
-    ScopedParam,
     cached_scope,
     collect_scope,
-    first_untracked_slot,
     has_distributed_params,
     module_label,
     slot_fqn,
-    slot_key,
     states_of,
-    untracked_parameter,
 )
-
-if TYPE_CHECKING:
-    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+from fsdp_shim._units import route
 
 logger = logging.getLogger("fsdp_shim")
 
@@ -122,11 +116,11 @@ class DTensorSummon:
     """The DTensor implementation of ``summon_full_params``: a single-use context manager, one object
     from the call to the exit.
 
-    It holds the call's arguments, then, once entered, everything it changed
-    and must undo (the slots' originals, FSDP2's marks, hooks, ``_apply``
-    overrides, conversions made inside, its group claims), and it is what the
-    registry knows of the context (``registry.LiveContext``: its ``thread``,
-    ``writeback`` and ``swapped``). ``__enter__`` reads refuse, prepare,
+    It holds the call's arguments, then, once entered, a ``SummonedParam``
+    for each parameter in scope and a ``SummonedGroup`` for each FSDP2 group
+    (what they changed, they undo), the conversions made inside, its group
+    claims; and it is what the registry knows of the context
+    (``registry.LiveContext``: its ``thread``, ``writeback`` and ``summoned``). ``__enter__`` reads refuse, prepare,
     gather, install (see [Note: summon lifecycle]); if a step raises,
     ``restore`` undoes what was done, and never writes back (the body did
     not run). ``__exit__`` restores, also when the body raised. A class
@@ -144,7 +138,7 @@ class DTensorSummon:
       memory into the training weights.
     - A failure inside the body (the body reached means every value arrived)
       keeps FSDP1's rule: writeback still applies to the edits made there, all
-      or nothing (see [Note: exit checks] in ``_exit``), and the body's exception propagates.
+      or nothing (see [Note: exit checks] in ``_param``), and the body's exception propagates.
     Every collective already posted is waited for before the error leaves
     (see [Note: every posted work is waited for] in ``_gather.engine``), so a fault
     that hits every rank alike leaves the group usable. After a one-sided
@@ -157,9 +151,11 @@ class DTensorSummon:
 
     __slots__ = (
         "module", "recurse", "writeback", "rank0_only", "offload_to_cpu", "with_grads", "cap", "_modules",
-        "_entered", "thread", "scope", "swapped", "_originals", "_marks", "_hooks", "_suspended", "_converting",
-        "_conversions", "_body_ran", "_claimed", "_live", "_holds_fulls",
+        "_entered", "thread", "scope", "summoned", "groups", "journal", "_refusal", "_body_ran", "_claimed",
+        "_live", "_holds_fulls",
     )
+
+    _claimed: list[dist.ProcessGroup] | None  # the groups it claimed: released on exit
 
     def __init__(
         self, module: nn.Module, recurse: bool, writeback: bool, rank0_only: bool, offload_to_cpu: bool,
@@ -201,18 +197,16 @@ class DTensorSummon:
             # 3. gather: every value is in when it returns.
             gathered = gather_full_tensors(dtensors, holds_fulls=holds_fulls, out_device=out_device,
                                            bucket_bytes=self.cap.bucket_bytes, receiver=receiver,
-                                           plan=cached and cached.bucket_plan, collective_bytes=collective_bytes)
+                                           plan=None if cached is None else cached.bucket_plan,
+                                           collective_bytes=collective_bytes)
             if cached is not None:
                 cached.bucket_plan = gathered.plan
             grads = (_gather_grads(grad_inputs, holds_fulls, out_device, self.cap.bucket_bytes, receiver,
                                    collective_bytes) if grad_inputs else {})
-            # 4. install: full parameters in every slot, groups marked, forward hooks; recorded on every rank.
-            self._record(dtensors, gathered, grads, holds_fulls)
-            if holds_fulls:
-                self._mark_groups()
-            self._convert_inside()
+            # 4. install: every parameter to full, recorded on every rank; then every group summoned.
+            self._to_full(dtensors, gathered, grads, holds_fulls)
             del gathered, grads
-            install_forward_hooks(scope, self.swapped, self._hooks, self.rank0_only, holds_fulls)
+            self._summon_groups(holds_fulls)
             if logger.isEnabledFor(logging.DEBUG):
                 nbytes = sum(d.numel() * d.element_size() for d in dtensors)
                 logger.debug(
@@ -241,51 +235,62 @@ class DTensorSummon:
     def _begin(self, scope: Scope) -> None:
         """From here on ``restore`` has something to undo: the fields it reads, empty."""
         self.scope = scope
-        self.swapped: list[SwappedParam] = []
-        self._originals: list[tuple[ScopedParam, nn.Module, str, Any]] = []
-        self._marks: list[fsdp2.GroupMark] = []
-        self._hooks: list[RemovableHandle] = []
-        self._suspended = fsdp2.SuspendedHooks()
-        #: Units whose ``_apply`` is ours for the context, and the conversions
-        #: (``.to()``, ``.float()``, ...) made through them. See [Note: conversions inside].
-        self._converting: list[nn.Module] = []
-        self._conversions: list[tuple[nn.Module, tuple[Any, ...], dict[str, Any]]] = []
+        #: Every parameter in scope, in scope order, on every rank (the registry's record of the context).
+        self.summoned: list[SummonedParam] = []
+        #: Every FSDP2 group with a parameter in scope, once ``_summon_groups`` made them.
+        self.groups: list[SummonedGroup] = []
+        #: Conversions (``.to()``, ``.float()``, ...) made inside, in call order. See [Note: conversions inside].
+        self.journal: list[Conversion] = []
+        self._refusal: RemovableHandle | None = None  # the forward refusal under ``rank0_only``
         self._body_ran = False  # only then may a writeback happen: see [Note: faults]
-        self._claimed: list[dist.ProcessGroup] | None = None  # released on exit
+        self._claimed = None  # released on exit
         self._holds_fulls = False  # whether this rank's slots hold full tensors (set once they are gathered)
         self._live = True
 
-    def _record(self, dtensors: list[DTensor], gathered: Gathered, grads: dict[int, torch.Tensor],
-                holds_fulls: bool) -> None:
-        """A record of every tensor in scope, on every rank; where this rank holds full tensors, each
-        becomes one new ``nn.Parameter`` in every slot of its parameter (ties stay one object).
+    def _to_full(self, dtensors: list[DTensor], gathered: Gathered, grads: dict[int, torch.Tensor],
+                 holds_fulls: bool) -> None:
+        """A ``SummonedParam`` for every tensor in scope, on every rank, each put to full where this rank
+        holds full tensors; then the context is registered.
 
         Registered on every rank alike, holder or not: a nested call or a stream decides from the
         registry, never from what this rank's slots hold (see [Note: every rank decides alike])."""
-        originals, writeback, swapped = self._originals, self.writeback, self.swapped
-        entries = zip(self.scope.params, dtensors, gathered.tensors, gathered.layouts)
-        for index, (entry, sharded, full, layout) in enumerate(entries):  # every summon: kept lean
-            if not holds_fulls:
-                swapped.append(SwappedParam(entry, sharded, None, layout))
-                continue
-            assert full is not None  # ranks that hold full tensors hold every one
-            value: torch.Tensor = full
-            if not entry.is_buffer:
-                # nn.Parameter(full, requires_grad), without its Python __new__ for the plain
-                # tensors the gather makes: the very call that __new__ makes for them.
-                value = (torch.Tensor._make_subclass(nn.Parameter, full, sharded.requires_grad)
-                         if type(full) is torch.Tensor else nn.Parameter(full, requires_grad=sharded.requires_grad))
-                if index in grads:
-                    value.grad = grads[index]
-            swapped.append(SwappedParam(entry, sharded, value, layout,
-                                        None if value.is_inference() else value._version,  # its values are in
-                                        shard_versions(sharded) if writeback else (0, 0, 0),
-                                        sharded._local_tensor.clone() if writeback else None))
-            for module, name in entry.slots:
-                tensors = module._buffers if entry.is_buffer else module._parameters
-                originals.append((entry, module, name, tensors[name]))
-                tensors[name] = value
+        summoned = self.summoned
+        summoned += map(SummonedParam, self.scope.params, dtensors, gathered.layouts)  # every summon: kept lean
+        if holds_fulls:
+            to_full(summoned, gathered.tensors, grads, self.writeback)
         registry.register(self)
+
+    def _summon_groups(self, holds_fulls: bool) -> None:
+        """Every FSDP2 group in scope summoned (marks, hooks, ``_apply``), and, under ``rank0_only``, every
+        forward refused: ranks would disagree on which units need an all-gather."""
+        scope, rank0_only = self.scope, self.rank0_only
+        by_group: dict[fsdp2.FSDPParamGroup, list[SummonedParam]] = {}
+        if len(scope.groups) == 1 and scope.fsdp2_only:  # one unit: every parameter is its group's
+            by_group = dict.fromkeys(scope.groups, self.summoned)
+        else:
+            for param in self.summoned:
+                group = param.scoped.group
+                if group is not None:
+                    by_group.setdefault(group, []).append(param)
+
+        def roots() -> list[nn.Module]:  # worked out only where a forward is refused
+            return fsdp2.root_modules(states_of(scope))
+
+        for group, fully_summoned in scope.groups.items():
+            summoned_group = SummonedGroup(group, fully_summoned)
+            self.groups.append(summoned_group)
+            summoned_group.summon(by_group.get(group, []), holds_fulls, not rank0_only, self.journal, roots)
+        if rank0_only:
+            root = scope.root
+            guarded = [root, *roots()]
+            for summoned_group in self.groups:
+                guarded += summoned_group.units
+            if not scope.fsdp2_only:  # tensor-parallel modules run collectives of their own in forward
+                guarded += [m for m in scope.modules if _holds_unmanaged_dtensor(m, scope)]
+            self._refusal = refuse_forwards(guarded, lambda: (
+                f"forward inside summon_full_params({module_label(root)}, rank0_only=True) "
+                "is not supported: only rank 0 (of each FSDP shard group) holds full parameters"
+            ))
 
     def _agreed_grads(self, module: nn.Module, dtensors: list[DTensor]) -> list[tuple[int, DTensor]]:
         """The gradients to gather under ``with_grads``, as every rank agrees: one small all-reduce a mesh.
@@ -307,22 +312,19 @@ class DTensorSummon:
         agreed = agree_on_grads(dtensors, by_mesh)  # a collective, before any gather
         chosen: list[tuple[int, DTensor]] = []
         foreign: list[tuple[Callable[[], str], DTensor]] = []
+        call = f"summon_full_params({module_label(module)}, with_grads=True)"
         for index, (missing, present, other_layout, one_layout) in agreed.items():
             if not present:
                 continue
             sharded = dtensors[index]
             grad = sharded.grad
-            name = (lambda i=index: f"{slot_fqn(module, self.scope.params[i].slots[0])}.grad")
+            def name(i: int = index) -> str:
+                return f"{slot_fqn(module, self.scope.params[i].slots[0])}.grad"
             if other_layout:  # refused alike: every rank knows what every other holds
                 if missing or not one_layout:
-                    raise RuntimeError(
-                        f"summon_full_params({module_label(module)}, with_grads=True) refused: {name()!r} is laid "
-                        "out otherwise than its parameter on some ranks and missing or laid out differently on "
-                        "others, so the ranks cannot gather it alike. Nothing was gathered.")
+                    raise refuse_grad_layouts(call, name())
                 if not isinstance(grad, DTensor):
-                    raise RuntimeError(
-                        f"summon_full_params({module_label(module)}, with_grads=True) refused: {name()!r} is a "
-                        f"plain {type(grad).__name__}, not a DTensor like its parameter. Nothing was gathered.")
+                    raise refuse_grad_layouts(call, name(), type(grad))
                 foreign.append((name, grad))
             if grad is None:
                 grad = torch.zeros_like(sharded)  # FSDP1's zeros, in the parameter's layout: no communication
@@ -335,44 +337,6 @@ class DTensorSummon:
             self._claimed = [*self._claimed, *groups]
         return chosen
 
-    def _mark_groups(self) -> None:
-        for group, fully_summoned in self.scope.groups.items():
-            if fully_summoned:
-                self._marks.append(fsdp2.mark_summoned(group, self._suspended))
-        fsdp_params = [item.entry.fsdp_param for item in self.swapped if item.entry.fsdp_param is not None]
-        fsdp2.suspend_load_post_hooks(fsdp_params, self._suspended)
-
-    def _convert_inside(self) -> None:
-        """Point ``_apply`` of fully summoned units at the full parameters.
-
-        [Note: conversions inside]
-        ``model.to(...)``, ``.cpu()``, ``.float()`` and friends end in ``_apply``.
-        FSDP2's ``_apply`` reshards first, which would put the shards back into the
-        slots mid-context (verl's LoRA collection calls ``model.to("cpu")`` there).
-        For the context's duration each fully summoned unit gets an instance-level
-        ``_apply`` that converts the full parameters in place instead and records the
-        call; on exit the same call is replayed through FSDP2's own ``_apply`` on the
-        restored shards, before writeback. So inside, the slots keep full tensors
-        (``state_dict()`` stays full), and after exit the module is as the same call
-        outside would have left it, plus the writeback rule. A rank that holds no
-        full tensors (``rank0_only``) records the call too and converts nothing until
-        exit: every rank's shards change at the same point, so a stream or a nested
-        summon inside gathers the same dtypes everywhere.
-        """
-        holds_fulls = self._holds_fulls
-        for group, fully_summoned in self.scope.groups.items():
-            if not fully_summoned:
-                continue
-            for unit in fsdp2.group_modules(group):
-                def apply_to_full(*args: Any, _unit: nn.Module = unit, **kwargs: Any) -> nn.Module:
-                    self._conversions.append((_unit, args, kwargs))
-                    if not holds_fulls:
-                        return _unit  # deferred to exit, where the holders' shards change too
-                    return nn.Module._apply(_unit, *args, **kwargs)  # not FSDP2's: it would reshard
-
-                if fsdp2.redirect_apply(unit, apply_to_full):  # else an enclosing context converts it
-                    self._converting.append(unit)
-
     # -- exit --------------------------------------------------------------
     def restore(self) -> None:
         """Undo the entry: hooks off, inspect, release, then replay and writeback if the body ran.
@@ -383,9 +347,9 @@ class DTensorSummon:
         shards. Whatever raises on the way (the inspection of a slot that
         cannot be read, a replayed conversion, a refused or failing
         writeback, a ``KeyboardInterrupt``), ``_release`` runs first and in
-        full: every slot holds its original object, FSDP2's marks and
-        suspended hooks are undone, the forward hooks are off, and the
-        registry forgets the context and its group claims. Only then does
+        full: every slot holds its original object, every group is released
+        (FSDP2's marks and suspended hooks undone, the forward hooks off), and
+        the registry forgets the context and its group claims. Only then does
         the error propagate (Python chains the body's own error, if any, as
         its ``__context__``). A failed inspection writes nothing back: what
         changed is unknown, so the writeback's all or nothing is nothing.
@@ -405,91 +369,86 @@ class DTensorSummon:
             finally:
                 self._release()
             if inspected:
-                self._carry_requires_grad()
+                carry_requires_grad(self.summoned)
                 self._replay_conversions()
                 if self.writeback and self._body_ran:
-                    write_back(self.swapped, self._name, self.with_grads)
+                    write_back(self.summoned, self._name, self.with_grads)
                     fsdp2.order_after_writeback(states_of(self.scope))
         finally:
-            self.swapped.clear()
+            self.summoned.clear()
             if torch.is_grad_enabled() is not grad_enabled:
                 torch._C._set_grad_enabled(grad_enabled)
 
-    def _name(self, item: SwappedParam) -> str:
-        return slot_fqn(self.scope.root, item.entry.slots[0])
+    def _name(self, param: SummonedParam) -> str:
+        return slot_fqn(self.scope.root, param.slots[0])
 
     def _inspect(self) -> None:
         """Record what the slots hold and, under writeback, what changed: before the release and before
-        any conversion is replayed on the shards. See [Note: exit checks] in ``_exit``."""
-        inspect_slots(self.swapped)
+        any conversion is replayed on the shards. See [Note: exit checks] in ``_param``."""
+        inspect_slots(self.summoned)
         if self.writeback:
-            converted = {id(unit) for unit, _, _ in self._conversions}
-            for item in self.swapped:
-                judge_changes(item, self._exit_dtype(item, converted))
+            groups = {id(group.group): group for group in self.groups}
+            for param in self.summoned:
+                param.judge(self._exit_dtype(param, groups))
 
-    def _exit_dtype(self, item: SwappedParam, converted: set[int]) -> torch.dtype | None:
-        """The dtype ``item``'s shard will have once the conversions made inside are replayed: its full
+    def _exit_dtype(self, param: SummonedParam, groups: dict[int, SummonedGroup]) -> torch.dtype | None:
+        """The dtype ``param``'s shard will have once the conversions made inside are replayed: its full
         tensor's, where a conversion went through its unit (see [Note: conversions inside]); else None."""
-        full, group = item.full, item.entry.group
-        if not converted or full is None or group is None or full.dtype == item.sharded.dtype:
+        full, group = param.full, param.scoped.group
+        if not self.journal or full is None or group is None or full.dtype == param.sharded.dtype:
             return None
-        if any(id(unit) in converted for unit in fsdp2.group_modules(group)):
-            return full.dtype
-        return None
+        summoned_group = groups.get(id(group))
+        return full.dtype if summoned_group is not None and summoned_group.converted(self.journal) else None
 
     def _release(self) -> None:
-        """Every slot gets back the exact object it held; marks, suspended hooks, ``_apply`` overrides,
-        forward hooks, registry entry and group claims undone. Each step runs even if another raised;
-        the first error is raised after all of them. See [Note: exit always restores]."""
-        for entry, module, name, original in reversed(self._originals):
-            (module._buffers if entry.is_buffer else module._parameters)[name] = original
-        self._originals.clear()
-        converting, self._converting = self._converting, []
-        for unit in converting:
-            fsdp2.restore_apply(unit)
-        marks, self._marks = self._marks, []
+        """Every slot gets back the exact object it held; every group released; the forward refusal,
+        registry entry and group claims undone. Each step runs even if another raised; the first error
+        is raised after all of them. See [Note: exit always restores]."""
+        to_sharded(self.summoned)
+        groups, self.groups = self.groups, []
         claimed, self._claimed = self._claimed, None
         first: BaseException | None = None
-        for step in (*(mark.unmark for mark in reversed(marks)), self._suspended.resume, self._remove_hooks):
+        steps = [group.release for group in groups]
+        steps.reverse()
+        steps.append(self._remove_hooks)
+        for step in steps:
             try:
                 step()
-            except BaseException as error:  # noqa: BLE001  (the rest still run; the first is raised)
+            except BaseException as error:  # noqa: BLE001  # the rest still run; the first is raised
                 first = first or error
         registry.forget(self, claimed)  # dict and counter updates: nothing in it raises
         if first is not None:
             raise first
 
-    def _carry_requires_grad(self) -> None:
-        """``requires_grad`` set inside carries over to the sharded parameter, as FSDP1
-        (``use_orig_params=True``) keeps it on its one object."""
-        for item in self.swapped:
-            current = item.current
-            if item.entry.is_buffer or not isinstance(current, torch.Tensor):
-                continue
-            if current.requires_grad != item.sharded.requires_grad:
-                item.sharded.requires_grad_(current.requires_grad)
+    def _remove_hooks(self) -> None:
+        """The forward hooks off, the groups' and the context's own (one at a time: if a removal is
+        interrupted, the release removes the rest)."""
+        for group in self.groups:
+            group.remove_hooks()
+        refusal, self._refusal = self._refusal, None
+        if refusal is not None:
+            refusal.remove()
 
     def _replay_conversions(self) -> None:
         """Apply the conversions made inside to the restored (sharded) parameters, through FSDP2."""
-        conversions, self._conversions = self._conversions, []
-        for unit, args, kwargs in conversions:
+        journal, self.journal = self.journal, []
+        for unit, args, kwargs in journal:
             unit._apply(*args, **kwargs)
-        for item in self.swapped:
-            current = item.current
-            if isinstance(current, torch.Tensor) and current.dtype != item.sharded.dtype:
+        for param in self.summoned:
+            current = param.current
+            if isinstance(current, torch.Tensor) and current.dtype != param.sharded.dtype:
                 _versions.warn(
-                    f"{self._name(item)} was converted to {current.dtype} inside summon_full_params through "
-                    f"a module that is not its FSDP unit; the sharded parameter stays {item.sharded.dtype}. "
+                    f"{self._name(param)} was converted to {current.dtype} inside summon_full_params through "
+                    f"a module that is not its FSDP unit; the sharded parameter stays {param.sharded.dtype}. "
                     "Convert the unit (or the whole model) instead.",
                     stacklevel=5,
-                    mesh=item.sharded.device_mesh,
+                    mesh=param.sharded.device_mesh,
                 )
 
-    def _remove_hooks(self) -> None:
-        hooks = self._hooks
-        while hooks:  # one at a time: if a removal is interrupted, the release removes the rest
-            hooks[-1].remove()
-            hooks.pop()
+
+def _holds_unmanaged_dtensor(module: nn.Module, scope: Scope) -> bool:
+    """Whether ``module`` owns a slot of a scoped DTensor that FSDP2 does not manage (tensor parallel)."""
+    return any(entry.fsdp_param is None and any(m is module for m, _ in entry.slots) for entry in scope.params)
 
 
 def _scope_of_call(
@@ -559,13 +518,13 @@ def _gather_grads(
         receiver=receiver,
         collective_bytes=collective_bytes,
     )
-    return {i: g for (i, _), g in zip(grads, gathered.tensors) if g is not None}
+    return {i: g for (i, _), g in zip(grads, gathered.tensors, strict=True) if g is not None}
 
 
 def sharded_param(param: torch.Tensor) -> nn.Parameter | None:
     """The sharded parameter a live context's full ``param`` stands for, else None."""
-    swapped = cast("SwappedParam | None", registry.record_of(param))
-    return None if swapped is None else swapped.entry.sharded()
+    summoned = cast("SummonedParam | None", registry.record_of(param))
+    return None if summoned is None else summoned.scoped.sharded()
 
 
 def original_params(param: torch.Tensor) -> list[nn.Parameter]:
@@ -575,12 +534,12 @@ def original_params(param: torch.Tensor) -> list[nn.Parameter]:
     a map was built, FSDP2's unsharded parameter too. Empty if ``param`` is
     not a live context's full parameter.
     """
-    swapped = cast("SwappedParam | None", registry.record_of(param))
-    if swapped is None:
+    summoned = cast("SummonedParam | None", registry.record_of(param))
+    if summoned is None:
         return []
-    found = [swapped.entry.sharded()]
-    if swapped.entry.fsdp_param is not None:
-        unsharded = fsdp2.unsharded_param_if_any(swapped.entry.fsdp_param)
+    found = [summoned.scoped.sharded()]
+    if summoned.scoped.fsdp_param is not None:
+        unsharded = fsdp2.unsharded_param_if_any(summoned.scoped.fsdp_param)
         if unsharded is not None:
             found.append(unsharded)
     return found
@@ -592,7 +551,7 @@ def original_params(param: torch.Tensor) -> list[nn.Parameter]:
 # tensors, in which buckets, whether it refuses) is computed from state every
 # rank shares: the call's arguments, the module tree, FSDP2's state and
 # DTensor specs, and the registry's record of enclosing contexts, which every
-# rank keeps alike, holder of full tensors or not (``DTensorSummon._record``).
+# rank keeps alike, holder of full tensors or not (``DTensorSummon._to_full``).
 # Never from what one rank holds: full tensors under ``rank0_only``, the
 # contents of its slots, ``.grad``, a rank-local cache. The decisions, and
 # what each reads:
@@ -605,7 +564,7 @@ def original_params(param: torch.Tensor) -> list[nn.Parameter]:
 #   no collective on any rank: holders see the outer call's full tensors, the
 #   others what they saw in it (FSDP1's answer: its handle is already
 #   summoning on every rank);
-# - *refusals* (``validate_args``, ``refuse_before_anything``,
+# - *refusals* (``_refusals``: ``validate_args``, ``refuse_before_anything``,
 #   ``refuse_writeback_inside_no_writeback``): arguments, FSDP2's training
 #   state, specs, the meta device, group health, the registry. Out-of-step
 #   groups are the one rank-local record, by nature: the rank whose wait
@@ -625,135 +584,3 @@ def original_params(param: torch.Tensor) -> list[nn.Parameter]:
 # Exit and writeback run no collective: they may, and do, judge by what this
 # rank holds. ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` turns any divergence into an
 # error at the first mismatched collective; CI runs the suite once under it.
-
-# -- refusals: every check before any change or collective, alike on every rank --
-
-def validate_args(
-    writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_grads: bool, module: nn.Module | None = None
-) -> None:
-    """Reject what FSDP1's ``_validate_unshard_params_args`` rejects, with the same types, and warn as it warns."""
-    if with_grads and offload_to_cpu:
-        raise NotImplementedError(
-            f"with_grads={with_grads}, offload_to_cpu={offload_to_cpu} is not supported yet"
-        )
-    if writeback and rank0_only:
-        raise NotImplementedError("writeback=True and rank0_only=True is not supported yet")
-    if offload_to_cpu and not rank0_only:
-        # FSDP1's warning, in its words and, as FSDP1 does, on every rank
-        warnings.warn(OFFLOAD_WARNING, stacklevel=4)  # validate_args <- summon <- the patch's wrapper <- caller
-
-
-#: FSDP1's ``offload_to_cpu`` warning, word for word (``_unshard_param_utils._validate_unshard_params_args``,
-#: "the" and "unsharded" joined as there): code that filters FSDP1's warning filters ours.
-OFFLOAD_WARNING = (
-    "offload_to_cpu=True and rank0_only=False may result in the"
-    "unsharded parameters being redundantly copied to CPU memory for "
-    "GPUs sharing the same CPU memory, which risks CPU OOM. We "
-    "recommend using offload_to_cpu=True with rank0_only=True."
-)
-
-
-#: Said when a summon happens during forward or backward; FSDP1's own sentence comes first.
-FORWARD_BACKWARD_ERROR = "Cannot manually unshard parameters during forward/backward"
-
-
-def refuse_before_anything(
-    module: nn.Module, scope: Scope, writeback: bool, thread: int, cached: CachedSummon | None = None,
-) -> tuple[list[dist.ProcessGroup], list[DTensor]]:
-    """Every misuse this call can detect, before any collective or change, alike on every rank.
-
-    Returns the process groups the call gathers over (every dim of every
-    mesh in scope), checked alive: the engine does not check again; and each scoped
-    parameter's DTensor, as resolved now (``_prepare`` reuses them unless
-    FSDP2 adopts other ones). With a ``cached`` summon, the checks that
-    depend on a parameter's spec alone (placements, meshes) are skipped for
-    the specs it passed before (see [Note: summon cache] in ``_scope``); the
-    rest runs on every call, the gradients' checks too (a backward makes new
-    gradients).
-    """
-    refuse_busy(lambda: f"summon_full_params({module_label(module)})", scope.states, list(scope.groups))
-    if registry.has_live_slots():  # a context open in any thread: are any of ours in another one's?
-        for entry in scope.params:
-            for slot in entry.slots:
-                owner = registry.owner_of(slot_key(*slot))
-                if owner is not None and owner.thread != thread:
-                    raise RuntimeError(
-                        f"summon_full_params({module_label(module)}) refused: {slot_fqn(module, slot)!r} is "
-                        "summoned by a context in another thread. Use one thread per rank for collectives."
-                    )
-    shardeds: list[DTensor] = [entry.sharded() for entry in scope.params]  # type: ignore[misc]
-    untracked = first_untracked_slot(scope.params, shardeds)
-    if untracked is not None:
-        raise untracked_parameter(slot_fqn(module, untracked))
-    specs = []
-    for entry, sharded in zip(scope.params, shardeds):
-        if sharded._local_tensor.is_meta:  # FSDP2's lazy init would fail half way and leave its state broken
-            raise RuntimeError(
-                f"summon_full_params({module_label(module)}) refused: {slot_fqn(module, entry.slots[0])!r} is "
-                "still on the meta device. Materialise the model first (model.to_empty(device=...), then "
-                "initialise its parameters); nothing was changed."
-            )
-        specs.append(sharded._spec)
-    groups = None if cached is None else cached.checked_groups(specs, writeback)
-    if groups is not None:
-        require_live_groups(groups, lambda: f"the scope of summon_full_params({module_label(module)})")
-    else:
-        named = ((lambda e=entry: slot_fqn(module, e.slots[0]), sharded)
-                 for entry, sharded in zip(scope.params, shardeds))
-        groups = refuse_placements(named, writeback)
-        if cached is not None:
-            cached.passed(specs, writeback, groups)
-    # Gradients are rank-local: what they need is agreed by every rank after entry (``_agreed_grads``).
-    return groups, shardeds
-
-
-def refuse_busy(call: Callable[[], str], states: list[FSDPState], groups: list[FSDPParamGroup]) -> None:
-    """A forward or backward in progress: FSDP1's ``AssertionError``, its sentence first. ``call()`` names the call."""
-    busy = fsdp2.busy_training_state(states, groups)
-    if busy is not None:
-        raise AssertionError(f"{FORWARD_BACKWARD_ERROR}: {call()} during FSDP2 forward/backward (training state {busy})")
-
-
-def refuse_placements(
-    named: Iterable[tuple[Callable[[], str], DTensor]], writeback: bool
-) -> list[dist.ProcessGroup]:
-    """Every placement this torch cannot gather (or, under ``writeback``, write back), and every dead or
-    out-of-step group, refused before anything moves; the process groups the DTensors gather over.
-
-    ``named``: each DTensor with a function that names it (worked out only to raise). The summon
-    and the stream both ask here, so they refuse the same things in the same words.
-    """
-    meshes: dict[int, tuple[Callable[[], str], DTensor]] = {}  # one DTensor a mesh
-    for name, dtensor in named:
-        placements = dtensor.placements
-        reason = ungatherable_reason(placements)
-        if reason is None and writeback:
-            reason = writeback_refusal(placements)
-        if reason is not None:
-            raise NotImplementedError(f"cannot summon {name()!r}: {reason}")
-        meshes.setdefault(id(dtensor.device_mesh), (name, dtensor))
-    groups: list[dist.ProcessGroup] = []
-    for name, dtensor in meshes.values():
-        groups += live_mesh_dim_groups(dtensor.device_mesh, lambda: repr(name()))  # noqa: B023
-    return list({id(g): g for g in groups}.values())
-
-
-def refuse_writeback_inside_no_writeback(module: nn.Module, enclosing: Iterable[registry.LiveContext]) -> None:
-    """A nested ``writeback=True`` call whose parameters an enclosing ``writeback=False`` context holds."""
-    if any(not live.writeback for live in enclosing):
-        raise RuntimeError(
-            f"summon_full_params({module_label(module)}, writeback=True) inside an enclosing "
-            "writeback=False context that already holds some of its parameters: their edits would "
-            "be discarded by the outer context. Use writeback=True outside, or summon after it."
-        )
-
-
-def group_in_use(call: str) -> RuntimeError:
-    """The refusal when ``_registry.enter`` finds a process group in use by another thread's context or stream."""
-    return RuntimeError(
-        f"{call} refused: another thread has a summon_full_params context or an iter_full_params stream "
-        "open on the same process group, and two threads issuing collectives on "
-        "one group corrupt each other. Use one thread per rank for collectives."
-    )
-
-

@@ -126,3 +126,29 @@ def assert_unchanged(model: nn.Module, before: dict[str, object], *, values: boo
     assert [(g, s, m, t) for g, s, m, t in before["groups"]] == [
         (g, s, m, t) for g, s, m, t in after["groups"]
     ], "FSDP2 group state changed"
+
+
+_COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "all_gather", "all_reduce", "broadcast",
+                "reduce_scatter_tensor", "all_to_all_single", "barrier")
+
+
+@contextlib.contextmanager
+def counting_collectives() -> Iterator[dict[str, int]]:
+    """Count the collectives issued through ``torch.distributed`` (the shim looks them up there at each
+    call): each function still runs, on the real process group; the counts are by name."""
+    counts: dict[str, int] = {}
+    originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
+
+    def counted(name, function):
+        def call(*args, **kwargs):
+            counts[name] = counts.get(name, 0) + 1
+            return function(*args, **kwargs)
+        return call
+
+    for name, function in originals.items():
+        setattr(dist, name, counted(name, function))
+    try:
+        yield counts
+    finally:
+        for name, function in originals.items():
+            setattr(dist, name, function)

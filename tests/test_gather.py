@@ -10,7 +10,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from _helpers import mesh1d
 from fsdp_shim._compat import STRIDED_SHARD_FULL_TENSOR_BROKEN
-from fsdp_shim._exit import write_back_locals
+from fsdp_shim._param import write_back_locals
 from fsdp_shim._gather.engine import gather_full_tensors, start_gather
 from fsdp_shim._gather.layout import (
     BUCKET_ENV,
@@ -20,7 +20,7 @@ from fsdp_shim._gather.layout import (
     split_into_buckets,
 )
 from fsdp_shim._gather.staging import AllGatherFlight, InPlace
-from fsdp_shim._summon import refuse_placements
+from fsdp_shim._refusals import refuse_placements
 
 DEFAULT = bucket_cap().bucket_bytes
 

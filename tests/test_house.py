@@ -1,15 +1,15 @@
 """The package's house rules, checked on its source and on one summon: docstrings, import direction, rooms.
 
 No module docstring over 40 lines: notes live next to the code they explain,
-figures in ``docs/``. (0.8.1's 450-line cap per module is gone: it split the
-house by size, not by object, and FSDP2's own files run to 1,100 lines.) The runtime import graph among
+figures in ``docs/``. The runtime import graph among
 the package's modules (every import, inside functions too, outside ``TYPE_CHECKING``)
 has no cycle, and ``_registry`` imports nothing of the package: it is data
 the summon fills in, never a caller back into it. Runtime modules never
 import ``tools/`` (anywhere, deferred imports too), and the summon's rooms
 never import ``instrumentations/``: ``_patching`` installs them, deferred.
-One summon, entered and left on one of two ranks, runs code in the twelve rooms of
-``docs/contributing.md`` and no others (0.9.0's 34 modules: fifteen).
+One summon, entered and left on one of two ranks, runs code in the thirteen rooms of
+``docs/contributing.md`` and no others. Imports run down the layers (``LAYERS``), never up or
+across, and ``_param.SummonedParam._place`` is the only code that writes a module's slot.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def rank_one_summon_runs_in():
     from torch.distributed.fsdp import fully_shard
 
     import fsdp_shim
-    from _helpers import patched
+    from _helpers import counting_collectives, patched
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
@@ -140,18 +140,19 @@ def rank_one_summon_runs_in():
         sys.setprofile(lambda frame, event, arg: ran.add(os.path.relpath(frame.f_code.co_filename, package))
                        if frame.f_code.co_filename.startswith(package) else None)
         try:
-            summon()
+            with counting_collectives() as counts:
+                summon()
         finally:
             sys.setprofile(None)
-    return sorted(ran)
+    return sorted(ran), counts.get("all_gather_single", 0) + counts.get("all_gather_into_tensor", 0)
 
 
 def test_one_summon_runs_in_the_rooms_the_layout_names(dist_run):
     rooms = [
-        "_compat.py", "_exit.py", "_forward_hooks.py", "_fsdp2.py", "_gather/engine.py", "_gather/layout.py",
-        "_gather/staging.py", "_patching.py", "_registry.py", "_scope.py", "_summon.py", "_units.py",
+        "_compat.py", "_fsdp2.py", "_gather/engine.py", "_gather/layout.py", "_gather/staging.py", "_group.py",
+        "_param.py", "_patching.py", "_refusals.py", "_registry.py", "_scope.py", "_summon.py", "_units.py",
     ]
-    assert dist_run(2, rank_one_summon_runs_in) == [rooms, rooms]
+    assert dist_run(2, rank_one_summon_runs_in) == [(rooms, 1), (rooms, 1)]  # one all-gather: the unit
 
 
 #: FSDP2's private fields and methods the probe lists (``_fsdp2._METHODS``, ``_FIELDS``): no runtime
@@ -187,3 +188,62 @@ def test_the_probe_lists_what_is_wrapped_and_redirected():
     for name in ("FSDPModule._apply", "FSDPState.__init__", "_fsdp_state._cast_fp_tensor",
                  "_fsdp_state.tree_map or _apply_to_tensors", "FSDPParamGroup.fsdp_params", "FSDPState._state_ctx"):
         assert name in _fsdp2.READS, name
+
+
+#: The package's layers, bottom up: a module imports (anywhere, deferred imports too) only modules of
+#: layers below its own, never one beside it or above. The summon and the stream stand side by side on
+#: the refusals, the parameters and the groups they share.
+LAYERS: list[set[str]] = [
+    {"fsdp_shim._versions", "fsdp_shim._registry"},
+    {"fsdp_shim._compat", "fsdp_shim._units"},
+    {"fsdp_shim._fsdp2"},
+    {"fsdp_shim._gather", "fsdp_shim._gather.layout"},
+    {"fsdp_shim._gather.staging"},
+    {"fsdp_shim._gather.engine"},
+    {"fsdp_shim._param"},
+    {"fsdp_shim._scope"},
+    {"fsdp_shim._group", "fsdp_shim._refusals"},
+    {"fsdp_shim._summon", "fsdp_shim._stream"},
+    {"fsdp_shim.instrumentations.base"},
+    {"fsdp_shim.instrumentations.composer", "fsdp_shim.instrumentations.compose_rl",
+     "fsdp_shim.instrumentations.forward_io"},
+    {"fsdp_shim.instrumentations"},
+    {"fsdp_shim._patching"},
+    {"fsdp_shim"},
+    {"fsdp_shim.run", "fsdp_shim.tools", "fsdp_shim.tools.models", "fsdp_shim.tools.launch"},
+    {"fsdp_shim.tools.check", "fsdp_shim.tools.bench"},
+    {"fsdp_shim.tools.cli"},
+    {"fsdp_shim.__main__"},
+]
+
+
+def test_imports_run_down_the_layers():
+    layer_of = {name: depth for depth, names in enumerate(LAYERS) for name in names}
+    assert sorted(NAMES - set(layer_of)) == []  # every module has its layer
+    upward = sorted(f"{_module_name(path)} -> {target}" for path in MODULES for target in _runtime_imports(path)
+                    if target in layer_of and layer_of[target] >= layer_of[_module_name(path)])
+    assert upward == []
+
+
+def test_only_a_summoned_parameter_writes_a_module_slot():
+    """A store into, or a removal from, a module's ``_parameters`` or ``_buffers``: in
+    ``_param.SummonedParam._place`` only (FSDP2's own writes are FSDP2's)."""
+    writers = []
+    for path in MODULES:
+        tree = ast.parse(path.read_text())
+        for func in ast.walk(tree):
+            if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(func):
+                targets = []
+                if isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+                    targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+                elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in (
+                        "pop", "__setitem__", "update", "setdefault", "clear"):
+                    targets = [ast.Subscript(value=node.func.value, slice=ast.Constant(0))]
+                for target in targets:
+                    text = ast.unparse(target.value if isinstance(target, ast.Subscript) else target)
+                    if isinstance(target, ast.Subscript) and ("_parameters" in text or "_buffers" in text
+                                                              or text == "tensors"):
+                        writers.append(f"{path.relative_to(PACKAGE)}:{func.name}")
+    assert sorted(set(writers)) == ["_param.py:_place"]

@@ -75,9 +75,15 @@ def test_unpatch_beneath_a_third_party_wrapper_keeps_theirs():
 
 
 def test_instance_access_still_works_like_a_staticmethod():
-    assert FSDP.__dict__["summon_full_params"] is inspect.getattr_static(FSDP, "summon_full_params")
-    with FSDP.summon_full_params(nn.Linear(2, 2), recurse=False):
+    """Reached through an FSDP1 instance, the patched staticmethod binds no ``self``: the module argument
+    is the one the caller passed (as a bound method, the instance would be routed and the module
+    taken as ``recurse``)."""
+    instance = FSDP.__new__(FSDP)  # attribute access only: no process group needed
+    bound = instance.summon_full_params
+    with bound(nn.Linear(2, 2), recurse=False):
         pass
+    with pytest.raises(TypeError, match="expects an nn.Module, got object"):
+        bound(object())
 
 
 def test_routing_rejects_non_modules_and_gives_plain_modules_a_null_context():

@@ -308,18 +308,26 @@ def test_stream_stopped_early_leaves_collectives_aligned(dist_run):
 
 
 def rank_stream_refuses_bad_input():
-    with pytest.raises(TypeError, match="nn.Module"):
-        fsdp_shim.iter_full_params(object())
+    from _helpers import counting_collectives
+
     model = shard_lm(build_lm())
-    with pytest.raises(TypeError, match="floating"):
-        fsdp_shim.iter_full_params(model, dtype=torch.int32)
-    with pytest.raises(ValueError, match="bucket size must be positive"):
-        fsdp_shim.iter_full_params(model, bucket_mb=0)
-    with pytest.raises(TypeError, match="keep_dtype"):
-        fsdp_shim.iter_full_params(model, dtype=torch.bfloat16, keep_dtype=[torch.float32])
     fsdp1 = FSDP(build_lm(), device_id=torch.device("cpu"))
-    with pytest.raises(TypeError, match="FSDP1"):
-        fsdp_shim.iter_full_params(fsdp1)
+    with counting_collectives() as counts:
+        with pytest.raises(TypeError, match="nn.Module"):
+            fsdp_shim.iter_full_params(object())
+        with pytest.raises(TypeError, match="floating"):
+            fsdp_shim.iter_full_params(model, dtype=torch.int32)
+        with pytest.raises(ValueError, match="bucket size must be positive"):
+            fsdp_shim.iter_full_params(model, bucket_mb=0)
+        with pytest.raises(TypeError, match="keep_dtype"):
+            fsdp_shim.iter_full_params(model, dtype=torch.bfloat16, keep_dtype=[torch.float32])
+        with pytest.raises(TypeError, match="FSDP1"):
+            fsdp_shim.iter_full_params(fsdp1)
+        refused = dict(counts)
+        for _ in fsdp_shim.iter_full_params(model):  # the counter sees the stream's own all-gathers
+            pass
+    assert refused == {}
+    assert counts.get("all_gather_single", 0) + counts.get("all_gather_into_tensor", 0) > 0
 
 
 def test_stream_refuses_bad_input_before_any_collective(dist_run):

@@ -33,8 +33,8 @@ on every backend: the one collective NCCL users take, and the one gloo
 runs in the tests (``docs/gather-engine.md`` says why gloo's point-to-point
 transport was deleted).
 
-[Note: a group of one] is at ``_start_alone``, [Note: offloaded memory] at ``_finish_bucket``, [Note: cast before gather] at
-``start_gather``, [Note: every posted work is waited for] at ``_wait_all``.
+[Note: a group of one] is at ``_start_alone``, [Note: offloaded memory] at ``_finish_bucket``,
+[Note: cast before gather] at ``start_gather``, [Note: every posted work is waited for] at ``_wait_all``.
 Measurements behind each, and the history of removed mechanisms:
 ``docs/gather-engine.md``.
 """
@@ -122,10 +122,13 @@ def _stage_bucket(bucket: list[BucketEntry], shape: BucketShape, receiver: Recei
     gather_input = copy_in(bucket, split_sizes, dtype, comm_device, output[rank * per_rank:(rank + 1) * per_rank],
                            shape.unpadded)
     launch = functools.partial(all_gather_single, output, gather_input, group=group, async_op=True)
-    return AllGatherFlight(bucket, split_sizes, output=output, launch=launch, gather_input=gather_input)
+    return AllGatherFlight(bucket, split_sizes, output=output, blocks=shape.blocks, launch=launch,
+                           gather_input=gather_input)
 
 
-def _start_alone(bucket: list[BucketEntry], split_sizes: list[int], dtype: torch.dtype, device: torch.device) -> InFlight:
+def _start_alone(
+    bucket: list[BucketEntry], split_sizes: list[int], dtype: torch.dtype, device: torch.device
+) -> InFlight:
     """A shard group of one rank: each full tensor is its shard, copied once.
 
     [Note: a group of one]
@@ -188,7 +191,7 @@ def _wait_all(flights: Sequence[InFlight]) -> BaseException | None:
             if flight.work is not None:  # interrupted: wait for it once more, uninterrupted this time
                 try:
                     _wait_once(flight)
-                except BaseException:  # noqa: BLE001
+                except BaseException:  # noqa: BLE001  (the first error is the one returned)
                     pass
     return first
 
@@ -239,21 +242,21 @@ def _copy_out(output: torch.Tensor, flight: AllGatherFlight) -> list[torch.Tenso
     tensor is the buffer itself, or its first rows where it is padded.
     """
     world_size = flight.bucket[0].layout.world_size
-    blocks = max(b.layout.blocks_with_rows for b in flight.bucket)
+    blocks = flight.blocks
     if blocks == world_size:
         padded = [output.new_empty(b.layout.padded_shape) for b in flight.bucket]  # output's dtype and device
     else:
         padded = [output.new_empty((blocks * b.layout.chunk_rows, *b.layout.shape[1:])) for b in flight.bucket]
     sizes = flight.split_sizes  # explicit view sizes, never -1: a tensor may have no elements
-    out = [buf.view(blocks, n) for buf, n in zip(padded, sizes)]
+    out = [buf.view(blocks, n) for buf, n in zip(padded, sizes, strict=True)]
     blocked = output.view(world_size, sum(sizes))
     torch.split_with_sizes_copy(blocked if blocks == world_size else blocked[:blocks], sizes, dim=1, out=out)
-    return [_unpadded(buf, b.layout) for buf, b in zip(padded, flight.bucket)]
+    return [_unpadded(buf, b.layout) for buf, b in zip(padded, flight.bucket, strict=True)]
 
 
 def _views(padded_fulls: list[torch.Tensor], flight: InFlight) -> list[torch.Tensor]:
     """Each full tensor: the first rows of its padded buffer, in its shape."""
-    return [buf[: b.dtensor.numel()].view(b.dtensor.shape) for buf, b in zip(padded_fulls, flight.bucket)]
+    return [buf[: b.dtensor.numel()].view(b.dtensor.shape) for buf, b in zip(padded_fulls, flight.bucket, strict=True)]
 
 
 def _in_place_results(flight: InPlace) -> list[torch.Tensor]:
@@ -320,7 +323,7 @@ class BucketGather:
         self._dtensors = list(dtensors)
         self._cast_to = cast_to
         self._receiver = receiver
-        self._unstaged = collections.deque(zip(buckets, self.plan.shapes))
+        self._unstaged = collections.deque(zip(buckets, self.plan.shapes, strict=True))
         self._ahead = len(buckets) if ahead is None else ahead
         self._flights: collections.deque[InFlight] = collections.deque()
         try:
@@ -385,7 +388,8 @@ class BucketGather:
                 self._stage_ahead(launch=True, finishing=1)  # the next bucket moves while this one is copied out
             for b in flight.bucket:
                 layouts[b.position] = b.layout
-            for b, full in zip(flight.bucket, _finish_bucket(flight, holds_fulls, out_device)):
+            # strict=False: _finish_bucket returns nothing where this rank keeps nothing (rank0_only)
+            for b, full in zip(flight.bucket, _finish_bucket(flight, holds_fulls, out_device), strict=False):
                 results[b.position] = full
             flights.popleft()
             del flight
@@ -435,7 +439,7 @@ def gather_full_tensors(
     (``layout.Receivers`` says both).
 
     The caller has refused what cannot be gathered (placements this torch gets
-    wrong, dead or out-of-step groups: ``_summon.refuse_placements``) before
+    wrong, dead or out-of-step groups: ``_refusals.refuse_placements``) before
     calling; the engine does not check again.
     """
     gather = BucketGather(dtensors, bucket_bytes=bucket_bytes, receiver=receiver, ahead=1, plan=plan,

@@ -35,6 +35,7 @@ on 1,024 ranks, ``R`` is 64: a sixteenth of the copy and the memory.)
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import weakref
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -284,7 +285,11 @@ def dim0_layout(dtensor: DTensor) -> Dim0Layout | None:
         return cached[2]
     layout = _work_out_dim0_layout(dtensor)
     key = id(spec)
-    _layouts[key] = (weakref.ref(spec, lambda _, key=key: _layouts.pop(key, None)), local_shape, layout)  # type: ignore[misc]
+
+    def forget(_: object) -> None:  # the spec is gone, and so is its entry
+        _layouts.pop(key, None)
+
+    _layouts[key] = (weakref.ref(spec, forget), local_shape, layout)
     return layout
 
 
@@ -350,6 +355,7 @@ class BucketShape(NamedTuple):
     split_sizes: list[int]  # each tensor's padded shard, in elements
     dtype: torch.dtype  # what travels: the stored dtype, or the cast one
     unpadded: bool  # every shard on this rank fills its padded size: the copy-in is one cat
+    blocks: int  # the rank blocks that hold rows of some tensor: what the copy-out reads
 
 
 class BucketPlan(NamedTuple):
@@ -365,10 +371,18 @@ class BucketPlan(NamedTuple):
     fallback: list[int]
     specs: list[Any]  # held, so that the ids in ``key`` stay theirs
     shapes: list[BucketShape]  # by bucket
+    #: The last ``bind``: the DTensors it held and its buckets, reused while the very same objects come.
+    bound: list[Any]
 
     def bind(self, dtensors: Sequence[DTensor]) -> list[list[BucketEntry]]:
-        """The buckets, holding this call's DTensors."""
-        return [[BucketEntry(p, dtensors[p], layout) for p, layout in bucket] for bucket in self.buckets]
+        """The buckets, holding this call's DTensors (the last call's buckets, if they are the same objects:
+        a weight-sync loop gathers FSDP2's same sharded parameters at every step)."""
+        bound = self.bound
+        if bound and len(bound[0]) == len(dtensors) and all(map(operator.is_, bound[0], dtensors)):
+            return bound[1]
+        buckets = [[BucketEntry(p, dtensors[p], layout) for p, layout in bucket] for bucket in self.buckets]
+        bound[:] = (list(dtensors), buckets)
+        return buckets
 
 
 def bucket_plan_key(
@@ -392,11 +406,11 @@ def bucket_plan(
     buckets, fallback = split_into_buckets(dtensors, bucket_bytes, cast_to, collective_bytes)
     shapes = [
         BucketShape([b.layout.padded_numel for b in bucket], gathered_dtype(bucket[0].dtensor, cast_to),
-                    fills_padding(bucket))
+                    fills_padding(bucket), max(b.layout.blocks_with_rows for b in bucket))
         for bucket in buckets
     ]
     return BucketPlan(key, [[(b.position, b.layout) for b in bucket] for bucket in buckets], fallback,
-                      [d._spec for d in dtensors], shapes)
+                      [d._spec for d in dtensors], shapes, [])
 
 
 def split_into_buckets(

@@ -63,6 +63,7 @@ class AllGatherFlight(InFlight):
     """
 
     output: torch.Tensor | None = None
+    blocks: int = 0  # the rank blocks of ``output`` that hold rows (``BucketShape.blocks``)
     launch: Callable[[], Waitable] | None = None
     gather_input: torch.Tensor | None = None
 
@@ -94,7 +95,7 @@ def copy_in(
         torch.cat(sources, out=block)
         return block
     destinations: list[torch.Tensor] = []
-    for local, padded, piece in zip(sources, split_sizes, torch.split_with_sizes(block, split_sizes)):
+    for local, padded, piece in zip(sources, split_sizes, torch.split_with_sizes(block, split_sizes), strict=True):
         numel = local.numel()
         destinations.append(piece[:numel])
         if padded > numel:  # zeros: padding is never exposed, but stays deterministic

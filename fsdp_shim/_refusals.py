@@ -1,0 +1,189 @@
+"""Every refusal the summon and the stream make, in the words they share: each raises before any
+change or collective, alike on every rank (see [Note: every rank decides alike] in ``_summon``).
+
+FSDP1's misuse gets FSDP1's exception types (``validate_args``,
+``refuse_busy``); what only FSDP2 and DTensor can get wrong (placements,
+dead or out-of-step groups, the meta device, untracked parameters, threads)
+gets a ``RuntimeError`` or ``NotImplementedError`` that names the parameter
+and says what to do. A refusal leaves everything as it was.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from fsdp_shim import _fsdp2 as fsdp2
+from fsdp_shim import _registry as registry
+from fsdp_shim._compat import ungatherable_reason, writeback_refusal
+from fsdp_shim._gather.layout import live_mesh_dim_groups, require_live_groups
+from fsdp_shim._scope import (
+    CachedSummon,
+    Scope,
+    first_untracked_slot,
+    module_label,
+    sharded_params,
+    slot_fqn,
+    slot_key,
+)
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+
+def validate_args(
+    writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_grads: bool, module: nn.Module | None = None
+) -> None:
+    """Reject what FSDP1's ``_validate_unshard_params_args`` rejects, with the same types, and warn as it warns."""
+    if with_grads and offload_to_cpu:
+        raise NotImplementedError(
+            f"with_grads={with_grads}, offload_to_cpu={offload_to_cpu} is not supported yet"
+        )
+    if writeback and rank0_only:
+        raise NotImplementedError("writeback=True and rank0_only=True is not supported yet")
+    if offload_to_cpu and not rank0_only:
+        # FSDP1's warning, in its words and, as FSDP1 does, on every rank
+        warnings.warn(OFFLOAD_WARNING, stacklevel=4)  # validate_args <- summon <- the patch's wrapper <- caller
+
+
+#: FSDP1's ``offload_to_cpu`` warning, word for word (``_unshard_param_utils._validate_unshard_params_args``,
+#: "the" and "unsharded" joined as there): code that filters FSDP1's warning filters ours.
+OFFLOAD_WARNING = (
+    "offload_to_cpu=True and rank0_only=False may result in the"
+    "unsharded parameters being redundantly copied to CPU memory for "
+    "GPUs sharing the same CPU memory, which risks CPU OOM. We "
+    "recommend using offload_to_cpu=True with rank0_only=True."
+)
+
+
+#: Said when a summon happens during forward or backward; FSDP1's own sentence comes first.
+FORWARD_BACKWARD_ERROR = "Cannot manually unshard parameters during forward/backward"
+
+
+def refuse_before_anything(
+    module: nn.Module, scope: Scope, writeback: bool, thread: int, cached: CachedSummon | None = None,
+) -> tuple[list[dist.ProcessGroup], list[DTensor]]:
+    """Every misuse this call can detect, before any collective or change, alike on every rank.
+
+    Returns the process groups the call gathers over (every dim of every
+    mesh in scope), checked alive: the engine does not check again; and each scoped
+    parameter's DTensor, as resolved now (``_prepare`` reuses them unless
+    FSDP2 adopts other ones). With a ``cached`` summon, the checks that
+    depend on a parameter's spec alone (placements, meshes) are skipped for
+    the specs it passed before (see [Note: summon cache] in ``_scope``); the
+    rest runs on every call, the gradients' checks too (a backward makes new
+    gradients).
+    """
+    refuse_busy(lambda: f"summon_full_params({module_label(module)})", scope.states, list(scope.groups))
+    if registry.has_live_slots():  # a context open in any thread: are any of ours in another one's?
+        for entry in scope.params:
+            for slot in entry.slots:
+                owner = registry.owner_of(slot_key(*slot))
+                if owner is not None and owner.thread != thread:
+                    raise RuntimeError(
+                        f"summon_full_params({module_label(module)}) refused: {slot_fqn(module, slot)!r} is "
+                        "summoned by a context in another thread. Use one thread per rank for collectives."
+                    )
+    shardeds = sharded_params(scope)
+    untracked = first_untracked_slot(scope.params, shardeds)
+    if untracked is not None:
+        raise untracked_parameter(slot_fqn(module, untracked))
+    specs = []
+    for entry, sharded in zip(scope.params, shardeds, strict=True):
+        if sharded._local_tensor.is_meta:  # FSDP2's lazy init would fail half way and leave its state broken
+            raise RuntimeError(
+                f"summon_full_params({module_label(module)}) refused: {slot_fqn(module, entry.slots[0])!r} is "
+                "still on the meta device. Materialise the model first (model.to_empty(device=...), then "
+                "initialise its parameters); nothing was changed."
+            )
+        specs.append(sharded._spec)
+    groups = None if cached is None else cached.checked_groups(specs, writeback)
+    if groups is not None:
+        require_live_groups(groups, lambda: f"the scope of summon_full_params({module_label(module)})")
+    else:
+        named = ((lambda e=entry: slot_fqn(module, e.slots[0]), sharded)
+                 for entry, sharded in zip(scope.params, shardeds, strict=True))
+        groups = refuse_placements(named, writeback)
+        if cached is not None:
+            cached.passed(specs, writeback, groups)
+    # Gradients are rank-local: what they need is agreed by every rank after entry (``_agreed_grads``).
+    return groups, shardeds
+
+
+def refuse_busy(call: Callable[[], str], states: list[FSDPState], groups: list[FSDPParamGroup]) -> None:
+    """A forward or backward in progress: FSDP1's ``AssertionError``, its sentence first. ``call()`` names the call."""
+    busy = fsdp2.busy_training_state(states, groups)
+    if busy is not None:
+        raise AssertionError(
+            f"{FORWARD_BACKWARD_ERROR}: {call()} during FSDP2 forward/backward (training state {busy})")
+
+
+def refuse_placements(
+    named: Iterable[tuple[Callable[[], str], DTensor]], writeback: bool
+) -> list[dist.ProcessGroup]:
+    """Every placement this torch cannot gather (or, under ``writeback``, write back), and every dead or
+    out-of-step group, refused before anything moves; the process groups the DTensors gather over.
+
+    ``named``: each DTensor with a function that names it (worked out only to raise). The summon
+    and the stream both ask here, so they refuse the same things in the same words.
+    """
+    meshes: dict[int, tuple[Callable[[], str], DTensor]] = {}  # one DTensor a mesh
+    for name, dtensor in named:
+        placements = dtensor.placements
+        reason = ungatherable_reason(placements)
+        if reason is None and writeback:
+            reason = writeback_refusal(placements)
+        if reason is not None:
+            raise NotImplementedError(f"cannot summon {name()!r}: {reason}")
+        meshes.setdefault(id(dtensor.device_mesh), (name, dtensor))
+    groups: list[dist.ProcessGroup] = []
+    for name, dtensor in meshes.values():
+        groups += live_mesh_dim_groups(dtensor.device_mesh, lambda: repr(name()))  # noqa: B023  # called within this iteration, before name changes
+    return list({id(g): g for g in groups}.values())
+
+
+def refuse_writeback_inside_no_writeback(module: nn.Module, enclosing: Iterable[registry.LiveContext]) -> None:
+    """A nested ``writeback=True`` call whose parameters an enclosing ``writeback=False`` context holds."""
+    if any(not live.writeback for live in enclosing):
+        raise RuntimeError(
+            f"summon_full_params({module_label(module)}, writeback=True) inside an enclosing "
+            "writeback=False context that already holds some of its parameters: their edits would "
+            "be discarded by the outer context. Use writeback=True outside, or summon after it."
+        )
+
+
+def group_in_use(call: str) -> RuntimeError:
+    """The refusal when ``_registry.enter`` finds a process group in use by another thread's context or stream."""
+    return RuntimeError(
+        f"{call} refused: another thread has a summon_full_params context or an iter_full_params stream "
+        "open on the same process group, and two threads issuing collectives on "
+        "one group corrupt each other. Use one thread per rank for collectives."
+    )
+
+
+def refuse_grad_layouts(call: str, name: str, plain: type | None = None) -> RuntimeError:
+    """The ``with_grads`` refusal of a gradient laid out otherwise than its parameter: ``plain``, the type
+    of a plain tensor beside a DTensor parameter; else laid out alike on no two ranks (``_summon._agreed_grads``)."""
+    if plain is not None:
+        return RuntimeError(f"{call} refused: {name!r} is a plain {plain.__name__}, not a DTensor like its "
+                            "parameter. Nothing was gathered.")
+    return RuntimeError(
+        f"{call} refused: {name!r} is laid out otherwise than its parameter on some ranks and missing or laid "
+        "out differently on others, so the ranks cannot gather it alike. Nothing was gathered.")
+
+
+def untracked_parameter(fqn: str) -> RuntimeError:
+    """The refusal for a slot FSDP2 manages that holds a parameter FSDP2 does not track."""
+    return RuntimeError(
+        f"{fqn!r} holds a parameter assigned after fully_shard (or a tie made or undone since): FSDP2 does "
+        "not track it, and its forward, its optimizer and every gather keep using the parameter fully_shard "
+        "registered, so neither summon_full_params nor iter_full_params can serve it. Assign parameters "
+        "and ties before fully_shard, or copy new values into the existing parameter (under torch.no_grad(): "
+        "param.copy_(new), or inside summon_full_params(writeback=True)). Nothing was gathered."
+    )
