@@ -427,8 +427,11 @@ def group_hook_sites(group: FSDPParamGroup) -> list[HookSite]:
     """Every hook a summon suspends while it holds the whole group: the group's state-dict save and
     load pre-hooks (its ``to_sharded``) and every parameter's load post-hook.
 
-    Worked out once a group and kept on it: ``fully_shard`` registers them all, once, and a
-    summon of every unit at every step would otherwise look them up again.
+    Worked out once a group has its state-dict hooks and kept on it: a summon of every unit at
+    every step would otherwise look them up again. Each ``FSDPParam`` registers its load
+    post-hook when it is made; the group registers its pre-hooks at its lazy init, all at once
+    and never again (``_register_state_dict_hooks``), so a group without them yet (a lazy init
+    that has not run) is looked up afresh each time, never kept.
     """
     sites = group.__dict__.get(_SITES_ATTR)
     if sites is None:
@@ -438,8 +441,10 @@ def group_hook_sites(group: FSDPParamGroup) -> list[HookSite]:
             ("_load_state_dict_pre_hooks", getattr(group, "_module_to_pre_load_state_dict_hook_handle", {})),
         ):
             sites += [(getattr(module, attr), handle.id) for module, handle in handles.items()]
+        registered = bool(sites)
         sites += load_post_hook_sites(group.fsdp_params)
-        group.__dict__[_SITES_ATTR] = sites
+        if registered:
+            group.__dict__[_SITES_ATTR] = sites
     return sites
 
 

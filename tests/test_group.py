@@ -60,3 +60,22 @@ def test_refuse_forwards_refuses_only_its_modules_and_comes_off():
     finally:
         handle.remove()
     guarded(torch.ones(2))
+
+
+def rank_hook_sites_are_kept_only_once_fsdp2_registered_them():
+    from torch.distributed.fsdp import fully_shard
+
+    from fsdp_shim import _fsdp2 as fsdp2
+
+    model = fully_shard(nn.Linear(4, 4))
+    (group,) = fsdp2.param_groups(fsdp2.fsdp_state_of(model))
+    before_init = len(fsdp2.group_hook_sites(group))  # load post-hooks only: FSDP2 has not initialised
+    kept_before = "_fsdp_shim_hook_sites" in group.__dict__
+    model(torch.ones(1, 4))  # FSDP2's lazy init registers the group's state-dict hooks
+    after_init = len(fsdp2.group_hook_sites(group))
+    return before_init, kept_before, after_init, "_fsdp_shim_hook_sites" in group.__dict__
+
+
+def test_hook_sites_are_kept_only_once_fsdp2_registered_them(dist_run):
+    # two parameters' load post-hooks; then the module's state-dict save and load pre-hooks too
+    assert dist_run(2, rank_hook_sites_are_kept_only_once_fsdp2_registered_them) == [(2, False, 4, True)] * 2
