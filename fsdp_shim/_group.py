@@ -144,8 +144,8 @@ class SummonedGroup:
     """One FSDP2 parameter group with a parameter in a context's scope.
 
     ``fully_summoned``: every parameter of the group is summoned, by this
-    call or an enclosing one. ``summon`` runs once this call's parameters are
-    in their slots; ``release`` undoes whatever ``summon`` reached, each step
+    call or an enclosing one. ``prepare`` runs before the gather, ``summon``
+    once this call's parameters are in their slots; ``release`` undoes whatever ``summon`` reached, each step
     even if another raised. Conversions made through the group's units are
     appended to the context's ``journal``, one list for the context, so that
     exit replays them in the order they were made, across groups.
@@ -161,6 +161,14 @@ class SummonedGroup:
         self._suspended: fsdp2.Suspended = []
         self._converting: list[nn.Module] = []  # units whose ``_apply`` is ours for the context
         self._hooks: list[RemovableHandle] = []
+
+    def prepare(self) -> bool:
+        """FSDP2's group in a known state before anything is gathered, all local, nothing to undo:
+        parameter resets adopted, and resharded if a forward left it unsharded (see [Note: units left
+        unsharded] in ``_summon``). Whether FSDP2 adopted a parameter (the DTensors to gather changed)."""
+        adopted = fsdp2.adopt_module_params(self.group)
+        fsdp2.reshard_group(self.group)
+        return adopted
 
     def summon(self, params: list[SummonedParam], holds_fulls: bool, forwards: bool, journal: list[Conversion],
                roots: Callable[[], list[nn.Module]]) -> None:

@@ -155,7 +155,8 @@ class DTensorSummon:
         "_live", "_holds_fulls",
     )
 
-    _claimed: list[dist.ProcessGroup] | None  # the groups it claimed: released on exit
+    _claimed: list[dist.ProcessGroup] | None  # the process groups it claimed: released on exit
+    groups: list[SummonedGroup]
 
     def __init__(
         self, module: nn.Module, recurse: bool, writeback: bool, rank0_only: bool, offload_to_cpu: bool,
@@ -187,7 +188,8 @@ class DTensorSummon:
             self._claimed = groups
             started = time.perf_counter()
             # 2. prepare: FSDP2's groups in a known state; the DTensors to gather, resolved once.
-            dtensors = _prepare(scope, shardeds)
+            self.groups = [SummonedGroup(group, fully) for group, fully in scope.groups.items()]
+            dtensors = _prepare(scope, shardeds, self.groups)
             receiver, holds_fulls = receivers_for_summon(self.rank0_only, scope.groups, scope.fsdp2_only)
             self._holds_fulls = holds_fulls
             out_device = torch.device("cpu") if self.offload_to_cpu else None
@@ -237,8 +239,8 @@ class DTensorSummon:
         self.scope = scope
         #: Every parameter in scope, in scope order, on every rank (the registry's record of the context).
         self.summoned: list[SummonedParam] = []
-        #: Every FSDP2 group with a parameter in scope, once ``_summon_groups`` made them.
-        self.groups: list[SummonedGroup] = []
+        #: Every FSDP2 group with a parameter in scope, made before the gather (``SummonedGroup.prepare``).
+        self.groups = []
         #: Conversions (``.to()``, ``.float()``, ...) made inside, in call order. See [Note: conversions inside].
         self.journal: list[Conversion] = []
         self._refusal: RemovableHandle | None = None  # the forward refusal under ``rank0_only``
@@ -276,10 +278,9 @@ class DTensorSummon:
         def roots() -> list[nn.Module]:  # worked out only where a forward is refused
             return fsdp2.root_modules(states_of(scope))
 
-        for group, fully_summoned in scope.groups.items():
-            summoned_group = SummonedGroup(group, fully_summoned)
-            self.groups.append(summoned_group)
-            summoned_group.summon(by_group.get(group, []), holds_fulls, not rank0_only, self.journal, roots)
+        for summoned_group in self.groups:
+            summoned_group.summon(by_group.get(summoned_group.group, []), holds_fulls, not rank0_only, self.journal,
+                                  roots)
         if rank0_only:
             root = scope.root
             guarded = [root, *roots()]
@@ -465,11 +466,11 @@ def _scope_of_call(
     return scope, None
 
 
-def _prepare(scope: Scope, resolved: list[DTensor]) -> list[DTensor]:
+def _prepare(scope: Scope, resolved: list[DTensor], groups: list[SummonedGroup]) -> list[DTensor]:
     """FSDP2's groups in scope in a known state, all local; the DTensors to gather, in scope order.
 
     The root above them lazily initialised (see [Note: lazy init on entry]
-    in ``_fsdp2``),
+    in ``_fsdp2``); then each group prepares itself (``SummonedGroup.prepare``):
     parameter resets adopted, units left unsharded resharded. ``resolved``:
     the DTensors as refusal resolved them, returned as they are unless a lazy
     init or an adoption ran, after which they are resolved again: FSDP2 may
@@ -491,9 +492,8 @@ def _prepare(scope: Scope, resolved: list[DTensor]) -> list[DTensor]:
     exact after ``reshard()`` (the figures: ``docs/semantics.md``).
     """
     changed = fsdp2.lazy_init_root(states_of(scope))
-    for group in scope.groups:
-        changed = fsdp2.adopt_module_params(group) or changed
-        fsdp2.reshard_group(group)
+    for group in groups:
+        changed = group.prepare() or changed
     if not changed:
         return resolved
     dtensors: list[DTensor] = []
