@@ -105,31 +105,11 @@ def _environment_problem() -> tuple[str | None, str | None]:
     if not _versions.at_least(wrapt_version, _versions.MIN_WRAPT):
         return f"wrapt {wrapt_version} lacks unwrap_object (needs >= {_versions.MIN_WRAPT})", None
     version = torch.__version__
-    allowed = _versions.env_flag(_versions.ALLOW_UNSUPPORTED_TORCH_ENV)
-    override = f"set {_versions.ALLOW_UNSUPPORTED_TORCH_ENV}=1 to gather anyway, at your own risk"
     try:
         from fsdp_shim import _fsdp2  # noqa: PLC0415  (the probe: the FSDP2 internals may have moved)
     except ImportError as exc:  # the FSDP2 internals we rely on moved
         return None, f"torch {version} lacks the FSDP2 internals fsdp_shim uses ({exc})"
-    if _versions.is_supported_torch(version):
-        return None, None
-    if _versions.is_newer_than_supported(version):
-        missing = _fsdp2.missing_internals()
-        if not missing:
-            _versions.log_warning(
-                "fsdp_shim: torch %s is newer than the verified %s; every FSDP2 internal fsdp_shim reads is "
-                "present, so it is active. Run `fsdp-shim check` to verify this release.",
-                version, _versions.SUPPORTED_TORCH,
-            )
-            return None, None
-        problem = f"torch {version} lacks FSDP2 internals fsdp_shim reads: {', '.join(missing)}"
-    else:
-        problem = f"torch {version} is outside the supported {_versions.SUPPORTED_TORCH}"
-    if not allowed:
-        return None, f"{problem} ({override})"
-    _versions.log_warning("fsdp_shim: gathering although %s, because %s is set",
-                             problem, _versions.ALLOW_UNSUPPORTED_TORCH_ENV)
-    return None, None
+    return None, _versions.served(version, _fsdp2.missing_internals)
 
 
 def _activate() -> str | None:

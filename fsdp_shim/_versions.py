@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -105,6 +106,35 @@ def is_newer_than_supported(version: str) -> bool:
 def is_verified_torch(version: str) -> bool:
     """One of the exact releases the matrix passed on (local labels such as ``+cpu`` ignored)."""
     return parse_version(version)[:3] in {parse_version(v) for v in VERIFIED_TORCH}
+
+
+def served(torch_version: str, missing_internals: Callable[[], list[str]]) -> str | None:
+    """Whether this torch is served: None to serve it, else why the shim refuses DTensor summons
+    (refusing mode). The one owner of that decision; see [Note: version policy].
+
+    A supported release is served. A newer one is served, with a warning, when every FSDP2
+    internal the shim reads is present (``missing_internals()``, the probe, asked only then);
+    anything else is refused, unless ``$FSDP_SHIM_ALLOW_UNSUPPORTED_TORCH`` is set, which serves
+    it with a warning.
+    """
+    if is_supported_torch(torch_version):
+        return None
+    if is_newer_than_supported(torch_version):
+        missing = missing_internals()
+        if not missing:
+            log_warning(
+                "fsdp_shim: torch %s is newer than the verified %s; every FSDP2 internal fsdp_shim reads is "
+                "present, so it is active. Run `fsdp-shim check` to verify this release.",
+                torch_version, SUPPORTED_TORCH,
+            )
+            return None
+        problem = f"torch {torch_version} lacks FSDP2 internals fsdp_shim reads: {', '.join(missing)}"
+    else:
+        problem = f"torch {torch_version} is outside the supported {SUPPORTED_TORCH}"
+    if not env_flag(ALLOW_UNSUPPORTED_TORCH_ENV):
+        return f"{problem} (set {ALLOW_UNSUPPORTED_TORCH_ENV}=1 to gather anyway, at your own risk)"
+    log_warning("fsdp_shim: gathering although %s, because %s is set", problem, ALLOW_UNSUPPORTED_TORCH_ENV)
+    return None
 
 
 # -- warnings once per process group, not once per rank ---------------------
