@@ -43,7 +43,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, ParamModuleInfo, ShardedState
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState, _get_module_fsdp_state
+from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState, FSDPStateContext, _get_module_fsdp_state
 
 __all__ = [
     "FSDPParam",
@@ -57,11 +57,17 @@ __all__ = [
     "all_fsdp_states",
     "busy_training_state",
     "fsdp_state_of",
+    "GUARDED_CALLS",
+    "groups_of_call",
+    "wrap_guarded_calls",
+    "unwrap_guarded_calls",
     "is_fsdp2_module",
     "summon_cache",
     "unit_summon_cache",
     "lazy_init_root",
     "mark_summoned",
+    "ForwardMark",
+    "mark_forward",
     "suspend_hooks",
     "resume_hooks",
     "group_hook_sites",
@@ -338,19 +344,33 @@ def unwrap_state_init(handle: Any) -> None:
     wrapt.unwrap_object(FSDPState, "__init__", handle, missing_ok=True)
 
 
-def redirect_apply(unit: nn.Module, replacement: Any) -> bool:
-    """For a context's duration, ``unit._apply`` (FSDP2's, which reshards first) is ``replacement``:
-    an instance attribute, so the class is untouched. False, changing nothing, if one is already
-    in place (an enclosing context's). See [Note: conversions inside] in ``_group``."""
-    if "_apply" in unit.__dict__:
-        return False
-    unit.__dict__["_apply"] = replacement
-    return True
+#: ``FSDPModule``'s public calls that act on a unit's group whatever marks it, refused while a live
+#: context holds one of the group's parameters: see [Note: FSDP2's calls inside] in ``_patching``.
+GUARDED_CALLS = ("reshard", "unshard", "set_reshard_after_forward")
 
 
-def restore_apply(unit: nn.Module) -> None:
-    """Undo ``redirect_apply``: FSDP2's own ``_apply`` again."""
-    unit.__dict__.pop("_apply", None)
+def wrap_guarded_calls(wrapper: Any) -> list[Any]:
+    """Put ``wrapper`` (a wrapt wrapper function) around each of ``GUARDED_CALLS``; returns the handles."""
+    return [wrapt.wrap_function_wrapper(FSDPModule, name, wrapper) for name in GUARDED_CALLS]
+
+
+def unwrap_guarded_calls(handles: list[Any]) -> None:
+    for name, handle in zip(GUARDED_CALLS, handles, strict=True):
+        wrapt.unwrap_object(FSDPModule, name, handle, missing_ok=True)
+
+
+def groups_of_call(module: nn.Module, call: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[FSDPParamGroup]:
+    """The groups a guarded call on ``module`` acts on: its own, and with ``set_reshard_after_forward``'s
+    ``recurse`` (the default) every FSDP2 module's below it, as FSDP2 walks them."""
+    modules: Iterable[nn.Module] = [module]
+    if call == "set_reshard_after_forward" and kwargs.get("recurse", args[1] if len(args) > 1 else True):
+        modules = module.modules()
+    groups: list[FSDPParamGroup] = []
+    for candidate in modules:
+        state = fsdp_state_of(candidate) if isinstance(candidate, FSDPModule) else None
+        if state is not None:
+            groups += param_groups(state)
+    return groups
 
 
 def param_dtype_for_forward(group: FSDPParamGroup, fsdp_param: FSDPParam) -> torch.dtype | None:
@@ -500,6 +520,46 @@ def mark_summoned(group: FSDPParamGroup) -> GroupMark:
     return mark
 
 
+@dataclass(slots=True)
+class ForwardMark:
+    """FSDP2's per-forward state of a summoned group, of its units' states and of the roots above, as
+    it was when a context began, to put back at its exit.
+
+    A forward inside a context runs FSDP2's pre-forward (training state
+    FORWARD, the root's ``iter_forward_root`` set) and, if it completes, the
+    post-forward that undoes it. A forward cut short by an exception or an
+    interrupt leaves them set, so the next summon would be refused as "during
+    forward" and the root's next forward would skip its root pre-forward.
+    ``restore`` puts back what entry saw (entry refuses unless all were
+    idle): as if the forward had not started.
+    """
+
+    group: FSDPParamGroup
+    group_state: TrainingState
+    states: list[tuple[FSDPState, TrainingState]]
+    contexts: list[tuple[Any, Any]]
+
+    def restore(self) -> None:
+        self.group._training_state = self.group_state
+        for state, training_state in self.states:
+            state._training_state = training_state
+        for context, forward_root in self.contexts:
+            context.iter_forward_root = forward_root
+
+
+def mark_forward(group: FSDPParamGroup, modules: Iterable[nn.Module]) -> ForwardMark:
+    """What ``ForwardMark`` puts back, for ``group`` and the FSDP2 states of ``modules`` (its units and
+    the roots above)."""
+    states: dict[int, FSDPState] = {}
+    for module in modules:
+        state = fsdp_state_of(module)
+        if state is not None:
+            states.setdefault(id(state), state)
+    contexts = {id(state._state_ctx): state._state_ctx for state in states.values()}
+    return ForwardMark(group, group._training_state, [(s, s._training_state) for s in states.values()],
+                       [(c, getattr(c, "iter_forward_root", None)) for c in contexts.values()])
+
+
 def root_modules(states: list[FSDPState]) -> list[nn.Module]:
     """The modules of the initialised FSDP2 roots these states run under (their forward starts it all)."""
     roots: dict[int, nn.Module] = {}
@@ -544,7 +604,7 @@ def group_modules(group: FSDPParamGroup) -> tuple[nn.Module, ...]:
 # default are optional and not listed. The probe is static, so it runs
 # without a process group, once, at activation on an unverified torch.
 _METHODS: dict[type, tuple[str, ...]] = {
-    FSDPModule: ("_apply",),  # redirected inside contexts (``redirect_apply``)
+    FSDPModule: ("_apply",) + GUARDED_CALLS,  # ``_apply`` redirected inside contexts; the rest guarded
     FSDPState: ("_lazy_init", "__init__"),  # ``__init__``: wrapped by the ``fully_shard`` guard
     FSDPParamGroup: ("_to_sharded", "is_sharded"),
     FSDPParam: ("reset_sharded_param",),
@@ -555,6 +615,7 @@ _FIELDS: dict[type, tuple[str | tuple[str, ...], ...]] = {
                      "_reset_sharded_params", "modules", "mesh_info"),
     FSDPParam: ("sharded_param", "_module_info", "_unsharded_param", "_sharded_post_forward_param",
                 ("param_dtype", "mp_policy")),
+    FSDPStateContext: ("iter_forward_root",),
     ParamModuleInfo: ("module", "param_name", "shared_modules", "shared_param_names"),
 }
 #: Module-level names of FSDP2's ``_fsdp_state`` the ``fsdp2_cast`` instrumentation

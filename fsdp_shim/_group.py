@@ -16,7 +16,7 @@ FSDP2's pre-forward changes any state (``refuse_forwards``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -26,8 +26,8 @@ from torch.utils._pytree import tree_map
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_shim import _fsdp2 as fsdp2
-from fsdp_shim._param import SummonedParam
-from fsdp_shim._scope import module_label
+from fsdp_shim._param import SummonedParam, hide_slots, put_back_slots
+from fsdp_shim._scope import SlotOwner, module_label
 
 #: A conversion made inside a context through a unit's ``_apply``: the unit and the call's arguments.
 Conversion = tuple[nn.Module, tuple[Any, ...], dict[str, Any]]
@@ -61,16 +61,31 @@ def refuse_forwards(modules: Iterable[nn.Module], message: Callable[[], str]) ->
 
 
 class _RefuseBackward(torch.autograd.Function):
-    """Identity in forward; raises in backward, before any hook of the tensors it wraps."""
+    """Identity in forward; raises in backward, before any hook of the tensor it wraps.
+
+    The tensor itself is returned, marked dirty: its history is rebased onto this node, so
+    in-place ops on it work as outside the context (verl scales logits in place), and hooks
+    registered on it before (FSDP2's pre-backward) sit below the refusal in the graph.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, message: str) -> torch.Tensor:
+        ctx.message = message
+        ctx.mark_dirty(tensor)
+        return tensor
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+        raise RuntimeError(ctx.message)
+
+
+class _RefuseBackwardOfLeaf(_RefuseBackward):
+    """``_RefuseBackward`` for a leaf (autograd forbids marking one dirty): a view of it."""
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, message: str) -> torch.Tensor:
         ctx.message = message
         return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
-        raise RuntimeError(ctx.message)
 
 
 class _RaiseOnBackward:
@@ -97,7 +112,7 @@ class _RaiseOnBackward:
 
         def refuse(leaf: Any) -> Any:
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-                return _RefuseBackward.apply(leaf, message)
+                return (_RefuseBackwardOfLeaf if leaf.is_leaf else _RefuseBackward).apply(leaf, message)
             return leaf
 
         return tree_map(refuse, output)
@@ -110,8 +125,21 @@ class _ForwardInParamDtype:
     stored dtype (fp32 master weights), or whatever the body put there. FSDP2
     casts the unit's inputs to ``param_dtype``, so for the forward each slot
     holds a cast of what it holds now, and afterwards exactly what it held
-    before, also when the forward raised: a parameter replaced inside the
-    context is the one the forward uses and the one exit writes back.
+    before: a parameter replaced inside the context is the one the forward
+    uses and the one exit writes back.
+
+    [Note: casts never outlive their forward]
+    The casts are put back by the post-forward hook, by an ``always_call``
+    hook when the forward raised an ``Exception``, and, for any other
+    ``BaseException`` (``KeyboardInterrupt``, ``asyncio.CancelledError``),
+    which ``nn.Module`` runs no hook for, by ``guard_call``: the unit's
+    ``_call_impl`` wrapped in a ``try/finally`` for the context's duration.
+    A fault part way through the casts puts back those already placed
+    (``held`` grows one parameter at a time), and exit puts back whatever a
+    forward compiled around ``_call_impl`` left (``unwind``), before it reads
+    the slots. So exit never reads a cast as the user's replacement, and
+    ``state_dict()`` or an edit after a caught interrupt meets the full
+    parameters.
 
     The cast is made afresh for every forward, never cached: an edit through
     ``.data`` (``p.data.copy_(new)``, the weight loaders' idiom) moves no
@@ -124,20 +152,150 @@ class _ForwardInParamDtype:
     def __init__(self, items: list[tuple[SummonedParam, torch.dtype]]) -> None:
         self._items = items
         self._depth = 0
-        self._held: list[list[Any]] = []
+        self._held: list[list[Any]] = []  # what each cast parameter's slots held, as far as the casts reached
 
     def pre_forward(self, module: nn.Module, args: Any) -> None:
         self._depth += 1
         if self._depth == 1:
             casts: dict[int, nn.Parameter] = {}  # one cast per object: a tie stays one parameter
-            self._held = [param.cast_for_forward(dtype, casts) for param, dtype in self._items]
+            held = self._held = []
+            try:
+                for param, dtype in self._items:
+                    held.append(param.cast_for_forward(dtype, casts))
+            except BaseException:
+                self._put_back()
+                raise
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         self._depth -= 1
         if self._depth == 0:
-            held, self._held = self._held, []
-            for (param, _), slots_held in zip(self._items, held, strict=False):  # held: as far as pre reached
-                param.put_back(slots_held)
+            self._put_back()
+
+    def _put_back(self) -> None:
+        held, self._held = self._held, []
+        while held:  # last first; what a put-back reached is gone from ``held``
+            self._items[len(held) - 1][0].put_back(held[-1])
+            held.pop()
+
+    def unwind(self, depth: int = 0) -> None:
+        """Back to ``depth`` forwards in progress: at 0, the slots hold what they held before."""
+        if self._depth > depth:
+            self._depth = depth
+            if depth == 0:
+                self._put_back()
+
+    def guard_call(self, unit: nn.Module) -> Callable[..., Any]:
+        """``unit``'s ``_call_impl`` in a ``try/finally`` that unwinds this forward, whatever raised."""
+        call_impl = type(unit)._call_impl
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            depth = self._depth
+            try:
+                return call_impl(unit, *args, **kwargs)
+            finally:
+                if self._depth != depth:  # a BaseException skipped the post-forward hook
+                    self.unwind(depth)
+
+        return call
+
+
+class Conversions:
+    """The conversions (``.to()``, ``.double()``, ...) made inside one context: redirected while it is
+    open (``redirect``), replayed on the shards at exit (``replay``), across groups in call order.
+
+    [Note: conversions inside]
+    ``model.to(...)``, ``.cpu()``, ``.float()`` and friends end in ``_apply``.
+    Inside a context FSDP2's ``_apply`` would reshard (the shards back in the
+    slots mid-context) and then adopt a slot's full tensor as its sharded
+    parameter (``reset_sharded_param``: broken for good); a plain module's
+    would convert a ``rank0_only`` non-holder's shard on that rank alone, so
+    the ranks' dtypes, and then their buckets, would differ. So for the
+    context's duration every unit with a parameter in scope and every module
+    holding a summoned slot gets an instance-level ``_apply``, alike on every
+    rank: it runs ``nn.Module._apply`` with this rank's summoned slots hidden
+    where they hold shards (``rank0_only`` non-holders), so full tensors
+    convert where they are held (``state_dict()`` inside stays full) and
+    everything else converts alike on every rank; the outermost call is
+    recorded. At exit, the slots restored, each recorded call is replayed
+    through the module's own ``_apply`` (FSDP2's for a unit: resharded, its
+    parameters adopted), before writeback: after exit the model is as the
+    same call outside would have left it, plus the writeback. A fault part
+    way is recorded first, so the replay completes it. A conversion whose
+    outermost module is a plain submodule holding FSDP2 parameters is
+    refused on every rank before it converts anything: FSDP2 follows the
+    conversion of whole units only.
+    """
+
+    __slots__ = ("made", "_redirected", "_depth", "_covered")
+
+    def __init__(self) -> None:
+        #: The outermost conversions made inside, in call order: ``(module, args, kwargs)``.
+        self.made: list[Conversion] = []
+        self._redirected: list[nn.Module] = []  # modules whose ``_apply`` is ours for the context
+        self._depth = 0  # conversions in progress (a module's ``_apply`` calls its children's)
+        self._covered: set[int] | None = None  # modules under a recorded conversion (``exit_dtype``)
+
+    def redirect(self, units: Iterable[nn.Module], owners: Iterable[SlotOwner], holds_fulls: bool) -> None:
+        """Redirect ``_apply`` of ``units`` and of each module holding summoned slots (``owners``).
+        A module whose ``_apply`` is already redirected (an enclosing context's) is left to it."""
+        plan: dict[int, tuple[nn.Module, Sequence[tuple[dict[str, Any], str]], nn.Module | None]] = {}
+        for module, slots, fsdp2_managed in owners:
+            plan[id(module)] = (module, () if holds_fulls else slots, module if fsdp2_managed else None)
+        for unit in units:  # a unit's conversion is FSDP2's to follow: never refused
+            owned = plan.get(id(unit))
+            plan[id(unit)] = (unit, () if owned is None else owned[1], None)
+        redirected = self._redirected
+        for module, hidden, refused in plan.values():
+            if "_apply" not in module.__dict__:
+                module.__dict__["_apply"] = self._apply_of(module, hidden, refused)
+                redirected.append(module)
+
+    def _apply_of(self, module: nn.Module, hidden: Sequence[tuple[dict[str, Any], str]],
+                  refused: nn.Module | None) -> Callable[..., nn.Module]:
+        def apply_inside(*args: Any, **kwargs: Any) -> nn.Module:
+            if self._depth == 0:
+                if refused is not None:
+                    raise RuntimeError(
+                        f"a conversion (.to(), .double(), ...) of {module_label(refused)}, a part of an FSDP "
+                        "unit, inside summon_full_params is not supported: FSDP2 follows the conversion of "
+                        "whole units only. Convert its unit (or the whole model) instead."
+                    )
+                self.made.append((module, args, kwargs))  # first: a fault part way is completed at exit
+                self._covered = None
+            held = hide_slots(hidden) if hidden else None
+            self._depth += 1
+            try:
+                return nn.Module._apply(module, *args, **kwargs)  # never FSDP2's: see the note
+            finally:
+                self._depth -= 1
+                if held is not None:
+                    put_back_slots(held)
+
+        return apply_inside
+
+    def release(self) -> None:
+        """Every ``_apply`` redirected by this context is the module's own again."""
+        redirected = self._redirected
+        while redirected:
+            redirected[-1].__dict__.pop("_apply", None)
+            redirected.pop()
+
+    def exit_dtype(self, param: SummonedParam) -> torch.dtype | None:
+        """The dtype ``param``'s shard will have once the conversions are replayed: its full tensor's,
+        where a recorded conversion covers one of its slots; else None."""
+        full = param.full
+        if not self.made or full is None or full.dtype == param.sharded.dtype:
+            return None
+        covered = self._covered
+        if covered is None:
+            covered = self._covered = {id(m) for module, _, _ in self.made for m in module.modules()}
+        return full.dtype if any(id(m) in covered for m, _ in param.slots) else None
+
+    def replay(self) -> None:
+        """Each recorded conversion again, through the module's own ``_apply``, on the restored slots."""
+        made, self.made = self.made, []
+        for module, args, kwargs in made:
+            module._apply(*args, **kwargs)
 
 
 class SummonedGroup:
@@ -146,12 +304,11 @@ class SummonedGroup:
     ``fully_summoned``: every parameter of the group is summoned, by this
     call or an enclosing one. ``prepare`` runs before the gather, ``summon``
     once this call's parameters are in their slots; ``release`` undoes whatever ``summon`` reached, each step
-    even if another raised. Conversions made through the group's units are
-    appended to the context's ``journal``, one list for the context, so that
-    exit replays them in the order they were made, across groups.
+    even if another raised.
     """
 
-    __slots__ = ("group", "fully_summoned", "units", "_mark", "_suspended", "_converting", "_hooks")
+    __slots__ = ("group", "fully_summoned", "units", "_mark", "_suspended", "_hooks", "_switch", "_guarded",
+                 "_forward_mark")
 
     def __init__(self, group: fsdp2.FSDPParamGroup, fully_summoned: bool) -> None:
         self.group = group
@@ -159,8 +316,10 @@ class SummonedGroup:
         self.units = fsdp2.group_modules(group)
         self._mark: fsdp2.GroupMark | None = None
         self._suspended: fsdp2.Suspended = []
-        self._converting: list[nn.Module] = []  # units whose ``_apply`` is ours for the context
         self._hooks: list[RemovableHandle] = []
+        self._switch: _ForwardInParamDtype | None = None
+        self._guarded: list[nn.Module] = []  # units whose ``_call_impl`` is ``_switch``'s guard
+        self._forward_mark: fsdp2.ForwardMark | None = None  # FSDP2's per-forward state at entry
 
     def prepare(self) -> bool:
         """FSDP2's group in a known state before anything is gathered, all local, nothing to undo:
@@ -170,9 +329,9 @@ class SummonedGroup:
         fsdp2.reshard_group(self.group)
         return adopted
 
-    def summon(self, params: list[SummonedParam], holds_fulls: bool, forwards: bool, journal: list[Conversion],
+    def summon(self, params: list[SummonedParam], holds_fulls: bool, forwards: bool,
                roots: Callable[[], list[nn.Module]]) -> None:
-        """Mark, suspend, redirect ``_apply`` and hook the forwards, for this call's ``params`` of the group.
+        """Mark, suspend and hook the forwards, for this call's ``params`` of the group.
 
         ``holds_fulls``: this rank's slots hold full parameters (only then is
         FSDP2's state marked and are forwards hooked); ``forwards``: a forward
@@ -186,37 +345,8 @@ class SummonedGroup:
             else:
                 fsdp2.suspend_hooks(fsdp2.load_post_hook_sites(p.scoped.fsdp_param for p in params),  # type: ignore[misc]  # a group's parameters have an FSDPParam
                                     self._suspended)
-        if self.fully_summoned:
-            self._convert_inside(holds_fulls, journal)
         if holds_fulls and forwards:
             self._hook_forwards(params, roots)
-
-    def _convert_inside(self, holds_fulls: bool, journal: list[Conversion]) -> None:
-        """Point the units' ``_apply`` at the full parameters.
-
-        [Note: conversions inside]
-        ``model.to(...)``, ``.cpu()``, ``.float()`` and friends end in ``_apply``.
-        FSDP2's ``_apply`` reshards first, which would put the shards back into the
-        slots mid-context (verl's LoRA collection calls ``model.to("cpu")`` there).
-        For the context's duration each fully summoned unit gets an instance-level
-        ``_apply`` that converts the full parameters in place instead and records the
-        call; on exit the same call is replayed through FSDP2's own ``_apply`` on the
-        restored shards, before writeback. So inside, the slots keep full tensors
-        (``state_dict()`` stays full), and after exit the module is as the same call
-        outside would have left it, plus the writeback rule. A rank that holds no
-        full tensors (``rank0_only``) records the call too and converts nothing until
-        exit: every rank's shards change at the same point, so a stream or a nested
-        summon inside gathers the same dtypes everywhere.
-        """
-        for unit in self.units:
-            def apply_to_full(*args: Any, _unit: nn.Module = unit, **kwargs: Any) -> nn.Module:
-                journal.append((_unit, args, kwargs))
-                if not holds_fulls:
-                    return _unit  # deferred to exit, where the holders' shards change too
-                return nn.Module._apply(_unit, *args, **kwargs)  # not FSDP2's: it would reshard
-
-            if fsdp2.redirect_apply(unit, apply_to_full):  # else an enclosing context converts it
-                self._converting.append(unit)
 
     def _hook_forwards(self, params: list[SummonedParam], roots: Callable[[], list[nn.Module]]) -> None:
         """Each hook goes into ``_hooks`` as it is made: ``release`` removes those made before a raise."""
@@ -227,6 +357,7 @@ class SummonedGroup:
                 "of its parameters are summoned is not supported: summon the unit itself"
             )))
             return
+        self._forward_mark = fsdp2.mark_forward(self.group, [*units, *roots()])
         no_backward = _RaiseOnBackward(units)
         for module in units:
             hooks.append(module.register_forward_hook(no_backward))
@@ -236,25 +367,22 @@ class SummonedGroup:
             if dtype is not None:
                 items.append((param, dtype))
         if items:
-            switch = _ForwardInParamDtype(items)
+            switch = self._switch = _ForwardInParamDtype(items)
             for module in units:
+                if "_call_impl" not in module.__dict__:  # see [Note: casts never outlive their forward]
+                    module.__dict__["_call_impl"] = switch.guard_call(module)
+                    self._guarded.append(module)
                 hooks.append(module.register_forward_pre_hook(switch.pre_forward))
                 hooks.append(module.register_forward_hook(switch.post_forward, always_call=True))
 
-    def converted(self, journal: Iterable[Conversion]) -> bool:
-        """Whether a conversion in ``journal`` went through one of the group's units."""
-        units = {id(unit) for unit in self.units}
-        return any(id(unit) in units for unit, _, _ in journal)
-
     def release(self) -> None:
-        """Undo ``summon``: ``_apply`` overrides dropped, the mark undone, hooks resumed and removed.
+        """Undo ``summon``: the mark undone, hooks resumed and removed.
         Each step runs even if another raised; the first error is raised after all of them."""
-        converting, self._converting = self._converting, []
-        for unit in converting:
-            fsdp2.restore_apply(unit)
         mark, self._mark = self._mark, None
+        forward_mark, self._forward_mark = self._forward_mark, None
         first: BaseException | None = None
-        for step in (mark.unmark if mark is not None else None, self._resume, self.remove_hooks):
+        for step in (mark.unmark if mark is not None else None, self._resume, self.remove_hooks,
+                     forward_mark.restore if forward_mark is not None else None):
             if step is None:
                 continue
             try:
@@ -268,8 +396,14 @@ class SummonedGroup:
         fsdp2.resume_hooks(self._suspended)
 
     def remove_hooks(self) -> None:
-        """Take the forward hooks off; one at a time, so that an interrupted removal leaves the rest
-        to ``release``."""
+        """Any cast a forward left put back, then the forward hooks off; one at a time, so that an
+        interrupted removal leaves the rest to ``release``."""
+        if self._switch is not None:
+            self._switch.unwind()
+        guarded = self._guarded
+        while guarded:
+            guarded[-1].__dict__.pop("_call_impl", None)
+            guarded.pop()
         hooks = self._hooks
         while hooks:
             hooks[-1].remove()

@@ -220,6 +220,19 @@ def _place(writes: Iterable[tuple[dict[str, Any], str, Any]]) -> None:
             tensors[name] = value
 
 
+def hide_slots(slots: Sequence[tuple[dict[str, Any], str]]) -> list[tuple[dict[str, Any], str, Any]]:
+    """Each slot emptied to ``None`` (which ``nn.Module`` skips) for a while, keeping its key and place;
+    returns what they held, for ``put_back_slots``."""
+    held = [(tensors, name, tensors[name]) for tensors, name in slots if tensors.get(name) is not None]
+    _place([(tensors, name, None) for tensors, name, _ in held])
+    return held
+
+
+def put_back_slots(held: Sequence[tuple[dict[str, Any], str, Any]]) -> None:
+    """Undo ``hide_slots``."""
+    _place(held)
+
+
 def to_full(params: Sequence[SummonedParam], fulls: Sequence[torch.Tensor | None],
             grads: dict[int, torch.Tensor] | None, writeback: bool) -> None:
     """Each full tensor (as a new ``nn.Parameter``, a plain tensor for a buffer) into every slot of its

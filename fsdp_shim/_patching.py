@@ -115,6 +115,7 @@ def _remove_instance_form() -> None:
 
 
 _guard_handle: wrapt.FunctionWrapper | None = None  # on FSDPState.__init__, while patched
+_call_handles: list[wrapt.FunctionWrapper] = []  # on FSDPModule's guarded calls, while patched
 
 
 def _refuse_fully_shard_inside(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -134,6 +135,38 @@ def _refuse_fully_shard_inside(wrapped: Any, instance: Any, args: tuple[Any, ...
             "full tensors there, which FSDP2 would shard in place of the real parameters. "
             "Call fully_shard() outside the context."
         )
+    return wrapped(*args, **kwargs)
+
+
+def _refuse_fsdp2_call_inside(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """FSDP2's ``reshard()``, ``unshard()`` and ``set_reshard_after_forward()`` raise, before they change
+    anything, on a group a live context holds a parameter of.
+
+    [Note: FSDP2's calls inside]
+    These act on a unit's group whatever else marks it: ``reshard()`` puts the
+    shards back into slots that hold the context's full parameters,
+    ``unshard()`` all-gathers over them, and ``set_reshard_after_forward()``
+    rewrites what a summoned group's mark keeps (the post-forward reshard),
+    which exit would then silently revert, or which a forward inside would
+    act on, leaving FSDP2 a state it cannot train from. So each is refused on
+    every rank alike (the registry records a context on every rank), by the
+    slots FSDP2 says the group has. FSDP2's other setters change nothing a
+    context holds and run as usual. Every FSDP2 path into these groups
+    (forward hooks, ``state_dict()``) goes through the group's own methods,
+    not these, and a context redirects ``_apply``.
+    """
+    from fsdp_shim import _fsdp2, _registry  # noqa: PLC0415  (not in refusing mode's imports; cached after the first)
+
+    if _registry.has_live_slots():
+        module, call_args = (instance, args) if instance is not None else (args[0], args[1:])
+        for group in _fsdp2.groups_of_call(module, wrapped.__name__, call_args, kwargs):
+            for fsdp_param in _fsdp2.group_params(group):
+                if any(_registry.owner_of((id(m), n)) is not None for m, n in _fsdp2.param_slots(fsdp_param)):
+                    raise RuntimeError(
+                        f"{type(module).__name__}.{wrapped.__name__}() inside summon_full_params over its "
+                        "parameters is not supported: the context holds them, and restores FSDP2's state "
+                        "on exit. Call it after the context."
+                    )
     return wrapped(*args, **kwargs)
 
 
@@ -164,6 +197,8 @@ def patch(refusal: str | None = None, summon: SummonFn | None = None) -> bool:
 
             if _guard_handle is None:
                 _guard_handle = _fsdp2.wrap_state_init(_refuse_fully_shard_inside)
+            if not _call_handles:
+                _call_handles.extend(_fsdp2.wrap_guarded_calls(_refuse_fsdp2_call_inside))
             instrumentations.instrument_all()
         logger.debug("patched FullyShardedDataParallel.summon_full_params%s", " (refusing)" if refusal else "")
         return True
@@ -186,6 +221,9 @@ def unpatch() -> bool:
             if _guard_handle is not None:
                 _fsdp2.unwrap_state_init(_guard_handle)
                 _guard_handle = None
+            if _call_handles:
+                _fsdp2.unwrap_guarded_calls(_call_handles)
+                _call_handles.clear()
         if removed is None:
             _versions.log_warning("summon_full_params was replaced by someone else; nothing to unpatch")
             return False

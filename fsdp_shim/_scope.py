@@ -28,6 +28,9 @@ if TYPE_CHECKING:
     from fsdp_shim._gather.layout import BucketPlan
 
 SlotKey = tuple[int, str]
+#: A module holding summoned slots: the module, those slots (its tensors dict and the name), and
+#: whether FSDP2 manages one of them.
+SlotOwner = tuple[nn.Module, list[tuple[dict[str, Any], str]], bool]
 
 
 def module_label(module: nn.Module) -> str:
@@ -68,6 +71,26 @@ class Scope:
     fsdp2_only: bool = False
     #: Each entry's ``FSDPParam``, in order, where FSDP2 manages every one (``fsdp2_only``), else None.
     managed: list[fsdp2.FSDPParam] | None = None
+    #: The modules holding the entries' slots (``slot_owners``): worked out once a scope.
+    owners: list[SlotOwner] | None = None
+
+
+def slot_owners(scope: Scope) -> list[SlotOwner]:
+    """Every module holding a slot of ``scope``'s entries, with those slots: kept on the scope, which
+    a cached summon reuses."""
+    owners = scope.owners
+    if owners is None:
+        by_module: dict[int, SlotOwner] = {}
+        for entry in scope.params:
+            for module, name in entry.slots:
+                owner = by_module.get(id(module))
+                if owner is None:
+                    owner = by_module[id(module)] = (module, [], False)
+                owner[1].append((entry.tensors(module), name))
+                if entry.fsdp_param is not None and not owner[2]:
+                    by_module[id(module)] = (module, owner[1], True)
+        owners = scope.owners = list(by_module.values())
+    return owners
 
 
 @dataclass

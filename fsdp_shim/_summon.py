@@ -58,7 +58,7 @@ from fsdp_shim import _registry as registry
 from fsdp_shim import _versions
 from fsdp_shim._gather.engine import Gathered, agree_on_grads, gather_full_tensors
 from fsdp_shim._gather.layout import BucketCap, Receiver, bucket_cap, receivers_for_summon
-from fsdp_shim._group import Conversion, SummonedGroup, refuse_forwards
+from fsdp_shim._group import Conversions, SummonedGroup, refuse_forwards
 from fsdp_shim._param import SummonedParam, carry_requires_grad, inspect_slots, to_full, to_sharded, write_back
 from fsdp_shim._refusals import (
     group_in_use,
@@ -76,6 +76,7 @@ from fsdp_shim._scope import (
     has_distributed_params,
     module_label,
     slot_fqn,
+    slot_owners,
     states_of,
 )
 from fsdp_shim._units import route
@@ -151,7 +152,7 @@ class DTensorSummon:
 
     __slots__ = (
         "module", "recurse", "writeback", "rank0_only", "offload_to_cpu", "with_grads", "cap", "_modules",
-        "_entered", "thread", "scope", "summoned", "groups", "journal", "_refusal", "_body_ran", "_claimed",
+        "_entered", "thread", "scope", "summoned", "groups", "conversions", "_refusal", "_body_ran", "_claimed",
         "_live", "_holds_fulls",
     )
 
@@ -181,6 +182,7 @@ class DTensorSummon:
             return  # no-op: nothing distributed in scope, or all summoned by an enclosing call
         # 1. refuse: misuse raises here, alike on every rank, before any change or collective.
         groups, shardeds = refuse_before_anything(module, scope, writeback, thread, cached)
+        grad_enabled = torch.is_grad_enabled()
         self._begin(scope)
         try:
             if not registry.enter(thread, groups):
@@ -217,9 +219,9 @@ class DTensorSummon:
                     nbytes / 2**20, (time.perf_counter() - started) * 1e3, self.rank0_only, holds_fulls,
                 )
             self._body_ran = True  # See [Note: faults]
-        except BaseException:
+        except BaseException as error:
             self._live = False
-            self.restore()  # the body never ran: nothing is written back (see [Note: faults]); claims released
+            self._abandon(grad_enabled, error)
             raise
 
     def __exit__(self, exc_type: object, body_error: BaseException | None, traceback: object) -> None:
@@ -241,8 +243,8 @@ class DTensorSummon:
         self.summoned: list[SummonedParam] = []
         #: Every FSDP2 group with a parameter in scope, made before the gather (``SummonedGroup.prepare``).
         self.groups = []
-        #: Conversions (``.to()``, ``.float()``, ...) made inside, in call order. See [Note: conversions inside].
-        self.journal: list[Conversion] = []
+        #: Conversions (``.to()``, ``.float()``, ...) made inside. See [Note: conversions inside] in ``_group``.
+        self.conversions = Conversions()
         self._refusal: RemovableHandle | None = None  # the forward refusal under ``rank0_only``
         self._body_ran = False  # only then may a writeback happen: see [Note: faults]
         self._claimed = None  # released on exit
@@ -278,16 +280,15 @@ class DTensorSummon:
         def roots() -> list[nn.Module]:  # worked out only where a forward is refused
             return fsdp2.root_modules(states_of(scope))
 
+        units: list[nn.Module] = []
         for summoned_group in self.groups:
-            summoned_group.summon(by_group.get(summoned_group.group, []), holds_fulls, not rank0_only, self.journal,
-                                  roots)
-        if rank0_only:
+            summoned_group.summon(by_group.get(summoned_group.group, []), holds_fulls, not rank0_only, roots)
+            units += summoned_group.units
+        owners = slot_owners(scope)
+        self.conversions.redirect(units, owners, holds_fulls)
+        if rank0_only:  # every module whose slots differ between ranks, and the roots above
             root = scope.root
-            guarded = [root, *roots()]
-            for summoned_group in self.groups:
-                guarded += summoned_group.units
-            if not scope.fsdp2_only:  # tensor-parallel modules run collectives of their own in forward
-                guarded += [m for m in scope.modules if _holds_unmanaged_dtensor(m, scope)]
+            guarded = [root, *roots(), *units, *[owner[0] for owner in owners]]
             self._refusal = refuse_forwards(guarded, lambda: (
                 f"forward inside summon_full_params({module_label(root)}, rank0_only=True) "
                 "is not supported: only rank 0 (of each FSDP shard group) holds full parameters"
@@ -380,6 +381,19 @@ class DTensorSummon:
             if torch.is_grad_enabled() is not grad_enabled:
                 torch._C._set_grad_enabled(grad_enabled)
 
+    def _abandon(self, grad_enabled: bool, error: BaseException) -> None:
+        """Undo a failed entry: the body never ran, so nothing is inspected or written back (see
+        [Note: faults]); grad mode as it was at entry. A failure of the release itself is logged, so
+        that the caller sees its own ``error``."""
+        try:
+            self._release()
+        except BaseException:  # logged: ``error`` is the caller's to see
+            logger.exception("summon_full_params: restoring after %r failed", error)
+        finally:
+            self.summoned.clear()
+            if torch.is_grad_enabled() is not grad_enabled:
+                torch._C._set_grad_enabled(grad_enabled)
+
     def _name(self, param: SummonedParam) -> str:
         return slot_fqn(self.scope.root, param.slots[0])
 
@@ -388,18 +402,9 @@ class DTensorSummon:
         any conversion is replayed on the shards. See [Note: exit checks] in ``_param``."""
         inspect_slots(self.summoned)
         if self.writeback:
-            groups = {id(group.group): group for group in self.groups}
+            exit_dtype = self.conversions.exit_dtype
             for param in self.summoned:
-                param.judge(self._exit_dtype(param, groups))
-
-    def _exit_dtype(self, param: SummonedParam, groups: dict[int, SummonedGroup]) -> torch.dtype | None:
-        """The dtype ``param``'s shard will have once the conversions made inside are replayed: its full
-        tensor's, where a conversion went through its unit (see [Note: conversions inside]); else None."""
-        full, group = param.full, param.scoped.group
-        if not self.journal or full is None or group is None or full.dtype == param.sharded.dtype:
-            return None
-        summoned_group = groups.get(id(group))
-        return full.dtype if summoned_group is not None and summoned_group.converted(self.journal) else None
+                param.judge(exit_dtype(param))
 
     def _release(self) -> None:
         """Every slot gets back the exact object it held; every group released; the forward refusal,
@@ -411,7 +416,7 @@ class DTensorSummon:
         first: BaseException | None = None
         steps = [group.release for group in groups]
         steps.reverse()
-        steps.append(self._remove_hooks)
+        steps += (self._remove_hooks, self.conversions.release)
         for step in steps:
             try:
                 step()
@@ -432,24 +437,17 @@ class DTensorSummon:
 
     def _replay_conversions(self) -> None:
         """Apply the conversions made inside to the restored (sharded) parameters, through FSDP2."""
-        journal, self.journal = self.journal, []
-        for unit, args, kwargs in journal:
-            unit._apply(*args, **kwargs)
+        self.conversions.replay()
         for param in self.summoned:
             current = param.current
             if isinstance(current, torch.Tensor) and current.dtype != param.sharded.dtype:
                 _versions.warn(
-                    f"{self._name(param)} was converted to {current.dtype} inside summon_full_params through "
-                    f"a module that is not its FSDP unit; the sharded parameter stays {param.sharded.dtype}. "
-                    "Convert the unit (or the whole model) instead.",
+                    f"{self._name(param)} was converted to {current.dtype} inside summon_full_params other "
+                    f"than through a module's .to() or .double(); the sharded parameter stays "
+                    f"{param.sharded.dtype}. Convert its FSDP unit (or the whole model) instead.",
                     stacklevel=5,
                     mesh=param.sharded.device_mesh,
                 )
-
-
-def _holds_unmanaged_dtensor(module: nn.Module, scope: Scope) -> bool:
-    """Whether ``module`` owns a slot of a scoped DTensor that FSDP2 does not manage (tensor parallel)."""
-    return any(entry.fsdp_param is None and any(m is module for m, _ in entry.slots) for entry in scope.params)
 
 
 def _scope_of_call(

@@ -22,9 +22,9 @@ def rank_summon_then_release_leaves_fsdp2_as_it_was():
     from torch.distributed.fsdp import fully_shard
 
     from fsdp_shim import _fsdp2 as fsdp2
-    from fsdp_shim._group import SummonedGroup
+    from fsdp_shim._group import Conversions, SummonedGroup
     from fsdp_shim._param import SummonedParam, to_full, to_sharded
-    from fsdp_shim._scope import collect_scope, sharded_params
+    from fsdp_shim._scope import collect_scope, sharded_params, slot_owners
 
     model = fully_shard(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
     (state,) = [fsdp2.fsdp_state_of(model)]
@@ -33,13 +33,15 @@ def rank_summon_then_release_leaves_fsdp2_as_it_was():
     scope = collect_scope(model, True)
     params = [SummonedParam(s, d, None) for s, d in zip(scope.params, sharded_params(scope), strict=True)]
     to_full(params, [p.sharded.full_tensor() for p in params], None, writeback=False)
-    journal: list = []
+    conversions = Conversions()
     summoned = SummonedGroup(group, fully_summoned=True)
-    summoned.summon(params, holds_fulls=True, forwards=True, journal=journal, roots=lambda: [model])
+    summoned.summon(params, holds_fulls=True, forwards=True, roots=lambda: [model])
+    conversions.redirect(summoned.units, slot_owners(scope), holds_fulls=True)
     during = _fsdp2_view(model, group)
-    model.to(torch.float64)  # through the redirected ``_apply``: the full parameters convert, recorded
-    converted = model[0].weight.dtype == torch.float64 and len(journal) >= 1
+    model.to(torch.float64)  # through the redirected ``_apply``: the full parameters convert, recorded once
+    converted = model[0].weight.dtype == torch.float64 and [m for m, _, _ in conversions.made] == [model]
     summoned.release()
+    conversions.release()
     to_sharded(params)
     return during != before, converted, _fsdp2_view(model, group) == before
 

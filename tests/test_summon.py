@@ -203,20 +203,21 @@ def test_offload_to_cpu_full_params_on_cpu_and_warning(dist_run):
     assert dist_run(2, rank_offload_to_cpu_warns_like_fsdp1) == [None, None]
 
 
-def rank_conversion_outside_a_unit_warns_once_per_group():
+def rank_a_conversion_other_than_through_a_module_warns():
     _, model = _models()
     before = snapshot(model)
     with patched(), warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         with FSDP.summon_full_params(model, writeback=False):
-            model.blocks[0].fc1.double()  # a submodule, not its unit: the shard cannot follow
+            fc1 = model.blocks[0].fc1
+            fc1.weight.data = fc1.weight.data.double()  # no module's .to(): the shard cannot follow
     assert_unchanged(model, before)
-    messages = [str(w.message) for w in record if "was converted to torch.float64" in str(w.message)]
-    assert len(messages) == (2 if dist.get_rank() == 0 else 0), messages  # fc1.weight and fc1.bias, on rank 0
+    return [str(w.message) for w in record if "was converted to torch.float64" in str(w.message)]
 
 
-def test_conversion_outside_a_unit_warns_once_per_group(dist_run):
-    dist_run(2, rank_conversion_outside_a_unit_warns_once_per_group)
+def test_a_conversion_other_than_through_a_module_warns(dist_run):
+    (message,), others = dist_run(2, rank_a_conversion_other_than_through_a_module_warns)  # once, on rank 0
+    assert others == [] and message.startswith("blocks.0.fc1.weight was converted to torch.float64")
 
 
 def rank_with_grads():
