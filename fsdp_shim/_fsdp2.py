@@ -66,8 +66,8 @@ __all__ = [
     "unit_summon_cache",
     "lazy_init_root",
     "mark_summoned",
-    "ForwardMark",
-    "mark_forward",
+    "forward_cut_short",
+    "settle_forward",
     "suspend_hooks",
     "resume_hooks",
     "group_hook_sites",
@@ -520,44 +520,29 @@ def mark_summoned(group: FSDPParamGroup) -> GroupMark:
     return mark
 
 
-@dataclass(slots=True)
-class ForwardMark:
-    """FSDP2's per-forward state of a summoned group, of its units' states and of the roots above, as
-    it was when a context began, to put back at its exit.
+def forward_cut_short(group: FSDPParamGroup) -> bool:
+    """Whether a forward through the group started and never finished (its training state says so)."""
+    return group._training_state != TrainingState.IDLE
 
-    A forward inside a context runs FSDP2's pre-forward (training state
-    FORWARD, the root's ``iter_forward_root`` set) and, if it completes, the
-    post-forward that undoes it. A forward cut short by an exception or an
-    interrupt leaves them set, so the next summon would be refused as "during
-    forward" and the root's next forward would skip its root pre-forward.
-    ``restore`` puts back what entry saw (entry refuses unless all were
-    idle): as if the forward had not started.
+
+def settle_forward(group: FSDPParamGroup, modules: Iterable[nn.Module]) -> None:
+    """Put back FSDP2's per-forward state that a forward inside a context, cut short, left set: the
+    group's and its units' training state and the roots' (``modules``), and the roots' forward marker.
+
+    A forward inside runs FSDP2's pre-forward (training state FORWARD, the
+    root's ``iter_forward_root`` set) and, if it completes, the post-forward
+    that undoes it. Cut short by an exception or an interrupt it leaves them
+    set: the next summon would be refused as "during forward", and the root's
+    next forward would skip its root pre-forward. Entry saw all of them idle
+    (``busy_training_state`` refuses otherwise): as if the forward had not
+    started.
     """
-
-    group: FSDPParamGroup
-    group_state: TrainingState
-    states: list[tuple[FSDPState, TrainingState]]
-    contexts: list[tuple[Any, Any]]
-
-    def restore(self) -> None:
-        self.group._training_state = self.group_state
-        for state, training_state in self.states:
-            state._training_state = training_state
-        for context, forward_root in self.contexts:
-            context.iter_forward_root = forward_root
-
-
-def mark_forward(group: FSDPParamGroup, modules: Iterable[nn.Module]) -> ForwardMark:
-    """What ``ForwardMark`` puts back, for ``group`` and the FSDP2 states of ``modules`` (its units and
-    the roots above)."""
-    states: dict[int, FSDPState] = {}
+    group._training_state = TrainingState.IDLE
     for module in modules:
         state = fsdp_state_of(module)
         if state is not None:
-            states.setdefault(id(state), state)
-    contexts = {id(state._state_ctx): state._state_ctx for state in states.values()}
-    return ForwardMark(group, group._training_state, [(s, s._training_state) for s in states.values()],
-                       [(c, getattr(c, "iter_forward_root", None)) for c in contexts.values()])
+            state._training_state = TrainingState.IDLE
+            state._state_ctx.iter_forward_root = None
 
 
 def root_modules(states: list[FSDPState]) -> list[nn.Module]:

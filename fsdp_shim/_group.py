@@ -40,11 +40,11 @@ class _RaiseOnForward:
     __slots__ = ("_modules", "_message")
 
     def __init__(self, modules: Iterable[nn.Module], message: Callable[[], str]) -> None:
-        self._modules = {id(m) for m in modules}
+        self._modules = set(modules)  # identity hashes: no call a module
         self._message = message
 
     def __call__(self, module: nn.Module, args: Any) -> None:
-        if id(module) in self._modules:
+        if module in self._modules:
             raise RuntimeError(self._message())
 
 
@@ -238,47 +238,51 @@ class Conversions:
     def redirect(self, units: Iterable[nn.Module], owners: Iterable[SlotOwner], holds_fulls: bool) -> None:
         """Redirect ``_apply`` of ``units`` and of each module holding summoned slots (``owners``).
         A module whose ``_apply`` is already redirected (an enclosing context's) is left to it."""
-        plan: dict[int, tuple[nn.Module, Sequence[tuple[dict[str, Any], str]], nn.Module | None]] = {}
+        # Keyed by the modules themselves (identity hashes): every summon runs this, so it makes no call a module.
+        plan: dict[nn.Module, tuple[Sequence[tuple[dict[str, Any], str]], nn.Module | None]] = {}
         for module, slots, fsdp2_managed in owners:
-            plan[id(module)] = (module, () if holds_fulls else slots, module if fsdp2_managed else None)
+            plan[module] = (() if holds_fulls else slots, module if fsdp2_managed else None)
         for unit in units:  # a unit's conversion is FSDP2's to follow: never refused
-            owned = plan.get(id(unit))
-            plan[id(unit)] = (unit, () if owned is None else owned[1], None)
-        redirected = self._redirected
-        for module, hidden, refused in plan.values():
-            if "_apply" not in module.__dict__:
-                module.__dict__["_apply"] = self._apply_of(module, hidden, refused)
-                redirected.append(module)
+            plan[unit] = (plan[unit][0] if unit in plan else (), None)
+        run = self._run
+        redirected = self._redirected = [module for module in plan if "_apply" not in module.__dict__]
+        for module in redirected:  # the others are an enclosing context's, which records
+            hidden, refused = plan[module]
 
-    def _apply_of(self, module: nn.Module, hidden: Sequence[tuple[dict[str, Any], str]],
-                  refused: nn.Module | None) -> Callable[..., nn.Module]:
-        def apply_inside(*args: Any, **kwargs: Any) -> nn.Module:
-            if self._depth == 0:
-                if refused is not None:
-                    raise RuntimeError(
-                        f"a conversion (.to(), .double(), ...) of {module_label(refused)}, a part of an FSDP "
-                        "unit, inside summon_full_params is not supported: FSDP2 follows the conversion of "
-                        "whole units only. Convert its unit (or the whole model) instead."
-                    )
-                self.made.append((module, args, kwargs))  # first: a fault part way is completed at exit
-                self._covered = None
-            held = hide_slots(hidden) if hidden else None
-            self._depth += 1
-            try:
-                return nn.Module._apply(module, *args, **kwargs)  # never FSDP2's: see the note
-            finally:
-                self._depth -= 1
-                if held is not None:
-                    put_back_slots(held)
+            def apply_inside(*args: Any, _module: nn.Module = module, _hidden: Sequence[tuple[dict[str, Any], str]]
+                             = hidden, _refused: nn.Module | None = refused, **kwargs: Any) -> nn.Module:
+                return run(_module, _hidden, _refused, args, kwargs)
 
-        return apply_inside
+            module.__dict__["_apply"] = apply_inside
+
+    def _run(self, module: nn.Module, hidden: Sequence[tuple[dict[str, Any], str]], refused: nn.Module | None,
+             args: tuple[Any, ...], kwargs: dict[str, Any]) -> nn.Module:
+        """``module._apply(*args, **kwargs)`` inside the context. See [Note: conversions inside]."""
+        if self._depth == 0:
+            if refused is not None:
+                raise RuntimeError(
+                    f"a conversion (.to(), .double(), ...) of {module_label(refused)}, a part of an FSDP "
+                    "unit, inside summon_full_params is not supported: FSDP2 follows the conversion of "
+                    "whole units only. Convert its unit (or the whole model) instead."
+                )
+            self.made.append((module, args, kwargs))  # first: a fault part way is completed at exit
+            self._covered = None
+        held = hide_slots(hidden) if hidden else None
+        self._depth += 1
+        try:
+            return nn.Module._apply(module, *args, **kwargs)  # never FSDP2's: see the note
+        finally:
+            self._depth -= 1
+            if held is not None:
+                put_back_slots(held)
 
     def release(self) -> None:
         """Every ``_apply`` redirected by this context is the module's own again."""
-        redirected = self._redirected
-        while redirected:
-            redirected[-1].__dict__.pop("_apply", None)
-            redirected.pop()
+        for module in self._redirected:
+            attrs = module.__dict__
+            if "_apply" in attrs:
+                del attrs["_apply"]
+        self._redirected = []
 
     def exit_dtype(self, param: SummonedParam) -> torch.dtype | None:
         """The dtype ``param``'s shard will have once the conversions are replayed: its full tensor's,
@@ -293,7 +297,7 @@ class Conversions:
 
     def replay(self) -> None:
         """Each recorded conversion again, through the module's own ``_apply``, on the restored slots."""
-        made, self.made = self.made, []
+        made, self.made = self.made, []  # the caller asks only where one was made
         for module, args, kwargs in made:
             module._apply(*args, **kwargs)
 
@@ -308,7 +312,7 @@ class SummonedGroup:
     """
 
     __slots__ = ("group", "fully_summoned", "units", "_mark", "_suspended", "_hooks", "_switch", "_guarded",
-                 "_forward_mark")
+                 "_roots")
 
     def __init__(self, group: fsdp2.FSDPParamGroup, fully_summoned: bool) -> None:
         self.group = group
@@ -319,7 +323,7 @@ class SummonedGroup:
         self._hooks: list[RemovableHandle] = []
         self._switch: _ForwardInParamDtype | None = None
         self._guarded: list[nn.Module] = []  # units whose ``_call_impl`` is ``_switch``'s guard
-        self._forward_mark: fsdp2.ForwardMark | None = None  # FSDP2's per-forward state at entry
+        self._roots: Callable[[], list[nn.Module]] | None = None  # set where forwards inside may run
 
     def prepare(self) -> bool:
         """FSDP2's group in a known state before anything is gathered, all local, nothing to undo:
@@ -357,7 +361,7 @@ class SummonedGroup:
                 "of its parameters are summoned is not supported: summon the unit itself"
             )))
             return
-        self._forward_mark = fsdp2.mark_forward(self.group, [*units, *roots()])
+        self._roots = roots
         no_backward = _RaiseOnBackward(units)
         for module in units:
             hooks.append(module.register_forward_hook(no_backward))
@@ -379,10 +383,13 @@ class SummonedGroup:
         """Undo ``summon``: the mark undone, hooks resumed and removed.
         Each step runs even if another raised; the first error is raised after all of them."""
         mark, self._mark = self._mark, None
-        forward_mark, self._forward_mark = self._forward_mark, None
+        roots, self._roots = self._roots, None
         first: BaseException | None = None
-        for step in (mark.unmark if mark is not None else None, self._resume, self.remove_hooks,
-                     forward_mark.restore if forward_mark is not None else None):
+        settle = None
+        if roots is not None and fsdp2.forward_cut_short(self.group):  # see fsdp2.settle_forward
+            def settle() -> None:
+                fsdp2.settle_forward(self.group, [*self.units, *roots()])
+        for step in (mark.unmark if mark is not None else None, self._resume, self.remove_hooks, settle):
             if step is None:
                 continue
             try:

@@ -71,8 +71,9 @@ class Scope:
     fsdp2_only: bool = False
     #: Each entry's ``FSDPParam``, in order, where FSDP2 manages every one (``fsdp2_only``), else None.
     managed: list[fsdp2.FSDPParam] | None = None
-    #: The modules holding the entries' slots (``slot_owners``): worked out once a scope.
+    #: The modules holding the entries' slots, with those slots (``slot_owners``): worked out once a scope.
     owners: list[SlotOwner] | None = None
+    owner_modules: list[nn.Module] = field(default_factory=list)  # the same modules, alone
 
 
 def slot_owners(scope: Scope) -> list[SlotOwner]:
@@ -90,6 +91,7 @@ def slot_owners(scope: Scope) -> list[SlotOwner]:
                 if entry.fsdp_param is not None and not owner[2]:
                     by_module[id(module)] = (module, owner[1], True)
         owners = scope.owners = list(by_module.values())
+        scope.owner_modules = [owner[0] for owner in owners]
     return owners
 
 

@@ -284,11 +284,11 @@ class DTensorSummon:
         for summoned_group in self.groups:
             summoned_group.summon(by_group.get(summoned_group.group, []), holds_fulls, not rank0_only, roots)
             units += summoned_group.units
-        owners = slot_owners(scope)
+        owners = scope.owners or slot_owners(scope)  # kept on a cached scope
         self.conversions.redirect(units, owners, holds_fulls)
         if rank0_only:  # every module whose slots differ between ranks, and the roots above
             root = scope.root
-            guarded = [root, *roots(), *units, *[owner[0] for owner in owners]]
+            guarded = [root, *roots(), *units, *scope.owner_modules]
             self._refusal = refuse_forwards(guarded, lambda: (
                 f"forward inside summon_full_params({module_label(root)}, rank0_only=True) "
                 "is not supported: only rank 0 (of each FSDP shard group) holds full parameters"
@@ -437,7 +437,8 @@ class DTensorSummon:
 
     def _replay_conversions(self) -> None:
         """Apply the conversions made inside to the restored (sharded) parameters, through FSDP2."""
-        self.conversions.replay()
+        if self.conversions.made:
+            self.conversions.replay()
         for param in self.summoned:
             current = param.current
             if isinstance(current, torch.Tensor) and current.dtype != param.sharded.dtype:
