@@ -130,7 +130,7 @@ def _distinct_params(model: nn.Module) -> list[_Distinct]:
                     raise untracked_parameter(fqn)
                 tensor = sharded
             else:  # a slot a live summon holds stands for the DTensor it summoned, on every rank alike
-                record = registry.summoned_at(key)
+                record = registry.summoned_at(key, value)
                 if record is not None:
                     tensor = value = record.sharded
             identity: object = owner[0] if owner is not None else value

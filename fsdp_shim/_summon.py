@@ -73,6 +73,7 @@ from fsdp_shim._scope import (
     Scope,
     cached_scope,
     collect_scope,
+    enclosing_slots,
     has_distributed_params,
     module_label,
     slot_fqn,
@@ -459,7 +460,7 @@ def _scope_of_call(
     unit's cached summon, where it can have one (see [Note: summon cache] in ``_scope``)."""
     if not registry.has_live_context(thread):
         return cached_scope(module, recurse, modules)
-    mine = registry.slots_of_thread(thread)
+    mine, modules = enclosing_slots(module, recurse, thread, modules)  # ties made inside them too
     scope = collect_scope(module, recurse, mine, modules)
     if writeback:
         refuse_writeback_inside_no_writeback(module, [mine[key] for key in scope.enclosed])
@@ -556,11 +557,13 @@ def original_params(param: torch.Tensor) -> list[nn.Parameter]:
 # contents of its slots, ``.grad``, a rank-local cache. The decisions, and
 # what each reads:
 # - *route* (``_units.route``, from ``summon``): the module tree (``is_fsdp1_tree``), FSDP2's units
-#   and ownership, DTensor specs, and the registry (a slot a live summon holds
+#   and ownership, DTensor specs, and the registry (a slot a live summon holds,
+#   or one holding a live summon's full or sharded tensor, a tie made inside,
 #   counts as distributed on every rank, whatever this rank's slot holds);
 # - *scope* (``_scope.collect_scope``, and nesting in ``_scope_of_call``): the
 #   tree, FSDP2's ``FSDPParam``s, and the slots the registry says this
-#   thread's enclosing contexts summoned. A nested call covered by them runs
+#   thread's enclosing contexts summoned or whose tensors they hold
+#   (``_scope.enclosing_slots``). A nested call covered by them runs
 #   no collective on any rank: holders see the outer call's full tensors, the
 #   others what they saw in it (FSDP1's answer: its handle is already
 #   summoning on every rank);
