@@ -68,6 +68,9 @@ class Scope:
     fsdp2_only: bool = False
     #: Each entry's ``FSDPParam``, in order, where FSDP2 manages every one (``fsdp2_only``), else None.
     managed: list[fsdp2.FSDPParam] | None = None
+    #: The mesh each entry is gathered over, in order, where FSDP2's differs from the DTensor's own
+    #: (``_fsdp2.gather_mesh``: see [Note: the group is FSDP2's]); None where no entry is FSDP2's.
+    meshes: list[Any] | None = None
 
 
 @dataclass
@@ -246,6 +249,8 @@ def collect_scope(
                 for fsdp_param in fsdp2.group_params(entry.group)
                 for m, n in owners.slots[id(fsdp_param)]
             )
+    if any(entry.fsdp_param is not None for entry in params):
+        scope.meshes = [None if entry.fsdp_param is None else fsdp2.gather_mesh(entry.fsdp_param) for entry in params]
     scope.states = states
     scope.enclosed = enclosed
     return scope

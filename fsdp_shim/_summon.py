@@ -201,11 +201,11 @@ class DTensorSummon:
             gathered = gather_full_tensors(dtensors, holds_fulls=holds_fulls, out_device=out_device,
                                            bucket_bytes=self.cap.bucket_bytes, receiver=receiver,
                                            plan=None if cached is None else cached.bucket_plan,
-                                           collective_bytes=collective_bytes)
+                                           collective_bytes=collective_bytes, meshes=scope.meshes)
             if cached is not None:
                 cached.bucket_plan = gathered.plan
             grads = (_gather_grads(grad_inputs, holds_fulls, out_device, self.cap.bucket_bytes, receiver,
-                                   collective_bytes) if grad_inputs else {})
+                                   collective_bytes, scope.meshes) if grad_inputs else {})
             # 4. install: every parameter to full, recorded on every rank; then every group summoned.
             self._to_full(dtensors, gathered, grads, holds_fulls)
             del gathered, grads
@@ -309,9 +309,11 @@ class DTensorSummon:
         layouts gather differently.
         """
         by_mesh: dict[int, list[int]] = {}
+        meshes = self.scope.meshes  # FSDP2's, where they differ from the specs' (see [Note: the group is FSDP2's])
         for index, dtensor in enumerate(dtensors):
-            by_mesh.setdefault(id(dtensor.device_mesh), []).append(index)
-        agreed = agree_on_grads(dtensors, by_mesh)  # a collective, before any gather
+            mesh = None if meshes is None else meshes[index]
+            by_mesh.setdefault(id(dtensor.device_mesh if mesh is None else mesh), []).append(index)
+        agreed = agree_on_grads(dtensors, by_mesh, meshes)  # a collective, before any gather
         chosen: list[tuple[int, DTensor]] = []
         foreign: list[tuple[Callable[[], str], DTensor]] = []
         call = f"summon_full_params({module_label(module)}, with_grads=True)"
@@ -508,9 +510,10 @@ def _prepare(scope: Scope, resolved: list[DTensor], groups: list[SummonedGroup])
 
 def _gather_grads(
     grads: list[tuple[int, DTensor]], holds_fulls: bool, out_device: torch.device | None, bucket_bytes: int,
-    receiver: Receiver, collective_bytes: int | None,
+    receiver: Receiver, collective_bytes: int | None, meshes: list[Any] | None = None,
 ) -> dict[int, torch.Tensor]:
-    """Gather the agreed gradients (``DTensorSummon._agreed_grads``): full gradients by scope position."""
+    """Gather the agreed gradients (``DTensorSummon._agreed_grads``): full gradients by scope position,
+    over their parameters' ``meshes`` (the scope's)."""
     gathered = gather_full_tensors(
         [grad for _, grad in grads],
         holds_fulls=holds_fulls,
@@ -518,6 +521,7 @@ def _gather_grads(
         bucket_bytes=bucket_bytes,
         receiver=receiver,
         collective_bytes=collective_bytes,
+        meshes=None if meshes is None else [meshes[i] for i, _ in grads],
     )
     return {i: g for (i, _), g in zip(grads, gathered.tensors, strict=True) if g is not None}
 
