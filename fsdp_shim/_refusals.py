@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
+from torch import Tensor
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -144,6 +145,9 @@ def refuse_placements(
             reason = writeback_refusal(placements)
         if reason is not None:
             raise NotImplementedError(f"cannot summon {name()!r}: {reason}")
+        local = dtensor._local_tensor
+        if type(local) is not Tensor and hasattr(local, "fsdp_pre_all_gather"):
+            raise gather_extension(name(), type(local))
         mesh = None if gather_meshes is None else gather_meshes[index]
         if mesh is None:
             mesh = dtensor.device_mesh
@@ -152,6 +156,29 @@ def refuse_placements(
     for name, mesh in meshes.values():
         groups += live_mesh_dim_groups(mesh, lambda: repr(name()))  # noqa: B023  # called within this iteration, before name changes
     return list({id(g): g for g in groups}.values())
+
+
+def gather_extension(fqn: str, subclass: type) -> NotImplementedError:
+    """The refusal of a tensor subclass that FSDP2 gathers through its all-gather extension.
+
+    [Note: all-gather extensions]
+    A local shard whose class defines ``fsdp_pre_all_gather`` (and
+    ``fsdp_post_all_gather``: torchao's ``NF4Tensor`` for QLoRA, its float8
+    weights) is gathered by FSDP2 through that extension: its own inner
+    tensors travel, and the subclass rebuilds itself from them. A plain
+    all-gather of the local tensor fails inside the subclass, with a message
+    that names no parameter. So the summon and the stream refuse it here,
+    alike on every rank (the class is the same everywhere) and before any
+    collective. Gathering through the extension would also need a writeback
+    through it; ``FSDPModule.unshard()`` gathers such a unit as FSDP2 does.
+    """
+    return NotImplementedError(
+        f"cannot summon {fqn!r}: it is a {subclass.__module__}.{subclass.__qualname__}, a tensor subclass that "
+        "FSDP2 gathers through its all-gather extension (fsdp_pre_all_gather / fsdp_post_all_gather); "
+        "summon_full_params and iter_full_params do not gather such tensors. Leave it out of the call (summon "
+        "the units or parameters around it), or use FSDP2's own unit.unshard() / unit.reshard() for it. "
+        "Nothing was gathered."
+    )
 
 
 def refuse_writeback_inside_no_writeback(module: nn.Module, enclosing: Iterable[registry.LiveContext]) -> None:
