@@ -71,6 +71,7 @@ __all__ = [
     "suspend_hooks",
     "resume_hooks",
     "group_hook_sites",
+    "gather_mesh",
     "load_post_hook_sites",
     "unsharded_param_if_any",
     "sharded_behind",
@@ -571,6 +572,24 @@ def shard_rank(group: FSDPParamGroup) -> int:
     return int(group.mesh_info.shard_mesh_rank)  # type: ignore[attr-defined]  # see the line above
 
 
+def gather_mesh(fsdp_param: FSDPParam) -> Any:
+    """The mesh FSDP2 gathers this parameter over, where the shim's gather must use it: its ``mesh_info``.
+
+    [Note: the group is FSDP2's]
+    ``DeviceMesh.__eq__`` ignores process groups, and torch's DTensor caches
+    map equal meshes to one another: a model sharded on a group of its own,
+    after another of the same shapes on another group, gets DTensors whose
+    spec names the first model's mesh. FSDP2 keeps gathering over its own
+    ``mesh_info``; so does the shim (the gather, the group checks, the claims),
+    wherever that mesh lays the parameter out as its spec does (FSDP, HSDP: the
+    same number of dims). With tensor parallelism FSDP2 gathers on a mesh of
+    more dims than ``mesh_info``'s; the DTensor's own mesh is kept there (None).
+    """
+    mesh = fsdp_param.mesh_info.mesh
+    own = fsdp_param.sharded_param.device_mesh  # type: ignore[attr-defined]  # FSDP2's sharded parameter is a DTensor
+    return mesh if mesh.ndim == own.ndim else None
+
+
 def group_modules(group: FSDPParamGroup) -> tuple[nn.Module, ...]:
     """The modules whose forward hooks drive this group (``fully_shard``'s arguments)."""
     return tuple(group.modules)
@@ -599,7 +618,7 @@ _FIELDS: dict[type, tuple[str | tuple[str, ...], ...]] = {
     FSDPParamGroup: ("fsdp_params", "_sharded_state", "post_forward_mesh_info", "_training_state",
                      "_reset_sharded_params", "modules", "mesh_info"),
     FSDPParam: ("sharded_param", "_module_info", "_unsharded_param", "_sharded_post_forward_param",
-                ("param_dtype", "mp_policy")),
+                ("param_dtype", "mp_policy"), "mesh_info"),
     FSDPStateContext: ("iter_forward_root",),
     ParamModuleInfo: ("module", "param_name", "shared_modules", "shared_param_names"),
 }

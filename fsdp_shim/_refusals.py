@@ -15,13 +15,15 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
+from torch import Tensor
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim import _registry as registry
 from fsdp_shim._compat import ungatherable_reason, writeback_refusal
-from fsdp_shim._gather.layout import live_mesh_dim_groups, require_live_groups
+from fsdp_shim._gather.layout import Meshes, live_mesh_dim_groups, require_live_groups
 from fsdp_shim._scope import (
     CachedSummon,
     Scope,
@@ -109,7 +111,7 @@ def refuse_before_anything(
     else:
         named = ((lambda e=entry: slot_fqn(module, e.slots[0]), sharded)
                  for entry, sharded in zip(scope.params, shardeds, strict=True))
-        groups = refuse_placements(named, writeback)
+        groups = refuse_placements(named, writeback, scope.meshes)
         if cached is not None:
             cached.passed(specs, writeback, groups)
     # Gradients are rank-local: what they need is agreed by every rank after entry (``_agreed_grads``).
@@ -125,27 +127,58 @@ def refuse_busy(call: Callable[[], str], states: list[FSDPState], groups: list[F
 
 
 def refuse_placements(
-    named: Iterable[tuple[Callable[[], str], DTensor]], writeback: bool
+    named: Iterable[tuple[Callable[[], str], DTensor]], writeback: bool, gather_meshes: Meshes = None,
 ) -> list[dist.ProcessGroup]:
     """Every placement this torch cannot gather (or, under ``writeback``, write back), and every dead or
     out-of-step group, refused before anything moves; the process groups the DTensors gather over.
 
-    ``named``: each DTensor with a function that names it (worked out only to raise). The summon
-    and the stream both ask here, so they refuse the same things in the same words.
+    ``named``: each DTensor with a function that names it (worked out only to raise).
+    ``gather_meshes``: the mesh each is gathered over, by position, where its owner says (FSDP2's:
+    see [Note: the group is FSDP2's] in ``_fsdp2``); else its own. The summon and the stream both
+    ask here, so they refuse the same things in the same words.
     """
-    meshes: dict[int, tuple[Callable[[], str], DTensor]] = {}  # one DTensor a mesh
-    for name, dtensor in named:
+    meshes: dict[int, tuple[Callable[[], str], DeviceMesh]] = {}  # one name a mesh
+    for index, (name, dtensor) in enumerate(named):
         placements = dtensor.placements
         reason = ungatherable_reason(placements)
         if reason is None and writeback:
             reason = writeback_refusal(placements)
         if reason is not None:
             raise NotImplementedError(f"cannot summon {name()!r}: {reason}")
-        meshes.setdefault(id(dtensor.device_mesh), (name, dtensor))
+        local = dtensor._local_tensor
+        if type(local) is not Tensor and hasattr(local, "fsdp_pre_all_gather"):
+            raise gather_extension(name(), type(local))
+        mesh = None if gather_meshes is None else gather_meshes[index]
+        if mesh is None:
+            mesh = dtensor.device_mesh
+        meshes.setdefault(id(mesh), (name, mesh))
     groups: list[dist.ProcessGroup] = []
-    for name, dtensor in meshes.values():
-        groups += live_mesh_dim_groups(dtensor.device_mesh, lambda: repr(name()))  # noqa: B023  # called within this iteration, before name changes
+    for name, mesh in meshes.values():
+        groups += live_mesh_dim_groups(mesh, lambda: repr(name()))  # noqa: B023  # called within this iteration, before name changes
     return list({id(g): g for g in groups}.values())
+
+
+def gather_extension(fqn: str, subclass: type) -> NotImplementedError:
+    """The refusal of a tensor subclass that FSDP2 gathers through its all-gather extension.
+
+    [Note: all-gather extensions]
+    A local shard whose class defines ``fsdp_pre_all_gather`` (and
+    ``fsdp_post_all_gather``: torchao's ``NF4Tensor`` for QLoRA, its float8
+    weights) is gathered by FSDP2 through that extension: its own inner
+    tensors travel, and the subclass rebuilds itself from them. A plain
+    all-gather of the local tensor fails inside the subclass, with a message
+    that names no parameter. So the summon and the stream refuse it here,
+    alike on every rank (the class is the same everywhere) and before any
+    collective. Gathering through the extension would also need a writeback
+    through it; ``FSDPModule.unshard()`` gathers such a unit as FSDP2 does.
+    """
+    return NotImplementedError(
+        f"cannot summon {fqn!r}: it is a {subclass.__module__}.{subclass.__qualname__}, a tensor subclass that "
+        "FSDP2 gathers through its all-gather extension (fsdp_pre_all_gather / fsdp_post_all_gather); "
+        "summon_full_params and iter_full_params do not gather such tensors. Leave it out of the call (summon "
+        "the units or parameters around it), or use FSDP2's own unit.unshard() / unit.reshard() for it. "
+        "Nothing was gathered."
+    )
 
 
 def refuse_writeback_inside_no_writeback(module: nn.Module, enclosing: Iterable[registry.LiveContext]) -> None:

@@ -78,6 +78,7 @@ class _Registered:
     context: LiveContext
     slot_keys: set[SlotKey] | None = None
     fulls: dict[int, Summoned] | None = None
+    tensors: dict[int, Summoned] | None = None
 
     def keys(self) -> set[SlotKey]:
         """The slots its records were swapped into."""
@@ -91,6 +92,14 @@ class _Registered:
             self.fulls = {id(r.full): r for r in self.context.summoned if r.full is not None and not r.is_buffer}
         record = self.fulls.get(id(param))
         return record if record is not None and record.full is param else None
+
+    def tensor_record(self, tensor: object) -> Summoned | None:
+        """The record whose full tensor or sharded DTensor is ``tensor`` itself."""
+        if self.tensors is None:
+            self.tensors = {id(r.sharded): r for r in self.context.summoned}
+            self.tensors.update((id(r.full), r) for r in self.context.summoned if r.full is not None)
+        record = self.tensors.get(id(tensor))
+        return record if record is not None and (record.full is tensor or record.sharded is tensor) else None
 
 
 #: ``id(context)`` -> each live context (any thread) whose slots hold its full tensors, in entry order.
@@ -124,9 +133,10 @@ def owner_of(key: SlotKey) -> LiveContext | None:
     return None
 
 
-def summoned_at(key: SlotKey) -> Summoned | None:
-    """The record of the tensor a live context summoned into slot ``key``, if any (on every rank alike):
-    what the slot stands for, whatever this rank's slot holds."""
+def summoned_at(key: SlotKey, value: object = None) -> Summoned | None:
+    """The record of the tensor a live context summoned into slot ``key``, or whose full or sharded
+    tensor is ``value``, what the slot holds (a tie made inside: see [Note: what a slot stands for]), if
+    any (on every rank alike): what the slot stands for, whatever this rank's slot holds."""
     if not _live:
         return None
     for registered in list(_live.values()):
@@ -134,6 +144,28 @@ def summoned_at(key: SlotKey) -> Summoned | None:
             for record in registered.context.summoned:
                 if any((id(m), n) == key for m, n in record.slots):
                     return record
+    held = holding(value)
+    return None if held is None else held[1]
+
+
+def holding(tensor: object) -> tuple[LiveContext, Summoned] | None:
+    """The live context, and its record, whose full tensor or sharded DTensor is ``tensor`` itself.
+
+    [Note: what a slot stands for]
+    A slot no context swapped may still hold what a context summoned: a tie
+    made inside one (``side.weight = blocks[0].fc2.weight``) puts there the
+    full parameter where this rank holds full tensors and the shard where it
+    does not (``rank0_only``). Either stands for the same record, which every
+    rank keeps alike, so routing, scope and the stream read the slot through
+    the record, never through its type (see [Note: every rank decides alike]
+    in ``_summon``).
+    """
+    if not _live or tensor is None:
+        return None
+    for registered in list(_live.values()):
+        record = registered.tensor_record(tensor)
+        if record is not None:
+            return registered.context, record
     return None
 
 

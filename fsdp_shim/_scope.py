@@ -74,6 +74,9 @@ class Scope:
     #: The modules holding the entries' slots, with those slots (``slot_owners``): worked out once a scope.
     owners: list[SlotOwner] | None = None
     owner_modules: list[nn.Module] = field(default_factory=list)  # the same modules, alone
+    #: The mesh each entry is gathered over, in order, where FSDP2's differs from the DTensor's own
+    #: (``_fsdp2.gather_mesh``: see [Note: the group is FSDP2's]); None where no entry is FSDP2's.
+    meshes: list[Any] | None = None
 
 
 def slot_owners(scope: Scope) -> list[SlotOwner]:
@@ -157,10 +160,37 @@ def has_distributed_params(modules: list[nn.Module]) -> bool:
     if any(isinstance(p, DTensor) for m in modules for p in (*m._parameters.values(), *m._buffers.values())):
         return True
     if registry.has_live_slots() and any(  # a live summon's slots, whatever this rank's hold: every rank alike
-            registry.owner_of((id(m), name)) is not None for m in modules for name in (*m._parameters, *m._buffers)):
-        return True
+            registry.owner_of((id(m), name)) is not None or registry.holding(value) is not None
+            for m in modules for name, value in (*m._parameters.items(), *m._buffers.items())):
+        return True  # a slot tied to a live summon's tensor too (see [Note: what a slot stands for])
     owners = fsdp_slot_owners(fsdp2.all_fsdp_states()).by_slot  # unsharded slots hold plain tensors
     return any(slot_key(m, name) in owners for m in modules for name in m._parameters)
+
+
+def enclosing_slots(
+    root: nn.Module, recurse: bool, thread: int, modules: list[nn.Module] | None
+) -> tuple[dict[SlotKey, registry.LiveContext], list[nn.Module]]:
+    """The slots of ``root``'s scope that this thread's live contexts hold, each with its context, and the
+    scope's modules (``scope_modules``; ``modules`` if the caller walked them already).
+
+    The slots those contexts swapped, and every other slot of the scope that
+    holds one of their tensors, full or sharded (a tie made inside one: see
+    [Note: what a slot stands for] in ``_registry``): a nested call leaves them
+    all to the enclosing context, on every rank alike, whichever form this
+    rank's slot holds.
+    """
+    if modules is None:
+        modules = scope_modules(root, recurse)
+    mine = registry.slots_of_thread(thread)
+    for module in modules:
+        for name, value in (*module._parameters.items(), *module._buffers.items()):
+            key = (id(module), name)
+            if key in mine:
+                continue
+            held = registry.holding(value)
+            if held is not None and held[0].thread == thread:
+                mine[key] = held[0]
+    return mine, modules
 
 
 def collect_scope(
@@ -244,6 +274,8 @@ def collect_scope(
                 for fsdp_param in fsdp2.group_params(entry.group)
                 for m, n in owners.slots[id(fsdp_param)]
             )
+    if any(entry.fsdp_param is not None for entry in params):
+        scope.meshes = [None if entry.fsdp_param is None else fsdp2.gather_mesh(entry.fsdp_param) for entry in params]
     scope.states = states
     scope.enclosed = enclosed
     return scope

@@ -100,6 +100,8 @@ class _Batch:
     tensors: list[torch.Tensor] = field(default_factory=list)  # sharded DTensors or plain tensors
     casts: list[torch.dtype | None] = field(default_factory=list)  # what each travels in; None: stored
     nbytes: int = 0  # gathered size
+    #: The mesh each is gathered over where FSDP2's differs from the DTensor's (``_fsdp2.gather_mesh``), else None.
+    meshes: list[Any] = field(default_factory=list)
 
 
 class _Distinct(NamedTuple):
@@ -108,6 +110,7 @@ class _Distinct(NamedTuple):
     names: list[str]
     tensor: torch.Tensor
     unit: object | None  # the FSDP2 param group that manages it
+    mesh: Any  # the mesh FSDP2 gathers it over (``_fsdp2.gather_mesh``), or None: its own
 
 
 def _distinct_params(model: nn.Module) -> list[_Distinct]:
@@ -130,14 +133,15 @@ def _distinct_params(model: nn.Module) -> list[_Distinct]:
                     raise untracked_parameter(fqn)
                 tensor = sharded
             else:  # a slot a live summon holds stands for the DTensor it summoned, on every rank alike
-                record = registry.summoned_at(key)
+                record = registry.summoned_at(key, value)
                 if record is not None:
                     tensor = value = record.sharded
             identity: object = owner[0] if owner is not None else value
             if id(identity) in found:
                 found[id(identity)].names.append(fqn)  # a tie: named by its first name
                 continue
-            found[id(identity)] = _Distinct([fqn], tensor, owner[1] if owner is not None else None)
+            found[id(identity)] = _Distinct([fqn], tensor, owner[1] if owner is not None else None,
+                                            None if owner is None else fsdp2.gather_mesh(owner[0]))
     return list(found.values())
 
 
@@ -171,6 +175,7 @@ def batch_params(
         batch.names.append(param.names[0])
         batch.tensors.append(param.tensor)
         batch.casts.append(cast)
+        batch.meshes.append(param.mesh)
         batch.nbytes += nbytes
     if cast_to is not None and uncast is not None and not uncast_count:
         logger.warning("iter_full_params: keep_dtype matched no parameter; every floating one is cast to %s", cast_to)
@@ -186,9 +191,11 @@ def _merge_small(batches: list[_Batch], bucket_bytes: int) -> list[_Batch]:
             last.names += batch.names
             last.tensors += batch.tensors
             last.casts += batch.casts
+            last.meshes += batch.meshes
             last.nbytes += batch.nbytes
         else:
-            merged.append(_Batch(list(batch.names), list(batch.tensors), list(batch.casts), batch.nbytes))
+            merged.append(_Batch(list(batch.names), list(batch.tensors), list(batch.casts), batch.nbytes,
+                                 list(batch.meshes)))
     return merged
 
 
@@ -204,17 +211,18 @@ class _InFlightBatch:
 
     def __init__(self, batch: _Batch, bucket_bytes: int, receiver: Receiver, launch: bool = True):
         self.batch = batch
-        by_cast: dict[torch.dtype | None, tuple[list[int], list[DTensor]]] = {}
-        for index, (tensor, cast) in enumerate(zip(batch.tensors, batch.casts, strict=True)):
+        by_cast: dict[torch.dtype | None, tuple[list[int], list[DTensor], list[Any]]] = {}
+        for index, (tensor, cast, mesh) in enumerate(zip(batch.tensors, batch.casts, batch.meshes, strict=True)):
             if isinstance(tensor, DTensor):
-                indices, dtensors = by_cast.setdefault(cast, ([], []))
+                indices, dtensors, meshes = by_cast.setdefault(cast, ([], [], []))
                 indices.append(index)
                 dtensors.append(tensor)
+                meshes.append(mesh)
         self._pending: list[tuple[list[int], BucketGather]] = []
         try:
-            for cast, (indices, dtensors) in by_cast.items():
+            for cast, (indices, dtensors, meshes) in by_cast.items():
                 self._pending.append((indices, start_gather(dtensors, cast_to=cast, bucket_bytes=bucket_bytes,
-                                                            receiver=receiver, launch=launch)))
+                                                            receiver=receiver, launch=launch, meshes=meshes)))
         except BaseException:
             self.drop()
             raise
@@ -316,9 +324,10 @@ def stream_full_params(
     states = [state for state in (fsdp2.fsdp_state_of(m) for m in model.modules()) if state is not None]
     refuse_busy(lambda: call, states, [group for state in states for group in fsdp2.param_groups(state)])
     batches = batch_params(model, bucket_bytes, dtype, name_matcher(keep_dtype))
-    named = ((lambda n=name: n, t) for b in batches for name, t in zip(b.names, b.tensors, strict=True)
-             if isinstance(t, DTensor))
-    groups = refuse_placements(named, writeback=False)
+    distributed = [(name, t, mesh) for b in batches for name, t, mesh in zip(b.names, b.tensors, b.meshes, strict=True)
+                   if isinstance(t, DTensor)]
+    named = ((lambda n=name: n, t) for name, t, _ in distributed)
+    groups = refuse_placements(named, writeback=False, gather_meshes=[mesh for _, _, mesh in distributed])
     receiver, holds_fulls = receivers_for_stream(rank0_only)
     if not registry.claim(registry.current_thread(), groups):
         raise group_in_use(call)

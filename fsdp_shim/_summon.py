@@ -73,6 +73,7 @@ from fsdp_shim._scope import (
     Scope,
     cached_scope,
     collect_scope,
+    enclosing_slots,
     has_distributed_params,
     module_label,
     slot_fqn,
@@ -202,11 +203,11 @@ class DTensorSummon:
             gathered = gather_full_tensors(dtensors, holds_fulls=holds_fulls, out_device=out_device,
                                            bucket_bytes=self.cap.bucket_bytes, receiver=receiver,
                                            plan=None if cached is None else cached.bucket_plan,
-                                           collective_bytes=collective_bytes)
+                                           collective_bytes=collective_bytes, meshes=scope.meshes)
             if cached is not None:
                 cached.bucket_plan = gathered.plan
             grads = (_gather_grads(grad_inputs, holds_fulls, out_device, self.cap.bucket_bytes, receiver,
-                                   collective_bytes) if grad_inputs else {})
+                                   collective_bytes, scope.meshes) if grad_inputs else {})
             # 4. install: every parameter to full, recorded on every rank; then every group summoned.
             self._to_full(dtensors, gathered, grads, holds_fulls)
             del gathered, grads
@@ -309,9 +310,11 @@ class DTensorSummon:
         layouts gather differently.
         """
         by_mesh: dict[int, list[int]] = {}
+        meshes = self.scope.meshes  # FSDP2's, where they differ from the specs' (see [Note: the group is FSDP2's])
         for index, dtensor in enumerate(dtensors):
-            by_mesh.setdefault(id(dtensor.device_mesh), []).append(index)
-        agreed = agree_on_grads(dtensors, by_mesh)  # a collective, before any gather
+            mesh = None if meshes is None else meshes[index]
+            by_mesh.setdefault(id(dtensor.device_mesh if mesh is None else mesh), []).append(index)
+        agreed = agree_on_grads(dtensors, by_mesh, meshes)  # a collective, before any gather
         chosen: list[tuple[int, DTensor]] = []
         foreign: list[tuple[Callable[[], str], DTensor]] = []
         call = f"summon_full_params({module_label(module)}, with_grads=True)"
@@ -458,7 +461,7 @@ def _scope_of_call(
     unit's cached summon, where it can have one (see [Note: summon cache] in ``_scope``)."""
     if not registry.has_live_context(thread):
         return cached_scope(module, recurse, modules)
-    mine = registry.slots_of_thread(thread)
+    mine, modules = enclosing_slots(module, recurse, thread, modules)  # ties made inside them too
     scope = collect_scope(module, recurse, mine, modules)
     if writeback:
         refuse_writeback_inside_no_writeback(module, [mine[key] for key in scope.enclosed])
@@ -506,9 +509,10 @@ def _prepare(scope: Scope, resolved: list[DTensor], groups: list[SummonedGroup])
 
 def _gather_grads(
     grads: list[tuple[int, DTensor]], holds_fulls: bool, out_device: torch.device | None, bucket_bytes: int,
-    receiver: Receiver, collective_bytes: int | None,
+    receiver: Receiver, collective_bytes: int | None, meshes: list[Any] | None = None,
 ) -> dict[int, torch.Tensor]:
-    """Gather the agreed gradients (``DTensorSummon._agreed_grads``): full gradients by scope position."""
+    """Gather the agreed gradients (``DTensorSummon._agreed_grads``): full gradients by scope position,
+    over their parameters' ``meshes`` (the scope's)."""
     gathered = gather_full_tensors(
         [grad for _, grad in grads],
         holds_fulls=holds_fulls,
@@ -516,6 +520,7 @@ def _gather_grads(
         bucket_bytes=bucket_bytes,
         receiver=receiver,
         collective_bytes=collective_bytes,
+        meshes=None if meshes is None else [meshes[i] for i, _ in grads],
     )
     return {i: g for (i, _), g in zip(grads, gathered.tensors, strict=True) if g is not None}
 
@@ -555,11 +560,13 @@ def original_params(param: torch.Tensor) -> list[nn.Parameter]:
 # contents of its slots, ``.grad``, a rank-local cache. The decisions, and
 # what each reads:
 # - *route* (``_units.route``, from ``summon``): the module tree (``is_fsdp1_tree``), FSDP2's units
-#   and ownership, DTensor specs, and the registry (a slot a live summon holds
+#   and ownership, DTensor specs, and the registry (a slot a live summon holds,
+#   or one holding a live summon's full or sharded tensor, a tie made inside,
 #   counts as distributed on every rank, whatever this rank's slot holds);
 # - *scope* (``_scope.collect_scope``, and nesting in ``_scope_of_call``): the
 #   tree, FSDP2's ``FSDPParam``s, and the slots the registry says this
-#   thread's enclosing contexts summoned. A nested call covered by them runs
+#   thread's enclosing contexts summoned or whose tensors they hold
+#   (``_scope.enclosing_slots``). A nested call covered by them runs
 #   no collective on any rank: holders see the outer call's full tensors, the
 #   others what they saw in it (FSDP1's answer: its handle is already
 #   summoning on every rank);

@@ -50,6 +50,7 @@ from typing import NamedTuple, cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fsdp_shim._compat import all_gather_single, grad_disabled
@@ -57,6 +58,7 @@ from fsdp_shim._gather.layout import (
     BucketPlan,
     BucketShape,
     Dim0Layout,
+    Meshes,
     Receiver,
     bucket_plan,
     delivers_over,
@@ -271,10 +273,14 @@ def _to_device(tensor: torch.Tensor, device: torch.device | None) -> torch.Tenso
 
 @torch.no_grad()
 def _gather_fallback(
-    dtensor: DTensor, holds_fulls: bool, out_device: torch.device | None, cast_to: torch.dtype | None = None
+    dtensor: DTensor, holds_fulls: bool, out_device: torch.device | None, cast_to: torch.dtype | None = None,
+    mesh: DeviceMesh | None = None,
 ) -> torch.Tensor | None:
     dtype = gathered_dtype(dtensor, cast_to)
     source = dtensor if dtype == dtensor.dtype else cast(DTensor, dtensor.to(dtype))  # a local, elementwise cast
+    if mesh is not None and mesh is not source.device_mesh:  # its owner's mesh: see ``Meshes``
+        source = DTensor.from_local(source._local_tensor, mesh, source.placements, run_check=False,
+                                    shape=source.shape, stride=source.stride())
     full = source.full_tensor()
     if not holds_fulls:
         return None
@@ -317,10 +323,13 @@ class BucketGather:
         launch: bool = True,
         plan: BucketPlan | None = None,
         collective_bytes: int | None = None,
+        meshes: Meshes = None,
     ) -> None:
-        self.plan = bucket_plan(dtensors, bucket_bytes, cast_to, reuse=plan, collective_bytes=collective_bytes)
+        self.plan = bucket_plan(dtensors, bucket_bytes, cast_to, reuse=plan, collective_bytes=collective_bytes,
+                                meshes=meshes)
         buckets, self._fallback = self.plan.bind(dtensors), list(self.plan.fallback)
         self._dtensors = list(dtensors)
+        self._meshes = meshes
         self._cast_to = cast_to
         self._receiver = receiver
         self._unstaged = collections.deque(zip(buckets, self.plan.shapes, strict=True))
@@ -394,7 +403,8 @@ class BucketGather:
             flights.popleft()
             del flight
         for index in self._fallback:
-            results[index] = _gather_fallback(self._dtensors[index], holds_fulls, out_device, self._cast_to)
+            results[index] = _gather_fallback(self._dtensors[index], holds_fulls, out_device, self._cast_to,
+                                              None if self._meshes is None else self._meshes[index])
         self._fallback = []
         return Gathered(results, layouts, self.plan)
 
@@ -427,6 +437,7 @@ def gather_full_tensors(
     receiver: Receiver = "all",
     plan: BucketPlan | None = None,
     collective_bytes: int | None = None,
+    meshes: Meshes = None,
 ) -> Gathered:
     """All-gather every DTensor in ``dtensors`` to a plain full tensor, one bucket in flight.
 
@@ -440,10 +451,11 @@ def gather_full_tensors(
 
     The caller has refused what cannot be gathered (placements this torch gets
     wrong, dead or out-of-step groups: ``_refusals.refuse_placements``) before
-    calling; the engine does not check again.
+    calling; the engine does not check again. ``meshes``: the mesh each is gathered over where its owner
+    says (``layout.Meshes``).
     """
     gather = BucketGather(dtensors, bucket_bytes=bucket_bytes, receiver=receiver, ahead=1, plan=plan,
-                          collective_bytes=collective_bytes)
+                          collective_bytes=collective_bytes, meshes=meshes)
     return gather.finish_with_layouts(holds_fulls=holds_fulls, out_device=out_device)
 
 
@@ -454,6 +466,7 @@ def start_gather(
     bucket_bytes: int,
     receiver: Receiver = "all",
     launch: bool = True,
+    meshes: Meshes = None,
 ) -> BucketGather:
     """Stage every bucket of ``dtensors`` and launch its all-gather now; ``finish`` collects them.
 
@@ -469,7 +482,8 @@ def start_gather(
     bytes (half of fp32 for bf16) and the full tensor is born in that dtype.
     Casting is elementwise, so this equals casting the gathered full tensor.
     """
-    return BucketGather(dtensors, cast_to=cast_to, bucket_bytes=bucket_bytes, receiver=receiver, launch=launch)
+    return BucketGather(dtensors, cast_to=cast_to, bucket_bytes=bucket_bytes, receiver=receiver, launch=launch,
+                        meshes=meshes)
 
 
 class GradPresence(NamedTuple):
@@ -499,7 +513,9 @@ def _layout_code(grad: torch.Tensor) -> int:
 _NO_CODE = -(1 << 62)
 
 
-def agree_on_grads(dtensors: Sequence[DTensor], by_mesh: dict[int, list[int]]) -> dict[int, GradPresence]:
+def agree_on_grads(
+    dtensors: Sequence[DTensor], by_mesh: dict[int, list[int]], meshes: Meshes = None,
+) -> dict[int, GradPresence]:
     """Every rank's view of which of ``dtensors`` have gradients, made the same on every rank.
 
     A collective: one ``all_reduce(MAX)`` of five numbers a parameter over
@@ -524,7 +540,8 @@ def agree_on_grads(dtensors: Sequence[DTensor], by_mesh: dict[int, list[int]]) -
             local += [grad is None, grad is not None, other,
                       _NO_CODE if code is None else code, _NO_CODE if code is None else -code]
         flags = torch.tensor(local, dtype=torch.int64).to(_comm_device(first))
-        for group in mesh_dim_groups(first.device_mesh):
+        mesh = None if meshes is None else meshes[indices[0]]  # its owner's, where it says (see ``Meshes``)
+        for group in mesh_dim_groups(first.device_mesh if mesh is None else mesh):
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
         values = flags.tolist()
         for position, index in enumerate(indices):

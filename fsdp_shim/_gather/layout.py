@@ -260,8 +260,9 @@ def require_live_groups(groups: Iterable[dist.ProcessGroup], user: Callable[[], 
             )
 
 
-#: ``id(spec)`` -> (the DTensorSpec, weakly; the local shape seen; its layout). See ``dim0_layout``.
-_layouts: dict[int, tuple[weakref.ref[Any], torch.Size, Dim0Layout | None]] = {}
+#: ``id(spec)`` -> (the DTensorSpec, weakly; the local shape seen; its layout; the mesh it was worked out on,
+#: weakly). See ``dim0_layout``.
+_layouts: dict[int, tuple[weakref.ref[Any], torch.Size, Dim0Layout | None, weakref.ref[DeviceMesh]]] = {}
 
 
 def rows_held(rows: int, chunk_rows: int, coordinate: int) -> int:
@@ -269,31 +270,36 @@ def rows_held(rows: int, chunk_rows: int, coordinate: int) -> int:
     return max(0, min(chunk_rows, rows - coordinate * chunk_rows))
 
 
-def dim0_layout(dtensor: DTensor) -> Dim0Layout | None:
-    """The batched-gather layout of ``dtensor``, or ``None`` if only ``full_tensor()`` applies.
+def dim0_layout(dtensor: DTensor, mesh: DeviceMesh | None = None) -> Dim0Layout | None:
+    """The batched-gather layout of ``dtensor`` on ``mesh`` (its own, by default), or ``None`` if only
+    ``full_tensor()`` applies.
 
+    ``mesh``: the mesh its owner gathers it over where that is not the
+    spec's (an FSDP2 parameter: see [Note: the group is FSDP2's] in ``_fsdp2``).
     Cached per ``DTensorSpec`` (mesh, placements and global shape, which a
-    DTensor never changes) and local shape: an FSDP2 parameter keeps its
+    DTensor never changes), local shape and mesh: an FSDP2 parameter keeps its
     spec for life, and working the layout out is a sizeable part of a
     per-unit summon's Python (``docs/host-cost.md``). The spec is held
     weakly, its entry dropped with it.
     """
     spec = dtensor._spec
+    if mesh is None:
+        mesh = spec.mesh
     local_shape = dtensor._local_tensor.shape
     cached = _layouts.get(id(spec))
-    if cached is not None and cached[0]() is spec and cached[1] == local_shape:
+    if cached is not None and cached[0]() is spec and cached[1] == local_shape and cached[3]() is mesh:
         return cached[2]
-    layout = _work_out_dim0_layout(dtensor)
+    layout = _work_out_dim0_layout(dtensor, mesh)
     key = id(spec)
 
     def forget(_: object) -> None:  # the spec is gone, and so is its entry
         _layouts.pop(key, None)
 
-    _layouts[key] = (weakref.ref(spec, forget), local_shape, layout)
+    _layouts[key] = (weakref.ref(spec, forget), local_shape, layout, weakref.ref(mesh))
     return layout
 
 
-def _work_out_dim0_layout(dtensor: DTensor) -> Dim0Layout | None:
+def _work_out_dim0_layout(dtensor: DTensor, mesh: DeviceMesh) -> Dim0Layout | None:
     """``dim0_layout``, uncached.
 
     The fast path covers placements with exactly one plain ``Shard(0)`` and
@@ -310,7 +316,7 @@ def _work_out_dim0_layout(dtensor: DTensor) -> Dim0Layout | None:
         return None
     if not all(is_replicate(p) for i, p in enumerate(placements) if i != shard_dims[0]):
         return None
-    group, world_size, rank = _mesh_dim(dtensor.device_mesh, shard_dims[0])
+    group, world_size, rank = _mesh_dim(mesh, shard_dims[0])
     rows = dtensor.shape[0]
     chunk_rows = -(-rows // world_size)
     expected_rows = rows_held(rows, chunk_rows, rank)
@@ -327,6 +333,11 @@ def _work_out_dim0_layout(dtensor: DTensor) -> Dim0Layout | None:
     shape = torch.Size(dtensor.shape)
     return Dim0Layout(group, world_size, rank, chunk_rows, row_numel, expected_rows, shape,
                       (world_size * chunk_rows, *shape[1:]), -(-rows // chunk_rows) if chunk_rows else 0)
+
+
+#: The mesh each DTensor of a gather is gathered over, by position, where its owner says (an FSDP2
+#: parameter: ``_fsdp2.gather_mesh``); None, or a None entry: the DTensor's own mesh.
+Meshes = Sequence["DeviceMesh | None"] | None
 
 
 class BucketEntry(NamedTuple):
@@ -397,13 +408,16 @@ def bucket_plan_key(
 
 def bucket_plan(
     dtensors: Sequence[DTensor], bucket_bytes: int, cast_to: torch.dtype | None = None,
-    reuse: BucketPlan | None = None, collective_bytes: int | None = None,
+    reuse: BucketPlan | None = None, collective_bytes: int | None = None, meshes: Meshes = None,
 ) -> BucketPlan:
-    """The plan for ``dtensors``: ``reuse`` if it was made for the same key, else a new one (``split_into_buckets``)."""
+    """The plan for ``dtensors``: ``reuse`` if it was made for the same key, else a new one (``split_into_buckets``).
+
+    ``meshes``: see ``Meshes``; fixed for given tensors, so a plan reused for the same key was made with them.
+    """
     key = bucket_plan_key(dtensors, bucket_bytes, cast_to, collective_bytes)
     if reuse is not None and reuse.key == key:
         return reuse
-    buckets, fallback = split_into_buckets(dtensors, bucket_bytes, cast_to, collective_bytes)
+    buckets, fallback = split_into_buckets(dtensors, bucket_bytes, cast_to, collective_bytes, meshes)
     shapes = [
         BucketShape([b.layout.padded_numel for b in bucket], gathered_dtype(bucket[0].dtensor, cast_to),
                     fills_padding(bucket), max(b.layout.blocks_with_rows for b in bucket))
@@ -415,7 +429,7 @@ def bucket_plan(
 
 def split_into_buckets(
     dtensors: Sequence[DTensor], bucket_bytes: int, cast_to: torch.dtype | None = None,
-    collective_bytes: int | None = None,
+    collective_bytes: int | None = None, meshes: Meshes = None,
 ) -> tuple[list[list[BucketEntry]], list[int]]:
     """Split ``dtensors`` into fast-path buckets and fallback indices.
 
@@ -438,7 +452,7 @@ def split_into_buckets(
     fallback: list[int] = []
     open_buckets: dict[tuple[object, torch.dtype, torch.device], tuple[list[BucketEntry], list[int]]] = {}
     for index, dtensor in enumerate(dtensors):
-        layout = dim0_layout(dtensor)
+        layout = dim0_layout(dtensor, None if meshes is None else meshes[index])
         if layout is None:
             fallback.append(index)
             continue
