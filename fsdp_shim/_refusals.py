@@ -99,11 +99,7 @@ def refuse_before_anything(
     specs = []
     for entry, sharded in zip(scope.params, shardeds, strict=True):
         if sharded._local_tensor.is_meta:  # FSDP2's lazy init would fail half way and leave its state broken
-            raise RuntimeError(
-                f"summon_full_params({module_label(module)}) refused: {slot_fqn(module, entry.slots[0])!r} is "
-                "still on the meta device. Materialise the model first (model.to_empty(device=...), then "
-                "initialise its parameters); nothing was changed."
-            )
+            raise on_meta_device(f"summon_full_params({module_label(module)})", slot_fqn(module, entry.slots[0]))
         specs.append(sharded._spec)
     groups = None if cached is None else cached.checked_groups(specs, writeback)
     if groups is not None:
@@ -116,6 +112,14 @@ def refuse_before_anything(
             cached.passed(specs, writeback, groups)
     # Gradients are rank-local: what they need is agreed by every rank after entry (``_agreed_grads``).
     return groups, shardeds
+
+
+def on_meta_device(call: str, fqn: str) -> RuntimeError:
+    """A parameter still on the meta device: nothing to gather (the summon and the stream alike)."""
+    return RuntimeError(
+        f"{call} refused: {fqn!r} is still on the meta device. Materialise the model first "
+        "(model.to_empty(device=...), then initialise its parameters); nothing was changed."
+    )
 
 
 def refuse_busy(call: Callable[[], str], states: list[FSDPState], groups: list[FSDPParamGroup]) -> None:

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim import _registry as registry
 from fsdp_shim._param import ScopedParam
-from fsdp_shim._units import scope_modules
+from fsdp_shim._units import holds_distributed, scope_modules
 
 if TYPE_CHECKING:
     from fsdp_shim._gather.layout import BucketPlan
@@ -156,8 +156,9 @@ def first_untracked_slot(entries: Iterable[ScopedParam], shardeds: Iterable[Any]
 
 
 def has_distributed_params(modules: list[nn.Module]) -> bool:
-    """Whether ``collect_scope`` over ``modules`` (a ``scope_modules`` list) could find anything to gather."""
-    if any(isinstance(p, DTensor) for m in modules for p in (*m._parameters.values(), *m._buffers.values())):
+    """Whether ``collect_scope`` over ``modules`` (a ``scope_modules`` list) could find anything to gather:
+    ``_units.holds_distributed``, or a slot a live summon holds, or one FSDP2 manages."""
+    if holds_distributed(modules):
         return True
     if registry.has_live_slots() and any(  # a live summon's slots, whatever this rank's hold: every rank alike
             registry.owner_of((id(m), name)) is not None or registry.holding(value) is not None

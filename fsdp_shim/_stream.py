@@ -58,7 +58,7 @@ from fsdp_shim import _registry as registry
 from fsdp_shim._gather.engine import BucketGather, resolve_device, start_gather
 from fsdp_shim._gather.layout import Receiver, bucket_cap, gathered_dtype, receivers_for_stream, require_live_groups
 from fsdp_shim._units import is_fsdp1_tree
-from fsdp_shim._refusals import group_in_use, refuse_busy, refuse_placements, untracked_parameter
+from fsdp_shim._refusals import group_in_use, on_meta_device, refuse_busy, refuse_placements, untracked_parameter
 from fsdp_shim._scope import fsdp_slot_owners, module_label, slot_key, tracked_sharded
 
 logger = logging.getLogger("fsdp_shim")
@@ -326,6 +326,9 @@ def stream_full_params(
     batches = batch_params(model, bucket_bytes, dtype, name_matcher(keep_dtype))
     distributed = [(name, t, mesh) for b in batches for name, t, mesh in zip(b.names, b.tensors, b.meshes, strict=True)
                    if isinstance(t, DTensor)]
+    meta = next((name for name, t, _ in distributed if t._local_tensor.is_meta), None)
+    if meta is not None:
+        raise on_meta_device(call, meta)
     named = ((lambda n=name: n, t) for name, t, _ in distributed)
     groups = refuse_placements(named, writeback=False, gather_meshes=[mesh for _, _, mesh in distributed])
     receiver, holds_fulls = receivers_for_stream(rank0_only)

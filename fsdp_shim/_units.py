@@ -59,24 +59,29 @@ def scope_modules(root: nn.Module, recurse: bool) -> list[nn.Module]:
     return ordered
 
 
-def holds_dtensors(modules: list[nn.Module]) -> bool:
-    """Whether a parameter or buffer slot of ``modules`` holds a DTensor."""
-    return any(isinstance(t, DTensor) for m in modules for t in (*m._parameters.values(), *m._buffers.values()))
+def holds_distributed(modules: list[nn.Module]) -> bool:
+    """Whether ``modules`` (a ``scope_modules`` list) hold something distributed, by public torch alone:
+    a parameter or buffer slot holding a DTensor, or an FSDP2 unit among them (whose slots hold plain
+    tensors after a forward). The one predicate of both modes: the active mode adds only what the
+    registry and FSDP2's own records know (``_scope.has_distributed_params``)."""
+    return any(isinstance(m, FSDPModule) or any(isinstance(t, DTensor) for t in (*m._parameters.values(),
+                                                                                 *m._buffers.values()))
+               for m in modules)
 
 
 def route(
-    module: nn.Module, recurse: bool, holds_distributed: Callable[[list[nn.Module]], bool] = holds_dtensors,
+    module: nn.Module, recurse: bool, distributed: Callable[[list[nn.Module]], bool] = holds_distributed,
 ) -> tuple[Route, list[nn.Module] | None]:
     """Which implementation serves ``summon_full_params(module, recurse)``, and the scope's modules if
     the answer walked them (the summon reuses the walk).
 
     FSDP1 trees go to FSDP1, untouched. An FSDP2 unit takes the DTensor path
     (it validates its arguments, then may find nothing to gather). Any other
-    module takes it when ``holds_distributed`` says its scope (``scope_modules``:
+    module takes it when ``distributed`` says its scope (``scope_modules``:
     ``recurse`` honoured) holds something distributed, else gets a null
     context, as FSDP1's is for a module without FSDP1 state. The module tree
     and slot types are the same on every rank outside contexts; inside one,
-    the active mode's ``holds_distributed`` also asks the registry, which
+    the active mode's ``distributed`` also asks the registry, which
     every rank keeps alike (see [Note: every rank decides alike] in ``_summon``).
     """
     if is_fsdp1_tree(module, recurse):
@@ -84,7 +89,7 @@ def route(
     if isinstance(module, FSDPModule):
         return "dtensor", None
     modules = scope_modules(module, recurse)
-    return ("dtensor" if holds_distributed(modules) else "none"), modules
+    return ("dtensor" if distributed(modules) else "none"), modules
 
 
 def is_fsdp_module(module: nn.Module) -> bool:

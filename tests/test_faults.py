@@ -130,6 +130,9 @@ def rank_a_meta_model_is_refused_before_fsdp2_changes():
         with FSDP.summon_full_params(model, writeback=False):
             pass
     assert root._is_root is None, "FSDP2's lazy init ran on a meta model"
+    with pytest.raises(RuntimeError, match=r"iter_full_params\(\w+\) refused: 'embed.weight' is still on the meta"):
+        next(iter(fsdp_shim.iter_full_params(model)))  # the stream refuses in the summon's words
+    assert root._is_root is None
     model.to_empty(device="cpu")
     with torch.no_grad():
         for p, r in zip(model.parameters(), ref.parameters()):

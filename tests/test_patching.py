@@ -197,6 +197,15 @@ with FSDP.summon_full_params(nn.Linear(2, 2)):  # a plain module: FSDP1's null c
 parent = nn.Sequential(fully_shard(nn.Linear(4, 4)))  # its only DTensors are a nested unit's
 with FSDP.summon_full_params(parent, recurse=False):  # both modes route it alike: a null context
     outcome.append("parent")
+wrapper = nn.Sequential(model)  # a plain parent of the FSDP2 root, after a forward left the root unsharded
+model(torch.ones(1, 4))
+try:
+    with FSDP.summon_full_params(wrapper, writeback=False):
+        outcome.append("wrapper" if type(model.weight) is nn.Parameter else "wrapper-no-op")
+except RuntimeError:
+    outcome.append("refused")
+except AttributeError:  # allowed to run without an internal it needs (FSDP_SHIM_ALLOW_UNSUPPORTED_TORCH)
+    outcome.append("missing")
 print(fsdp_shim.is_patched(), fsdp_shim.unsupported_reason is not None, *outcome)
 """
 
@@ -212,34 +221,34 @@ def _summon_under(version: str, remove: tuple[str, ...] = (), before: str = "", 
 
 def test_a_newer_torch_with_every_internal_present_is_served_with_a_warning():
     out, err = _summon_under("2.16.0")
-    assert out == "True False gathered plain parent"
+    assert out == "True False gathered plain parent wrapper"
     assert "torch 2.16.0 is newer than the verified" in err and "fsdp-shim check" in err
 
 
 def test_a_newer_torch_missing_an_internal_refuses_dtensor_summons_by_name():
     out, err = _summon_under("2.16.0", remove=("_to_sharded",))
-    assert out == "True True refused plain parent"
+    assert out == "True True refused plain parent refused"
     assert "torch 2.16.0 lacks FSDP2 internals fsdp_shim reads: FSDPParamGroup._to_sharded" in err
     assert "FSDP_SHIM_ALLOW_UNSUPPORTED_TORCH=1" in err and "silently do nothing" in err
     # the override gathers anyway, and says so
     out, err = _summon_under("2.16.0", remove=("_to_sharded",), FSDP_SHIM_ALLOW_UNSUPPORTED_TORCH="1")
-    assert out == "True False gathered plain parent" and "gathering although" in err
+    assert out == "True False gathered plain parent missing" and "gathering although" in err  # at your own risk
 
 
 def test_an_older_torch_refuses_dtensor_summons_unless_allowed():
     out, err = _summon_under("2.6.0")
-    assert out == "True True refused plain parent"
+    assert out == "True True refused plain parent refused"
     assert "torch 2.6.0 is outside the supported torch >= 2.7, < 2.16" in err
     other_rank = _summon_under("2.6.0", RANK="1")  # under torchrun: rank 0 speaks for the job
-    assert other_rank[0] == "True True refused plain parent" and "refuses DTensor summons" not in other_rank[1]
+    assert other_rank[0] == "True True refused plain parent refused" and "refuses DTensor summons" not in other_rank[1]
     out, err = _summon_under("2.6.0", FSDP_SHIM_ALLOW_UNSUPPORTED_TORCH="1")
-    assert out == "True False gathered plain parent" and "gathering although" in err
+    assert out == "True False gathered plain parent wrapper" and "gathering although" in err
 
 
 def test_internals_that_cannot_be_imported_refuse_dtensor_summons():
     hide = "import torch.distributed.fsdp\nsys.modules['torch.distributed.fsdp._fully_shard._fsdp_state'] = None"
     out, err = _summon_under(torch_version(), before=hide)
-    assert out == "True True refused plain parent"
+    assert out == "True True refused plain parent refused"
     assert "lacks the FSDP2 internals fsdp_shim uses" in err
     refused = subprocess.run(
         [sys.executable, "-c", "import sys, torch.distributed.fsdp\n"

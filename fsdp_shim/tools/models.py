@@ -101,10 +101,10 @@ def gloo_average_sums() -> bool:
     if not dist.is_initialized() or dist.get_backend() != "gloo" or dist.get_world_size() == 1:
         return False
     world_size = dist.get_world_size()
-    out = torch.zeros(1)
+    out = torch.zeros(1, device="cpu")  # on the host also under ``with torch.device("meta")``
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in 2.13
     try:
-        reduce_scatter(out, torch.ones(world_size), op=dist.ReduceOp.AVG)
+        reduce_scatter(out, torch.ones(world_size, device="cpu"), op=dist.ReduceOp.AVG)
     except RuntimeError:
         return True
     return out.item() != 1.0
