@@ -24,10 +24,10 @@ an inference engine) without a context and without swapping anything:
   ``W - 1`` rows a tensor); it drops each tensor at the next step.
 * *Fresh memory.* Every full tensor handed out is fresh memory nothing
   else writes: a caller may keep it, or anything that reaches its memory.
-* *Refused up front, never dropped.* The stream refuses what the summon
-  refuses (``_refusals``, the summon's words) before its first batch and its groups'
-  step before each launch (the loop body may break one), claims its groups
-  until it ends, and on any error or early stop waits for every batch in flight.
+* *Refused up front, never dropped.* The stream refuses what the summon refuses (``_refusals``,
+  the summon's words) before its first batch and its groups' step before each launch (the loop
+  body may break one), claims its groups until it ends, and on any error or early stop waits for
+  every batch in flight (left part way, it marks its groups: ``stream_full_params``).
 * *Cast before gather.* With ``dtype``, floating shards are cast as they are
   copied into the bucket (see [Note: cast before gather] in ``_gather.engine.start_gather``).
   ``keep_dtype`` exempts chosen parameters (an MoE router's gate, kept fp32
@@ -55,8 +55,15 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim import _registry as registry
-from fsdp_shim._gather.engine import BucketGather, resolve_device, start_gather
-from fsdp_shim._gather.layout import Receiver, bucket_cap, gathered_dtype, receivers_for_stream, require_live_groups
+from fsdp_shim._gather.engine import BucketGather, Posted, resolve_device, start_gather
+from fsdp_shim._gather.layout import (
+    Receiver,
+    bucket_cap,
+    gathered_dtype,
+    mark_part_way,
+    receivers_for_stream,
+    require_live_groups,
+)
 from fsdp_shim._units import is_fsdp1_tree
 from fsdp_shim._refusals import group_in_use, refuse_busy, refuse_placements, untracked_parameter
 from fsdp_shim._scope import fsdp_slot_owners, module_label, slot_key, tracked_sharded
@@ -202,7 +209,7 @@ class _InFlightBatch:
     in ``_gather.engine``).
     """
 
-    def __init__(self, batch: _Batch, bucket_bytes: int, receiver: Receiver, launch: bool = True):
+    def __init__(self, batch: _Batch, bucket_bytes: int, receiver: Receiver, posted: Posted, launch: bool = True):
         self.batch = batch
         by_cast: dict[torch.dtype | None, tuple[list[int], list[DTensor]]] = {}
         for index, (tensor, cast) in enumerate(zip(batch.tensors, batch.casts, strict=True)):
@@ -214,7 +221,7 @@ class _InFlightBatch:
         try:
             for cast, (indices, dtensors) in by_cast.items():
                 self._pending.append((indices, start_gather(dtensors, cast_to=cast, bucket_bytes=bucket_bytes,
-                                                            receiver=receiver, launch=launch)))
+                                                            receiver=receiver, launch=launch, posted=posted)))
         except BaseException:
             self.drop()
             raise
@@ -309,7 +316,13 @@ def stream_full_params(
     bucket_mb: float | None,
     keep_dtype: KeepDtype = None,
 ) -> FullParams:
-    """The generator behind ``fsdp_shim.iter_full_params`` (arguments already checked)."""
+    """The generator behind ``fsdp_shim.iter_full_params`` (arguments already checked).
+
+    An error or early stop (the caller's ``break``, an exception in its loop body) after the first
+    collective and before the last batch is in leaves the stream part way: this rank marks its groups
+    out of step, as the other ranks may have posted batches it never will (see [Note: a one-sided fault
+    leaves its own mark] in ``_gather.engine``). To take some parameters only, iterate to the end on every rank.
+    """
     bucket_bytes = bucket_cap(bucket_mb, STREAM_BUCKET_MB).bucket_bytes
     device = resolve_device(device)
     call = f"iter_full_params({module_label(model)})"
@@ -325,12 +338,15 @@ def stream_full_params(
     started = time.perf_counter()
     in_flight: list[_InFlightBatch] = []
     sent_bytes = 0
+    # Part way from the first collective posted until the last batch is finished: left then (an error, the
+    # caller's early close), this rank marks its groups (see [Note: a one-sided fault leaves its own mark]).
+    posted, all_in = Posted(), False
     try:
         if batches:
-            in_flight.append(_InFlightBatch(batches[0], bucket_bytes, receiver))
+            in_flight.append(_InFlightBatch(batches[0], bucket_bytes, receiver, posted))
         for index, batch in enumerate(batches):
             if index + 1 < len(batches):  # staged while batch k arrives, launched once it is in
-                in_flight.append(_InFlightBatch(batches[index + 1], bucket_bytes, receiver, launch=False))
+                in_flight.append(_InFlightBatch(batches[index + 1], bucket_bytes, receiver, posted, launch=False))
             arrived = in_flight[0]
             arrived.wait()  # left in the list until it is in: see below
             in_flight.pop(0)
@@ -340,12 +356,16 @@ def stream_full_params(
                 in_flight[0].launch()  # batch k + 1 on the wire while batch k is copied out
             fulls = arrived.finish(holds_fulls, device)
             del arrived
+            if not in_flight:
+                all_in = True  # the last batch is in: every collective of the stream is done, on every rank
             sent_bytes += batch.nbytes
             for position, name in enumerate(batch.names):
                 yield name, fulls[position]
                 fulls[position] = None  # valid until the next step: see [Note: streaming]
-    except BaseException:
+    except BaseException as error:
         _drop_all(in_flight, groups)  # failed, or the caller stopped early (GeneratorExit)
+        if posted.any and not all_in:
+            mark_part_way(groups, error)
         raise
     _drop_all(in_flight, groups, raising=True)
     logger.debug(

@@ -33,8 +33,9 @@ on every backend: the one collective NCCL users take, and the one gloo
 runs in the tests (``docs/gather-engine.md`` says why gloo's point-to-point
 transport was deleted).
 
-[Note: a group of one] is at ``_start_alone``, [Note: offloaded memory] at ``_finish_bucket``,
-[Note: cast before gather] at ``start_gather``, [Note: every posted work is waited for] at ``_wait_all``.
+[Note: a one-sided fault leaves its own mark] is at ``Posted``, [Note: a group of one] at ``_start_alone``,
+[Note: offloaded memory] at ``_finish_bucket``, [Note: cast before gather] at ``start_gather``,
+[Note: every posted work is waited for] at ``_wait_all``.
 Measurements behind each, and the history of removed mechanisms:
 ``docs/gather-engine.md``.
 """
@@ -70,6 +71,39 @@ logger = logging.getLogger("fsdp_shim")
 
 
 _CPU = torch.device("cpu")
+
+
+class Posted:
+    """Whether a call's gathers have posted a collective yet.
+
+    ``any`` starts False (a class attribute: making one costs no Python call on the hot path); the engine
+    sets it once a collective is posted.
+
+    [Note: a one-sided fault leaves its own mark]
+    A fault on one rank (most likely an out-of-memory error while staging: the
+    ranks' free memory differs) may raise after some of the call's collectives
+    were posted. The other ranks go on to post the rest, and c10d cannot
+    withdraw either side, so this rank's next collective on the group would
+    pair with a peer's stale one: gloo aborts the process, NCCL, which checks
+    no sizes, hangs, corrupts memory or, where the shapes match, hands over
+    another parameter's shards. This rank cannot tell a one-sided fault from
+    one that hit every rank alike. So whatever leaves a call's gathers part way
+    (any ``BaseException``: an out-of-memory error, a ``KeyboardInterrupt``, an
+    early close of the stream) after it posted a collective, and before it
+    posted the last one it planned, marks every group of the call out of step
+    on this rank (``layout.mark_part_way``), on every transport; its next
+    summon or stream there is refused at once, before any collective. The
+    engine records whether a call posted anything (``Posted``); the call
+    (``_summon``, ``_stream``) knows when its last collective is posted and
+    marks. A fault before the call's first collective leaves nothing posted
+    on this rank and marks nothing: if it hit every rank alike, the group is
+    still usable.
+    """
+
+    any = False
+
+
+_NOBODY = Posted()  # for a gather no call watches: what it records is never read
 
 
 def resolve_device(device: torch.device | str | int | None) -> torch.device | None:
@@ -178,7 +212,9 @@ def _wait_all(flights: Sequence[InFlight]) -> BaseException | None:
     would be written after it is freed, and a collective left unmatched would
     pair with the next call's. A fault that hits every rank alike raises at
     the same bucket on each, before that bucket's collective is posted, so the
-    ranks stay in step and the group stays usable. A wait that fails (a
+    ranks stay in step; the group stays usable if it raised before the call's
+    first collective, and is marked out of step otherwise, as a one-sided
+    fault must be (see [Note: a one-sided fault leaves its own mark]). A wait that fails (a
     timeout, a dead peer) records the group as out of step (see
     [Note: out of step] in ``layout``). A work is never waited for twice.
     """
@@ -317,7 +353,9 @@ class BucketGather:
         launch: bool = True,
         plan: BucketPlan | None = None,
         collective_bytes: int | None = None,
+        posted: Posted = _NOBODY,
     ) -> None:
+        self._posted = posted
         self.plan = bucket_plan(dtensors, bucket_bytes, cast_to, reuse=plan, collective_bytes=collective_bytes)
         buckets, self._fallback = self.plan.bind(dtensors), list(self.plan.fallback)
         self._dtensors = list(dtensors)
@@ -340,12 +378,16 @@ class BucketGather:
             self._flights.append(flight)  # recorded before its collective is posted: never dropped
             if launch:
                 flight.launched()
+                if flight.work is not None:
+                    self._posted.any = True
 
     def launch(self) -> None:
         """Launch every staged bucket's collective, in bucket order. A collective; a no-op once done."""
         try:
             for flight in self._flights:
                 flight.launched()
+                if flight.work is not None:
+                    self._posted.any = True
         except BaseException:
             self._drop()
             raise
@@ -393,6 +435,8 @@ class BucketGather:
                 results[b.position] = full
             flights.popleft()
             del flight
+        if self._fallback:
+            self._posted.any = True  # full_tensor() posts its own collectives (counted before: it may raise part way)
         for index in self._fallback:
             results[index] = _gather_fallback(self._dtensors[index], holds_fulls, out_device, self._cast_to)
         self._fallback = []
@@ -427,6 +471,7 @@ def gather_full_tensors(
     receiver: Receiver = "all",
     plan: BucketPlan | None = None,
     collective_bytes: int | None = None,
+    posted: Posted = _NOBODY,
 ) -> Gathered:
     """All-gather every DTensor in ``dtensors`` to a plain full tensor, one bucket in flight.
 
@@ -434,6 +479,7 @@ def gather_full_tensors(
     tensors in the same order. ``holds_fulls=False`` takes part in the collectives
     but returns ``None`` for every tensor (``rank0_only`` on other ranks).
     ``out_device`` moves results there bucket by bucket (``offload_to_cpu``).
+    ``posted`` records whether a collective was posted (see [Note: a one-sided fault leaves its own mark]).
     Results never alias the DTensors' local storage. With a ``receiver`` other
     than ``"all"``, ``holds_fulls`` must be False on every rank it does not name
     (``layout.Receivers`` says both).
@@ -443,7 +489,7 @@ def gather_full_tensors(
     calling; the engine does not check again.
     """
     gather = BucketGather(dtensors, bucket_bytes=bucket_bytes, receiver=receiver, ahead=1, plan=plan,
-                          collective_bytes=collective_bytes)
+                          collective_bytes=collective_bytes, posted=posted)
     return gather.finish_with_layouts(holds_fulls=holds_fulls, out_device=out_device)
 
 
@@ -454,6 +500,7 @@ def start_gather(
     bucket_bytes: int,
     receiver: Receiver = "all",
     launch: bool = True,
+    posted: Posted = _NOBODY,
 ) -> BucketGather:
     """Stage every bucket of ``dtensors`` and launch its all-gather now; ``finish`` collects them.
 
@@ -469,7 +516,8 @@ def start_gather(
     bytes (half of fp32 for bf16) and the full tensor is born in that dtype.
     Casting is elementwise, so this equals casting the gathered full tensor.
     """
-    return BucketGather(dtensors, cast_to=cast_to, bucket_bytes=bucket_bytes, receiver=receiver, launch=launch)
+    return BucketGather(dtensors, cast_to=cast_to, bucket_bytes=bucket_bytes, receiver=receiver, launch=launch,
+                        posted=posted)
 
 
 class GradPresence(NamedTuple):

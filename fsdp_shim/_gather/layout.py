@@ -150,7 +150,19 @@ def mesh_dim_groups(mesh: DeviceMesh) -> list[dist.ProcessGroup]:
 _out_of_step: weakref.WeakKeyDictionary[dist.ProcessGroup, tuple[str, list[object]]] = weakref.WeakKeyDictionary()
 
 
-def mark_out_of_step(group: dist.ProcessGroup, error: BaseException, buffers: Iterable[object] = ()) -> None:
+def mark_part_way(groups: Iterable[dist.ProcessGroup], error: BaseException) -> None:
+    """Record that this rank left a call's gathers over ``groups`` part way: a collective posted, not all of them.
+
+    See [Note: a one-sided fault leaves its own mark] in ``engine``: the other ranks may have posted
+    collectives this rank never will, so every group of the call is out of step on this rank.
+    """
+    for group in groups:
+        mark_out_of_step(group, error, part_way=True)
+
+
+def mark_out_of_step(
+    group: dist.ProcessGroup, error: BaseException, buffers: Iterable[object] = (), part_way: bool = False,
+) -> None:
     """Record that a collective posted on ``group`` failed to complete.
 
     [Note: out of step]
@@ -168,9 +180,16 @@ def mark_out_of_step(group: dist.ProcessGroup, error: BaseException, buffers: It
     group lives: the transport may still write a late peer's data into a
     collective it gave up waiting for (gloo does: it aborts the process on
     a size mismatch, measured, and would write into freed memory on a
-    match), so they are never freed under it.
+    match), so they are never freed under it. A rank that left a call's
+    gathers part way records its groups too, its own collectives all waited
+    for (see [Note: a one-sided fault leaves its own mark] in ``engine``).
+    The only recovery is a new process group: ``destroy_process_group`` of
+    this one and a model sharded on a new one, or a restarted job.
     """
-    reason, held = _out_of_step.setdefault(group, (f"{type(error).__name__}: {error}".splitlines()[0][:200], []))
+    what = f"{type(error).__name__}: {error}".splitlines()[0][:200]
+    if part_way:
+        what = f"this rank left a gather part way on {what}"
+    reason, held = _out_of_step.setdefault(group, (what, []))
     held.extend(buffers)
 
 
@@ -254,9 +273,10 @@ def require_live_groups(groups: Iterable[dist.ProcessGroup], user: Callable[[], 
             raise destroyed_group(user)
         if _out_of_step and group in _out_of_step:
             raise RuntimeError(
-                f"cannot gather {user()}: an earlier gather's collective on its process group never completed "
+                f"cannot gather {user()}: an earlier gather on its process group never completed on this rank "
                 f"({_out_of_step[group][0]}), so the ranks are out of step and the next collective could hang or "
-                "pair with the wrong one. Recreate the process group (docs/troubleshooting.md)."
+                "pair with the wrong one. Destroy and recreate the process group (dist.destroy_process_group(group), "
+                "a new group and the model sharded on it), or restart the job (docs/troubleshooting.md)."
             )
 
 
