@@ -47,7 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fsdp_shim import _fsdp2 as fsdp2
-from fsdp_shim._compat import is_dim0_shard, is_live_group, is_replicate
+from fsdp_shim._compat import is_dim0_shard, is_live_group, is_replicate, serves_cuda_with_nccl
 
 logger = logging.getLogger("fsdp_shim")
 
@@ -249,17 +249,30 @@ def nccl_fault_rule(env: Mapping[str, str]) -> NcclFaultRule:
 _fault_rule_checked: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
 
 
+def unguarded_nccl_warning(spelling: str, env: Mapping[str, str]) -> str:
+    """The warning for an NCCL group (created as ``spelling``) whose faults nothing notices (``"unguarded"``)."""
+    handling = env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", env.get("NCCL_ASYNC_ERROR_HANDLING"))
+    return (
+        f"NCCL serves the CUDA tensors of a process group created with backend {spelling!r}, with "
+        f"TORCH_NCCL_ASYNC_ERROR_HANDLING={handling} and no TORCH_NCCL_BLOCKING_WAIT: a failed or timed-out "
+        "all-gather is not noticed, so summon_full_params and iter_full_params could hand out (and with "
+        "writeback=True write back) values that never arrived. Unset TORCH_NCCL_ASYNC_ERROR_HANDLING (or set it "
+        "to 3, torch's default: the watchdog tears the process down on a failed collective), or set "
+        "TORCH_NCCL_BLOCKING_WAIT=1 (process-wide: every NCCL collective then blocks the host, and torch's "
+        "watchdog no longer times them). See docs/troubleshooting.md."
+    )
+
+
 def _warn_if_unguarded(groups: Iterable[dist.ProcessGroup]) -> None:
     for group in groups:
         if group in _fault_rule_checked:
             continue
         _fault_rule_checked.add(group)
-        if dist.get_backend(group) == "nccl" and nccl_fault_rule(os.environ) == "unguarded":
-            logger.warning(
-                "NCCL with TORCH_NCCL_ASYNC_ERROR_HANDLING=%s and no TORCH_NCCL_BLOCKING_WAIT: a failed or "
-                "timed-out all-gather is not noticed, so summon_full_params could read (and with writeback=True "
-                "write back) values that never arrived. Set TORCH_NCCL_BLOCKING_WAIT=1 (docs/troubleshooting.md).",
-                os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", os.environ.get("NCCL_ASYNC_ERROR_HANDLING")))
+        if nccl_fault_rule(os.environ) != "unguarded":
+            continue
+        nccl, spelling = serves_cuda_with_nccl(group)  # "nccl", "undefined", "cuda:nccl,cpu:gloo", ...
+        if nccl:
+            logger.warning("%s", unguarded_nccl_warning(spelling, os.environ))
             return
 
 
