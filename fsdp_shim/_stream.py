@@ -231,14 +231,21 @@ class _InFlightBatch:
         for _, pending in self._pending:
             pending.launch()
 
-    def wait(self) -> None:
-        """Wait for every launched collective of the batch (its values are in); nothing is copied out."""
+    def wait(self) -> list[Callable[[], object]]:
+        """Wait for every launched collective of the batch (its values are in); nothing is copied out.
+
+        Returns what blocks the host until they have completed (see [Note: bounded run-ahead] in ``_gather.engine``).
+        """
+        fences: list[Callable[[], object]] = []
         try:
             for _, pending in self._pending:
-                pending.wait()
+                fence = pending.wait()
+                if fence is not None:
+                    fences.append(fence)
         except BaseException:
             self.drop()
             raise
+        return fences
 
     def finish(self, holds_fulls: bool, out_device: torch.device | None) -> list[torch.Tensor | None]:
         fulls: list[torch.Tensor | None] = [None] * len(self.batch.tensors)
@@ -341,6 +348,7 @@ def stream_full_params(
     # Part way from the first collective posted until the last batch is finished: left then (an error, the
     # caller's early close), this rank marks its groups (see [Note: a one-sided fault leaves its own mark]).
     posted, all_in = Posted(), False
+    completed_before: list[Callable[[], object]] = []  # batch k - 1's completion, in step k
     try:
         if batches:
             in_flight.append(_InFlightBatch(batches[0], bucket_bytes, receiver, posted))
@@ -348,12 +356,15 @@ def stream_full_params(
             if index + 1 < len(batches):  # staged while batch k arrives, launched once it is in
                 in_flight.append(_InFlightBatch(batches[index + 1], bucket_bytes, receiver, posted, launch=False))
             arrived = in_flight[0]
-            arrived.wait()  # left in the list until it is in: see below
+            fences = arrived.wait()  # left in the list until it is in: see below
             in_flight.pop(0)
             if in_flight:
                 # the caller's loop body ran since the last launch: a summon there may have failed one-sidedly
                 require_live_groups(groups, lambda: call)
+                for fence in completed_before:  # batch k - 1 complete before k + 1 is posted: [Note: bounded run-ahead]
+                    fence()
                 in_flight[0].launch()  # batch k + 1 on the wire while batch k is copied out
+            completed_before = fences
             fulls = arrived.finish(holds_fulls, device)
             del arrived
             if not in_flight:

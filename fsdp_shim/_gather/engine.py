@@ -46,7 +46,7 @@ import collections
 import functools
 import logging
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple, cast
 
 import torch
@@ -65,7 +65,7 @@ from fsdp_shim._gather.layout import (
     mark_out_of_step,
     mesh_dim_groups,
 )
-from fsdp_shim._gather.staging import AllGatherFlight, BucketEntry, InFlight, InPlace, copy_in
+from fsdp_shim._gather.staging import AllGatherFlight, BucketEntry, InFlight, InPlace, Waitable, copy_in
 
 logger = logging.getLogger("fsdp_shim")
 
@@ -198,6 +198,32 @@ def _wait_once(flight: InFlight) -> None:
     flight.work = None
     if isinstance(flight, AllGatherFlight):
         flight.gather_input = None
+
+
+def completion(works: Sequence[Waitable], device: torch.device) -> Callable[[], object]:
+    """What blocks the host until ``works`` (waited for, on ``device``) have completed.
+
+    [Note: bounded run-ahead]
+    On NCCL ``work.wait()`` only makes the current stream wait: it returns at
+    once, and NCCL's watchdog times each collective from its post. A rank that
+    receives nothing (``rank0_only``, not rank 0) does no host work after a
+    wait, so, unbounded, it would post every gather of a sync within
+    milliseconds, and the last ones would time out while rank 0's consumer
+    works through the first ones. So no rank ever has more than two buckets
+    (the summon) or batches (the stream) posted ahead of the last one it saw
+    complete: before posting ``k + 1`` it blocks the host on ``k - 1``'s
+    completion, while ``k`` stays on the wire (its overlap, and the stream's
+    on the receiving rank, kept). On CUDA, ``k - 1``'s completion is an event
+    recorded on the current stream right after its ``wait()``, synchronised;
+    on the host, the work's own future (gloo's ``wait()`` already blocked, so
+    it is done). A gather of one or two buckets never needs one.
+    """
+    if device.type == "cpu":
+        futures = [work.get_future() for work in works]  # type: ignore[attr-defined]  # a dist.Work
+        return lambda: [future.wait() for future in futures]
+    event = getattr(torch, device.type).Event()
+    event.record()  # on the current stream, which ``wait()`` ordered after the collectives
+    return event.synchronize
 
 
 def _wait_all(flights: Sequence[InFlight]) -> BaseException | None:
@@ -392,19 +418,27 @@ class BucketGather:
             self._drop()
             raise
 
-    def wait(self) -> None:
+    def wait(self) -> Callable[[], object] | None:
         """Wait for every launched collective, in bucket order: the values are in; ``finish`` copies out.
 
         The stream waits for batch ``k``, launches batch ``k + 1``, then copies
         batch ``k`` out, so the copies overlap the next transfer. On an error
         every launched collective is still waited for (see [Note: every posted work is waited for]).
+        Returns what blocks the host until they have completed, if any was posted (see [Note: bounded run-ahead]).
         """
+        works: list[Waitable] = []
+        device = _CPU
         try:
             for flight in self._flights:
+                work = flight.work
                 _wait_once(flight)
+                if work is not None:
+                    works.append(work)
+                    device = cast(torch.Tensor, cast(AllGatherFlight, flight).output).device
         except BaseException:
             self._drop()
             raise
+        return completion(works, device) if works else None
 
     def finish(self, *, holds_fulls: bool, out_device: torch.device | None = None) -> list[torch.Tensor | None]:
         """Wait and copy out, bucket by bucket (each output freed as soon as it is copied), then the fallbacks."""
@@ -424,15 +458,22 @@ class BucketGather:
         results: list[torch.Tensor | None] = [None] * len(self._dtensors)
         layouts: list[Dim0Layout | None] = [None] * len(self._dtensors)
         flights = self._flights
+        fence: Callable[[], object] | None = None  # bucket k - 1's completion, once bucket k is being finished
         while flights:
             flight = flights[0]  # left in place until it is in: a fault below still waits for it
             if self._unstaged:
+                if fence is not None:  # see [Note: bounded run-ahead]
+                    fence()
+                    fence = None
                 self._stage_ahead(launch=True, finishing=1)  # the next bucket moves while this one is copied out
             for b in flight.bucket:
                 layouts[b.position] = b.layout
+            work = flight.work
             # strict=False: _finish_bucket returns nothing where this rank keeps nothing (rank0_only)
             for b, full in zip(flight.bucket, _finish_bucket(flight, holds_fulls, out_device), strict=False):
                 results[b.position] = full
+            if work is not None and self._unstaged:  # a bucket k + 2 is still to be posted: it will wait for this
+                fence = completion((work,), cast(AllGatherFlight, flight).output.device)  # type: ignore[union-attr]
             flights.popleft()
             del flight
         if self._fallback:
