@@ -329,6 +329,10 @@ def stream_full_params(
     collective and before the last batch is in leaves the stream part way: this rank marks its groups
     out of step, as the other ranks may have posted batches it never will (see [Note: a one-sided fault
     leaves its own mark] in ``_gather.engine``). To take some parameters only, iterate to the end on every rank.
+
+    No rank runs ahead: batch ``k + 1`` is launched only once the host has seen batch ``k - 1`` complete
+    (on NCCL ``wait()`` does not block the host, and a rank that receives nothing would otherwise post the
+    whole model's gathers at once; see [Note: bounded run-ahead] in ``_gather.engine``).
     """
     bucket_bytes = bucket_cap(bucket_mb, STREAM_BUCKET_MB).bucket_bytes
     device = resolve_device(device)

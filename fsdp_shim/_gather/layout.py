@@ -227,15 +227,19 @@ def nccl_fault_rule(env: Mapping[str, str]) -> NcclFaultRule:
     nothing. What guards the values there is one of:
     - ``"watchdog"``, torch's default (``TORCH_NCCL_ASYNC_ERROR_HANDLING`` 1
       or 3, or unset): NCCL's watchdog tears the process down when a
-      collective fails or times out. No body runs on values that never
-      arrived and nothing is written back: the job dies, loudly.
+      collective fails or times out, so nothing is written back to the
+      shards: the job dies, loudly. It does not stop what the host already
+      queued on the GPU behind the failed gather (the body's broadcast to an
+      inference engine) from running on partial values before the abort:
+      what was sent then is the receiver's to discard.
     - ``"blocking_wait"`` (``TORCH_NCCL_BLOCKING_WAIT=1``): ``wait()`` blocks
       and raises as on gloo, so gloo's rules hold: nothing written back, the
       group recorded out of step.
     - ``"unguarded"`` (async error handling 0 or 2 without blocking wait, as
       some fault-tolerant stacks set): a failed all-gather's output could be
       read, and under ``writeback=True`` copied into the training shards.
-      The shim warns once per process; set ``TORCH_NCCL_BLOCKING_WAIT=1``.
+      The shim warns once per process, naming the group's backend as the
+      user spelled it (see [Note: NCCL as torch resolves it] in ``_compat``).
     Torch's older spellings (``NCCL_BLOCKING_WAIT``, ``NCCL_ASYNC_ERROR_HANDLING``) count too.
     """
     def value(name: str, default: str) -> str:
