@@ -48,16 +48,19 @@ def _run(model, caller: str, early_stop: bool = False) -> None:
 
 
 def _refused_at_once(model) -> list[str]:
+    """Refused before any collective (none reaches c10d), so before the group's 3 s timeout could run."""
     words = []
     for attempt in ("summon", "stream"):
         started = time.monotonic()
-        with patched(), pytest.raises(RuntimeError, match="out of step") as refused:
+        with patched(), inject("all_gather", after=10**9) as posted, pytest.raises(
+                RuntimeError, match="out of step") as refused:
             if attempt == "summon":
                 with FSDP.summon_full_params(model, writeback=False):
                     raise AssertionError("the body ran")
             else:
                 next(fsdp_shim.iter_full_params(model))
-        assert time.monotonic() - started < 1.0, f"the {attempt} waited instead of refusing at once"
+        assert posted[0] == 0, f"the {attempt} posted {posted[0]} all-gathers before refusing"
+        assert time.monotonic() - started < 2.5, f"the {attempt} waited instead of refusing at once"
         words.append(str(refused.value))
     return words
 
