@@ -90,6 +90,45 @@ def is_live_group(group: dist.ProcessGroup) -> bool:
     return dist.is_initialized() and group in _c10d._world.pg_map
 
 
+def cuda_backend_of(spelling: str) -> str:
+    """The backend serving CUDA tensors on a group whose ``dist.get_backend`` is ``spelling``; ``""`` for none.
+
+    [Note: NCCL as torch resolves it]
+    A group's backend string is what it was created with: ``"nccl"``;
+    ``"undefined"`` for ``init_process_group()`` with no backend, where
+    torch's default map (``Backend.default_device_backend_map``) gives CUDA
+    tensors to NCCL; or a device map, ``"cuda:nccl,cpu:gloo"`` (torchtune) or
+    ``"cpu:gloo,cuda:nccl"`` (verl), either order. Comparing the string with
+    ``"nccl"`` misses all but the first. A pure function of the string, so
+    every spelling is testable without a GPU; ``serves_cuda_with_nccl`` asks
+    a live group first.
+    """
+    spelling = spelling.strip().lower()
+    if ":" in spelling:
+        for pair in spelling.split(","):
+            device, _, backend = pair.partition(":")
+            if device.strip() == "cuda":
+                return backend.strip()
+        return ""
+    if spelling in ("", "undefined"):
+        return str(getattr(dist.Backend, "default_device_backend_map", {}).get("cuda", "nccl"))
+    return spelling
+
+
+def serves_cuda_with_nccl(group: dist.ProcessGroup) -> tuple[bool, str]:
+    """Whether NCCL serves ``group``'s CUDA tensors, and the group's backend as its creator spelled it.
+
+    Asks the group for the backend object that serves CUDA tensors (``_get_backend``, private, present on
+    every supported release); where it cannot answer, resolves the spelling (``cuda_backend_of``).
+    """
+    spelling = str(dist.get_backend(group))
+    try:
+        backend = group._get_backend(torch.device("cuda"))
+    except (RuntimeError, ValueError, AttributeError, TypeError):
+        return cuda_backend_of(spelling) == "nccl", spelling
+    return "nccl" in type(backend).__name__.lower(), spelling
+
+
 #: ``Partial`` reduce ops whose full value a writeback can represent locally: the
 #: full tensor on mesh coordinate 0 and zeros elsewhere for sums, the full
 #: tensor everywhere for the others.

@@ -309,8 +309,12 @@ def order_after_writeback(states: list[FSDPState]) -> None:
     ``set_post_optim_event(event)`` it waits on that event instead, recorded
     by the user after the optimizer step and so, possibly, before the
     writeback. Re-recording the same event here, on the current stream,
-    moves it after the writeback: FSDP2 still waits on the user's event, and
-    the event covers both. (An event may be recorded again until something
+    moves it after the writeback: FSDP2 still waits on the user's event.
+    Re-recorded alone, it would drop what the user recorded it after where
+    that ran on another stream (an optimizer step on a side stream): so the
+    current stream first waits on the event as the user recorded it, then
+    records it again, and the event covers both, the optimizer step and the
+    writeback (issue 51). (An event may be recorded again until something
     waits on it; FSDP2 waits once, at the next root forward, and drops it.)
     """
     seen: set[int] = set()
@@ -321,7 +325,8 @@ def order_after_writeback(states: list[FSDPState]) -> None:
         seen.add(id(context))
         event = getattr(context, "post_optim_event", None)  # optional: torch >= 2.7 has it
         if event is not None:
-            event.record()
+            event.wait()  # the current stream after the user's recording (another stream's, perhaps) ...
+            event.record()  # ... and the event after the writeback: both orderings hold
 
 
 def group_params(group: FSDPParamGroup) -> list[FSDPParam]:

@@ -24,10 +24,10 @@ an inference engine) without a context and without swapping anything:
   ``W - 1`` rows a tensor); it drops each tensor at the next step.
 * *Fresh memory.* Every full tensor handed out is fresh memory nothing
   else writes: a caller may keep it, or anything that reaches its memory.
-* *Refused up front, never dropped.* The stream refuses what the summon
-  refuses (``_refusals``, the summon's words) before its first batch and its groups'
-  step before each launch (the loop body may break one), claims its groups
-  until it ends, and on any error or early stop waits for every batch in flight.
+* *Refused up front, never dropped.* The stream refuses what the summon refuses (``_refusals``,
+  the summon's words) before its first batch and its groups' step before each launch (the loop
+  body may break one), claims its groups until it ends, and on any error or early stop waits for
+  every batch in flight (left part way, it marks its groups: ``stream_full_params``).
 * *Cast before gather.* With ``dtype``, floating shards are cast as they are
   copied into the bucket (see [Note: cast before gather] in ``_gather.engine.start_gather``).
   ``keep_dtype`` exempts chosen parameters (an MoE router's gate, kept fp32
@@ -55,8 +55,15 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim import _registry as registry
-from fsdp_shim._gather.engine import BucketGather, resolve_device, start_gather
-from fsdp_shim._gather.layout import Receiver, bucket_cap, gathered_dtype, receivers_for_stream, require_live_groups
+from fsdp_shim._gather.engine import BucketGather, Posted, resolve_device, start_gather
+from fsdp_shim._gather.layout import (
+    Receiver,
+    bucket_cap,
+    gathered_dtype,
+    mark_part_way,
+    receivers_for_stream,
+    require_live_groups,
+)
 from fsdp_shim._units import is_fsdp1_tree
 from fsdp_shim._refusals import group_in_use, on_meta_device, refuse_busy, refuse_placements, untracked_parameter
 from fsdp_shim._scope import fsdp_slot_owners, module_label, slot_key, tracked_sharded
@@ -209,7 +216,7 @@ class _InFlightBatch:
     in ``_gather.engine``).
     """
 
-    def __init__(self, batch: _Batch, bucket_bytes: int, receiver: Receiver, launch: bool = True):
+    def __init__(self, batch: _Batch, bucket_bytes: int, receiver: Receiver, posted: Posted, launch: bool = True):
         self.batch = batch
         by_cast: dict[torch.dtype | None, tuple[list[int], list[DTensor], list[Any]]] = {}
         for index, (tensor, cast, mesh) in enumerate(zip(batch.tensors, batch.casts, batch.meshes, strict=True)):
@@ -222,7 +229,8 @@ class _InFlightBatch:
         try:
             for cast, (indices, dtensors, meshes) in by_cast.items():
                 self._pending.append((indices, start_gather(dtensors, cast_to=cast, bucket_bytes=bucket_bytes,
-                                                            receiver=receiver, launch=launch, meshes=meshes)))
+                                                            receiver=receiver, launch=launch, meshes=meshes,
+                                                            posted=posted)))
         except BaseException:
             self.drop()
             raise
@@ -232,14 +240,21 @@ class _InFlightBatch:
         for _, pending in self._pending:
             pending.launch()
 
-    def wait(self) -> None:
-        """Wait for every launched collective of the batch (its values are in); nothing is copied out."""
+    def wait(self) -> list[Callable[[], object]]:
+        """Wait for every launched collective of the batch (its values are in); nothing is copied out.
+
+        Returns what blocks the host until they have completed (see [Note: bounded run-ahead] in ``_gather.engine``).
+        """
+        fences: list[Callable[[], object]] = []
         try:
             for _, pending in self._pending:
-                pending.wait()
+                fence = pending.wait()
+                if fence is not None:
+                    fences.append(fence)
         except BaseException:
             self.drop()
             raise
+        return fences
 
     def finish(self, holds_fulls: bool, out_device: torch.device | None) -> list[torch.Tensor | None]:
         fulls: list[torch.Tensor | None] = [None] * len(self.batch.tensors)
@@ -317,7 +332,17 @@ def stream_full_params(
     bucket_mb: float | None,
     keep_dtype: KeepDtype = None,
 ) -> FullParams:
-    """The generator behind ``fsdp_shim.iter_full_params`` (arguments already checked)."""
+    """The generator behind ``fsdp_shim.iter_full_params`` (arguments already checked).
+
+    An error or early stop (the caller's ``break``, an exception in its loop body) after the first
+    collective and before the last batch is in leaves the stream part way: this rank marks its groups
+    out of step, as the other ranks may have posted batches it never will (see [Note: a one-sided fault
+    leaves its own mark] in ``_gather.engine``). To take some parameters only, iterate to the end on every rank.
+
+    No rank runs ahead: batch ``k + 1`` is launched only once the host has seen batch ``k - 1`` complete
+    (on NCCL ``wait()`` does not block the host, and a rank that receives nothing would otherwise post the
+    whole model's gathers at once; see [Note: bounded run-ahead] in ``_gather.engine``).
+    """
     bucket_bytes = bucket_cap(bucket_mb, STREAM_BUCKET_MB).bucket_bytes
     device = resolve_device(device)
     call = f"iter_full_params({module_label(model)})"
@@ -337,27 +362,38 @@ def stream_full_params(
     started = time.perf_counter()
     in_flight: list[_InFlightBatch] = []
     sent_bytes = 0
+    # Part way from the first collective posted until the last batch is finished: left then (an error, the
+    # caller's early close), this rank marks its groups (see [Note: a one-sided fault leaves its own mark]).
+    posted, all_in = Posted(), False
+    completed_before: list[Callable[[], object]] = []  # batch k - 1's completion, in step k
     try:
         if batches:
-            in_flight.append(_InFlightBatch(batches[0], bucket_bytes, receiver))
+            in_flight.append(_InFlightBatch(batches[0], bucket_bytes, receiver, posted))
         for index, batch in enumerate(batches):
             if index + 1 < len(batches):  # staged while batch k arrives, launched once it is in
-                in_flight.append(_InFlightBatch(batches[index + 1], bucket_bytes, receiver, launch=False))
+                in_flight.append(_InFlightBatch(batches[index + 1], bucket_bytes, receiver, posted, launch=False))
             arrived = in_flight[0]
-            arrived.wait()  # left in the list until it is in: see below
+            fences = arrived.wait()  # left in the list until it is in: see below
             in_flight.pop(0)
             if in_flight:
                 # the caller's loop body ran since the last launch: a summon there may have failed one-sidedly
                 require_live_groups(groups, lambda: call)
+                for fence in completed_before:  # batch k - 1 complete before k + 1 is posted: [Note: bounded run-ahead]
+                    fence()
                 in_flight[0].launch()  # batch k + 1 on the wire while batch k is copied out
+            completed_before = fences
             fulls = arrived.finish(holds_fulls, device)
             del arrived
+            if not in_flight:
+                all_in = True  # the last batch is in: every collective of the stream is done, on every rank
             sent_bytes += batch.nbytes
             for position, name in enumerate(batch.names):
                 yield name, fulls[position]
                 fulls[position] = None  # valid until the next step: see [Note: streaming]
-    except BaseException:
+    except BaseException as error:
         _drop_all(in_flight, groups)  # failed, or the caller stopped early (GeneratorExit)
+        if posted.any and not all_in:
+            mark_part_way(groups, error)
         raise
     _drop_all(in_flight, groups, raising=True)
     logger.debug(

@@ -56,8 +56,8 @@ from torch.utils.hooks import RemovableHandle
 from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim import _registry as registry
 from fsdp_shim import _versions
-from fsdp_shim._gather.engine import Gathered, agree_on_grads, gather_full_tensors
-from fsdp_shim._gather.layout import BucketCap, Receiver, bucket_cap, receivers_for_summon
+from fsdp_shim._gather.engine import Gathered, Posted, agree_on_grads, gather_full_tensors
+from fsdp_shim._gather.layout import BucketCap, Receiver, bucket_cap, mark_part_way, receivers_for_summon
 from fsdp_shim._group import Conversions, SummonedGroup, refuse_forwards
 from fsdp_shim._param import SummonedParam, carry_requires_grad, inspect_slots, to_full, to_sharded, write_back
 from fsdp_shim._refusals import (
@@ -143,9 +143,11 @@ class DTensorSummon:
       or nothing (see [Note: exit checks] in ``_param``), and the body's exception propagates.
     Every collective already posted is waited for before the error leaves
     (see [Note: every posted work is waited for] in ``_gather.engine``), so a fault
-    that hits every rank alike leaves the group usable. After a one-sided
-    fault the group is out of step (the other ranks' matching collective is
-    still posted, or timed out): a rank whose wait failed records it, and
+    that hits every rank alike before the first collective leaves the group
+    usable. After a one-sided fault the group is out of step (the other
+    ranks' matching collective is still posted, or timed out): a rank whose
+    wait failed records it, and so does a rank that left the gather part way
+    (see [Note: a one-sided fault leaves its own mark] in ``_gather.engine``);
     its later summons and streams over that group refuse at once (see
     [Note: out of step] in ``_gather.layout``); ``docs/troubleshooting.md`` says
     what to do.
@@ -199,15 +201,23 @@ class DTensorSummon:
             collective_bytes = self.cap.collective_bytes(len(scope.groups) == 1 and scope.fsdp2_only)
             # gradients: which exist anywhere, agreed by every rank (see [Note: every rank decides alike])
             grad_inputs = self._agreed_grads(module, dtensors) if self.with_grads else None
-            # 3. gather: every value is in when it returns.
-            gathered = gather_full_tensors(dtensors, holds_fulls=holds_fulls, out_device=out_device,
-                                           bucket_bytes=self.cap.bucket_bytes, receiver=receiver,
-                                           plan=None if cached is None else cached.bucket_plan,
-                                           collective_bytes=collective_bytes, meshes=scope.meshes)
-            if cached is not None:
-                cached.bucket_plan = gathered.plan
-            grads = (_gather_grads(grad_inputs, holds_fulls, out_device, self.cap.bucket_bytes, receiver,
-                                   collective_bytes, scope.meshes) if grad_inputs else {})
+            # 3. gather: every value is in when it returns. Left part way, it marks the groups
+            # (see [Note: a one-sided fault leaves its own mark] in ``_gather.engine``).
+            posted = Posted()
+            try:
+                gathered = gather_full_tensors(dtensors, holds_fulls=holds_fulls, out_device=out_device,
+                                               bucket_bytes=self.cap.bucket_bytes, receiver=receiver,
+                                               plan=None if cached is None else cached.bucket_plan,
+                                               collective_bytes=collective_bytes, meshes=scope.meshes,
+                                               posted=posted)
+                if cached is not None:
+                    cached.bucket_plan = gathered.plan
+                grads = (_gather_grads(grad_inputs, holds_fulls, out_device, self.cap.bucket_bytes, receiver,
+                                       collective_bytes, posted, scope.meshes) if grad_inputs else {})
+            except BaseException as error:
+                if posted.any:
+                    mark_part_way(groups, error)
+                raise
             # 4. install: every parameter to full, recorded on every rank; then every group summoned.
             self._to_full(dtensors, gathered, grads, holds_fulls)
             del gathered, grads
@@ -509,7 +519,7 @@ def _prepare(scope: Scope, resolved: list[DTensor], groups: list[SummonedGroup])
 
 def _gather_grads(
     grads: list[tuple[int, DTensor]], holds_fulls: bool, out_device: torch.device | None, bucket_bytes: int,
-    receiver: Receiver, collective_bytes: int | None, meshes: list[Any] | None = None,
+    receiver: Receiver, collective_bytes: int | None, posted: Posted, meshes: list[Any] | None = None,
 ) -> dict[int, torch.Tensor]:
     """Gather the agreed gradients (``DTensorSummon._agreed_grads``): full gradients by scope position,
     over their parameters' ``meshes`` (the scope's)."""
@@ -521,6 +531,7 @@ def _gather_grads(
         receiver=receiver,
         collective_bytes=collective_bytes,
         meshes=None if meshes is None else [meshes[i] for i, _ in grads],
+        posted=posted,
     )
     return {i: g for (i, _), g in zip(grads, gathered.tensors, strict=True) if g is not None}
 

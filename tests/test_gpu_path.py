@@ -105,13 +105,18 @@ def test_nccl_fault_rule(env, rule):
 
 # --------------------------------------------------------------------------- FSDP2's post-optimizer event
 class _RecordingEvent:
-    """Stands in for a ``torch.Event`` (the CPU has none): counts where it was recorded."""
+    """Stands in for a ``torch.Event`` (the CPU has none): counts where it was recorded, and the order of calls."""
 
     def __init__(self):
         self.records = 0
+        self.calls: list[str] = []
+
+    def wait(self, stream=None):
+        self.calls.append("wait")
 
     def record(self, stream=None):
         self.records += 1
+        self.calls.append("record")
 
 
 def rank_a_writeback_moves_the_post_optim_event_after_it():
@@ -126,6 +131,8 @@ def rank_a_writeback_moves_the_post_optim_event_after_it():
             with torch.no_grad():
                 model.norm.weight.add_(1.0)
     assert event.records == 1  # re-recorded after the writeback: FSDP2's all-gather waits for it
+    # waited on first (issue 51): the user's recording (an optimizer step on a side stream) still ordered before
+    assert event.calls == ["wait", "record"], event.calls
     with torch.no_grad():
         ref.norm.weight.add_(1.0)
     assert torch.equal(full_state(model)["norm.weight"], ref.norm.weight)

@@ -33,8 +33,9 @@ on every backend: the one collective NCCL users take, and the one gloo
 runs in the tests (``docs/gather-engine.md`` says why gloo's point-to-point
 transport was deleted).
 
-[Note: a group of one] is at ``_start_alone``, [Note: offloaded memory] at ``_finish_bucket``,
-[Note: cast before gather] at ``start_gather``, [Note: every posted work is waited for] at ``_wait_all``.
+[Note: a one-sided fault leaves its own mark] is at ``Posted``, [Note: a group of one] at ``_start_alone``,
+[Note: offloaded memory] at ``_finish_bucket``, [Note: cast before gather] at ``start_gather``,
+[Note: every posted work is waited for] at ``_wait_all``.
 Measurements behind each, and the history of removed mechanisms:
 ``docs/gather-engine.md``.
 """
@@ -45,7 +46,7 @@ import collections
 import functools
 import logging
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple, cast
 
 import torch
@@ -66,12 +67,45 @@ from fsdp_shim._gather.layout import (
     mark_out_of_step,
     mesh_dim_groups,
 )
-from fsdp_shim._gather.staging import AllGatherFlight, BucketEntry, InFlight, InPlace, copy_in
+from fsdp_shim._gather.staging import AllGatherFlight, BucketEntry, InFlight, InPlace, Waitable, copy_in
 
 logger = logging.getLogger("fsdp_shim")
 
 
 _CPU = torch.device("cpu")
+
+
+class Posted:
+    """Whether a call's gathers have posted a collective yet.
+
+    ``any`` starts False (a class attribute: making one costs no Python call on the hot path); the engine
+    sets it once a collective is posted.
+
+    [Note: a one-sided fault leaves its own mark]
+    A fault on one rank (most likely an out-of-memory error while staging: the
+    ranks' free memory differs) may raise after some of the call's collectives
+    were posted. The other ranks go on to post the rest, and c10d cannot
+    withdraw either side, so this rank's next collective on the group would
+    pair with a peer's stale one: gloo aborts the process, NCCL, which checks
+    no sizes, hangs, corrupts memory or, where the shapes match, hands over
+    another parameter's shards. This rank cannot tell a one-sided fault from
+    one that hit every rank alike. So whatever leaves a call's gathers part way
+    (any ``BaseException``: an out-of-memory error, a ``KeyboardInterrupt``, an
+    early close of the stream) after it posted a collective, and before it
+    posted the last one it planned, marks every group of the call out of step
+    on this rank (``layout.mark_part_way``), on every transport; its next
+    summon or stream there is refused at once, before any collective. The
+    engine records whether a call posted anything (``Posted``); the call
+    (``_summon``, ``_stream``) knows when its last collective is posted and
+    marks. A fault before the call's first collective leaves nothing posted
+    on this rank and marks nothing: if it hit every rank alike, the group is
+    still usable.
+    """
+
+    any = False
+
+
+_NOBODY = Posted()  # for a gather no call watches: what it records is never read
 
 
 def resolve_device(device: torch.device | str | int | None) -> torch.device | None:
@@ -168,6 +202,32 @@ def _wait_once(flight: InFlight) -> None:
         flight.gather_input = None
 
 
+def completion(works: Sequence[Waitable], device: torch.device) -> Callable[[], object]:
+    """What blocks the host until ``works`` (waited for, on ``device``) have completed.
+
+    [Note: bounded run-ahead]
+    On NCCL ``work.wait()`` only makes the current stream wait: it returns at
+    once, and NCCL's watchdog times each collective from its post. A rank that
+    receives nothing (``rank0_only``, not rank 0) does no host work after a
+    wait, so, unbounded, it would post every gather of a sync within
+    milliseconds, and the last ones would time out while rank 0's consumer
+    works through the first ones. So no rank ever has more than two buckets
+    (the summon) or batches (the stream) posted ahead of the last one it saw
+    complete: before posting ``k + 1`` it blocks the host on ``k - 1``'s
+    completion, while ``k`` stays on the wire (its overlap, and the stream's
+    on the receiving rank, kept). On CUDA, ``k - 1``'s completion is an event
+    recorded on the current stream right after its ``wait()``, synchronised;
+    on the host, the work's own future (gloo's ``wait()`` already blocked, so
+    it is done). A gather of one or two buckets never needs one.
+    """
+    if device.type == "cpu":
+        futures = [work.get_future() for work in works]  # type: ignore[attr-defined]  # a dist.Work
+        return lambda: [future.wait() for future in futures]
+    event = getattr(torch, device.type).Event()
+    event.record()  # on the current stream, which ``wait()`` ordered after the collectives
+    return event.synchronize
+
+
 def _wait_all(flights: Sequence[InFlight]) -> BaseException | None:
     """Wait for every launched collective in ``flights``, each even if another's wait raises; the first error.
 
@@ -180,7 +240,9 @@ def _wait_all(flights: Sequence[InFlight]) -> BaseException | None:
     would be written after it is freed, and a collective left unmatched would
     pair with the next call's. A fault that hits every rank alike raises at
     the same bucket on each, before that bucket's collective is posted, so the
-    ranks stay in step and the group stays usable. A wait that fails (a
+    ranks stay in step; the group stays usable if it raised before the call's
+    first collective, and is marked out of step otherwise, as a one-sided
+    fault must be (see [Note: a one-sided fault leaves its own mark]). A wait that fails (a
     timeout, a dead peer) records the group as out of step (see
     [Note: out of step] in ``layout``). A work is never waited for twice.
     """
@@ -324,7 +386,9 @@ class BucketGather:
         plan: BucketPlan | None = None,
         collective_bytes: int | None = None,
         meshes: Meshes = None,
+        posted: Posted = _NOBODY,
     ) -> None:
+        self._posted = posted
         self.plan = bucket_plan(dtensors, bucket_bytes, cast_to, reuse=plan, collective_bytes=collective_bytes,
                                 meshes=meshes)
         buckets, self._fallback = self.plan.bind(dtensors), list(self.plan.fallback)
@@ -349,29 +413,41 @@ class BucketGather:
             self._flights.append(flight)  # recorded before its collective is posted: never dropped
             if launch:
                 flight.launched()
+                if flight.work is not None:
+                    self._posted.any = True
 
     def launch(self) -> None:
         """Launch every staged bucket's collective, in bucket order. A collective; a no-op once done."""
         try:
             for flight in self._flights:
                 flight.launched()
+                if flight.work is not None:
+                    self._posted.any = True
         except BaseException:
             self._drop()
             raise
 
-    def wait(self) -> None:
+    def wait(self) -> Callable[[], object] | None:
         """Wait for every launched collective, in bucket order: the values are in; ``finish`` copies out.
 
         The stream waits for batch ``k``, launches batch ``k + 1``, then copies
         batch ``k`` out, so the copies overlap the next transfer. On an error
         every launched collective is still waited for (see [Note: every posted work is waited for]).
+        Returns what blocks the host until they have completed, if any was posted (see [Note: bounded run-ahead]).
         """
+        works: list[Waitable] = []
+        device = _CPU
         try:
             for flight in self._flights:
+                work = flight.work
                 _wait_once(flight)
+                if work is not None:
+                    works.append(work)
+                    device = cast(torch.Tensor, cast(AllGatherFlight, flight).output).device
         except BaseException:
             self._drop()
             raise
+        return completion(works, device) if works else None
 
     def finish(self, *, holds_fulls: bool, out_device: torch.device | None = None) -> list[torch.Tensor | None]:
         """Wait and copy out, bucket by bucket (each output freed as soon as it is copied), then the fallbacks."""
@@ -391,17 +467,26 @@ class BucketGather:
         results: list[torch.Tensor | None] = [None] * len(self._dtensors)
         layouts: list[Dim0Layout | None] = [None] * len(self._dtensors)
         flights = self._flights
+        fence: Callable[[], object] | None = None  # bucket k - 1's completion, once bucket k is being finished
         while flights:
             flight = flights[0]  # left in place until it is in: a fault below still waits for it
             if self._unstaged:
+                if fence is not None:  # see [Note: bounded run-ahead]
+                    fence()
+                    fence = None
                 self._stage_ahead(launch=True, finishing=1)  # the next bucket moves while this one is copied out
             for b in flight.bucket:
                 layouts[b.position] = b.layout
+            work = flight.work
             # strict=False: _finish_bucket returns nothing where this rank keeps nothing (rank0_only)
             for b, full in zip(flight.bucket, _finish_bucket(flight, holds_fulls, out_device), strict=False):
                 results[b.position] = full
+            if work is not None and self._unstaged:  # a bucket k + 2 is still to be posted: it will wait for this
+                fence = completion((work,), cast(AllGatherFlight, flight).output.device)  # type: ignore[union-attr]
             flights.popleft()
             del flight
+        if self._fallback:
+            self._posted.any = True  # full_tensor() posts its own collectives (counted before: it may raise part way)
         for index in self._fallback:
             results[index] = _gather_fallback(self._dtensors[index], holds_fulls, out_device, self._cast_to,
                                               None if self._meshes is None else self._meshes[index])
@@ -438,6 +523,7 @@ def gather_full_tensors(
     plan: BucketPlan | None = None,
     collective_bytes: int | None = None,
     meshes: Meshes = None,
+    posted: Posted = _NOBODY,
 ) -> Gathered:
     """All-gather every DTensor in ``dtensors`` to a plain full tensor, one bucket in flight.
 
@@ -445,6 +531,7 @@ def gather_full_tensors(
     tensors in the same order. ``holds_fulls=False`` takes part in the collectives
     but returns ``None`` for every tensor (``rank0_only`` on other ranks).
     ``out_device`` moves results there bucket by bucket (``offload_to_cpu``).
+    ``posted`` records whether a collective was posted (see [Note: a one-sided fault leaves its own mark]).
     Results never alias the DTensors' local storage. With a ``receiver`` other
     than ``"all"``, ``holds_fulls`` must be False on every rank it does not name
     (``layout.Receivers`` says both).
@@ -455,7 +542,7 @@ def gather_full_tensors(
     says (``layout.Meshes``).
     """
     gather = BucketGather(dtensors, bucket_bytes=bucket_bytes, receiver=receiver, ahead=1, plan=plan,
-                          collective_bytes=collective_bytes, meshes=meshes)
+                          collective_bytes=collective_bytes, meshes=meshes, posted=posted)
     return gather.finish_with_layouts(holds_fulls=holds_fulls, out_device=out_device)
 
 
@@ -467,6 +554,7 @@ def start_gather(
     receiver: Receiver = "all",
     launch: bool = True,
     meshes: Meshes = None,
+    posted: Posted = _NOBODY,
 ) -> BucketGather:
     """Stage every bucket of ``dtensors`` and launch its all-gather now; ``finish`` collects them.
 
@@ -483,7 +571,7 @@ def start_gather(
     Casting is elementwise, so this equals casting the gathered full tensor.
     """
     return BucketGather(dtensors, cast_to=cast_to, bucket_bytes=bucket_bytes, receiver=receiver, launch=launch,
-                        meshes=meshes)
+                        meshes=meshes, posted=posted)
 
 
 class GradPresence(NamedTuple):

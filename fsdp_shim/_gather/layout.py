@@ -47,7 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fsdp_shim import _fsdp2 as fsdp2
-from fsdp_shim._compat import is_dim0_shard, is_live_group, is_replicate
+from fsdp_shim._compat import is_dim0_shard, is_live_group, is_replicate, serves_cuda_with_nccl
 
 logger = logging.getLogger("fsdp_shim")
 
@@ -150,7 +150,19 @@ def mesh_dim_groups(mesh: DeviceMesh) -> list[dist.ProcessGroup]:
 _out_of_step: weakref.WeakKeyDictionary[dist.ProcessGroup, tuple[str, list[object]]] = weakref.WeakKeyDictionary()
 
 
-def mark_out_of_step(group: dist.ProcessGroup, error: BaseException, buffers: Iterable[object] = ()) -> None:
+def mark_part_way(groups: Iterable[dist.ProcessGroup], error: BaseException) -> None:
+    """Record that this rank left a call's gathers over ``groups`` part way: a collective posted, not all of them.
+
+    See [Note: a one-sided fault leaves its own mark] in ``engine``: the other ranks may have posted
+    collectives this rank never will, so every group of the call is out of step on this rank.
+    """
+    for group in groups:
+        mark_out_of_step(group, error, part_way=True)
+
+
+def mark_out_of_step(
+    group: dist.ProcessGroup, error: BaseException, buffers: Iterable[object] = (), part_way: bool = False,
+) -> None:
     """Record that a collective posted on ``group`` failed to complete.
 
     [Note: out of step]
@@ -168,9 +180,16 @@ def mark_out_of_step(group: dist.ProcessGroup, error: BaseException, buffers: It
     group lives: the transport may still write a late peer's data into a
     collective it gave up waiting for (gloo does: it aborts the process on
     a size mismatch, measured, and would write into freed memory on a
-    match), so they are never freed under it.
+    match), so they are never freed under it. A rank that left a call's
+    gathers part way records its groups too, its own collectives all waited
+    for (see [Note: a one-sided fault leaves its own mark] in ``engine``).
+    The only recovery is a new process group: ``destroy_process_group`` of
+    this one and a model sharded on a new one, or a restarted job.
     """
-    reason, held = _out_of_step.setdefault(group, (f"{type(error).__name__}: {error}".splitlines()[0][:200], []))
+    what = f"{type(error).__name__}: {error}".splitlines()[0][:200]
+    if part_way:
+        what = f"this rank left a gather part way on {what}"
+    reason, held = _out_of_step.setdefault(group, (what, []))
     held.extend(buffers)
 
 
@@ -208,15 +227,19 @@ def nccl_fault_rule(env: Mapping[str, str]) -> NcclFaultRule:
     nothing. What guards the values there is one of:
     - ``"watchdog"``, torch's default (``TORCH_NCCL_ASYNC_ERROR_HANDLING`` 1
       or 3, or unset): NCCL's watchdog tears the process down when a
-      collective fails or times out. No body runs on values that never
-      arrived and nothing is written back: the job dies, loudly.
+      collective fails or times out, so nothing is written back to the
+      shards: the job dies, loudly. It does not stop what the host already
+      queued on the GPU behind the failed gather (the body's broadcast to an
+      inference engine) from running on partial values before the abort:
+      what was sent then is the receiver's to discard.
     - ``"blocking_wait"`` (``TORCH_NCCL_BLOCKING_WAIT=1``): ``wait()`` blocks
       and raises as on gloo, so gloo's rules hold: nothing written back, the
       group recorded out of step.
     - ``"unguarded"`` (async error handling 0 or 2 without blocking wait, as
       some fault-tolerant stacks set): a failed all-gather's output could be
       read, and under ``writeback=True`` copied into the training shards.
-      The shim warns once per process; set ``TORCH_NCCL_BLOCKING_WAIT=1``.
+      The shim warns once per process, naming the group's backend as the
+      user spelled it (see [Note: NCCL as torch resolves it] in ``_compat``).
     Torch's older spellings (``NCCL_BLOCKING_WAIT``, ``NCCL_ASYNC_ERROR_HANDLING``) count too.
     """
     def value(name: str, default: str) -> str:
@@ -230,17 +253,30 @@ def nccl_fault_rule(env: Mapping[str, str]) -> NcclFaultRule:
 _fault_rule_checked: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
 
 
+def unguarded_nccl_warning(spelling: str, env: Mapping[str, str]) -> str:
+    """The warning for an NCCL group (created as ``spelling``) whose faults nothing notices (``"unguarded"``)."""
+    handling = env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", env.get("NCCL_ASYNC_ERROR_HANDLING"))
+    return (
+        f"NCCL serves the CUDA tensors of a process group created with backend {spelling!r}, with "
+        f"TORCH_NCCL_ASYNC_ERROR_HANDLING={handling} and no TORCH_NCCL_BLOCKING_WAIT: a failed or timed-out "
+        "all-gather is not noticed, so summon_full_params and iter_full_params could hand out (and with "
+        "writeback=True write back) values that never arrived. Unset TORCH_NCCL_ASYNC_ERROR_HANDLING (or set it "
+        "to 3, torch's default: the watchdog tears the process down on a failed collective), or set "
+        "TORCH_NCCL_BLOCKING_WAIT=1 (process-wide: every NCCL collective then blocks the host, and torch's "
+        "watchdog no longer times them). See docs/troubleshooting.md."
+    )
+
+
 def _warn_if_unguarded(groups: Iterable[dist.ProcessGroup]) -> None:
     for group in groups:
         if group in _fault_rule_checked:
             continue
         _fault_rule_checked.add(group)
-        if dist.get_backend(group) == "nccl" and nccl_fault_rule(os.environ) == "unguarded":
-            logger.warning(
-                "NCCL with TORCH_NCCL_ASYNC_ERROR_HANDLING=%s and no TORCH_NCCL_BLOCKING_WAIT: a failed or "
-                "timed-out all-gather is not noticed, so summon_full_params could read (and with writeback=True "
-                "write back) values that never arrived. Set TORCH_NCCL_BLOCKING_WAIT=1 (docs/troubleshooting.md).",
-                os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", os.environ.get("NCCL_ASYNC_ERROR_HANDLING")))
+        if nccl_fault_rule(os.environ) != "unguarded":
+            continue
+        nccl, spelling = serves_cuda_with_nccl(group)  # "nccl", "undefined", "cuda:nccl,cpu:gloo", ...
+        if nccl:
+            logger.warning("%s", unguarded_nccl_warning(spelling, os.environ))
             return
 
 
@@ -254,9 +290,10 @@ def require_live_groups(groups: Iterable[dist.ProcessGroup], user: Callable[[], 
             raise destroyed_group(user)
         if _out_of_step and group in _out_of_step:
             raise RuntimeError(
-                f"cannot gather {user()}: an earlier gather's collective on its process group never completed "
+                f"cannot gather {user()}: an earlier gather on its process group never completed on this rank "
                 f"({_out_of_step[group][0]}), so the ranks are out of step and the next collective could hang or "
-                "pair with the wrong one. Recreate the process group (docs/troubleshooting.md)."
+                "pair with the wrong one. Destroy and recreate the process group (dist.destroy_process_group(group), "
+                "a new group and the model sharded on it), or restart the job (docs/troubleshooting.md)."
             )
 
 
