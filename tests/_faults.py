@@ -126,7 +126,8 @@ def local_shards(model: nn.Module) -> dict[str, tuple[nn.Parameter, torch.Tensor
                 continue
             p = sharded.get((id(module), name), p)
             out[fqn] = (p, (p._local_tensor if isinstance(p, DTensor) else p).detach().clone())
-    return {name: value for name, value in out.items() if name in dict(model.named_parameters())}
+    names = dict(model.named_parameters())
+    return {name: value for name, value in out.items() if name in names}
 
 
 def assert_untouched(model: nn.Module, before: dict[str, tuple[nn.Parameter, torch.Tensor]]) -> None:

@@ -1,7 +1,8 @@
 """Real process groups for the tests: gloo on loopback, one pool per world size.
 
 ``dist_run(world_size, fn, *args)`` runs ``fn`` (a top-level function of a
-test module) on every rank and returns the per-rank results. Pools live for
+test module) on every rank and returns the per-rank results (within the
+pool's 120 s, or ``timeout_s=`` seconds). Pools live for
 the session; a pool whose ranks failed or hung is torn down and the next test
 gets a fresh one.
 """
@@ -31,8 +32,8 @@ def _pool(world_size: int) -> RankPool:
 
 @pytest.fixture(scope="session")
 def dist_run() -> Iterator[Callable[..., list[Any]]]:
-    def run(world_size: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
-        return _pool(world_size).run(fn, *args)
+    def run(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> list[Any]:
+        return _pool(world_size).run(fn, *args, timeout_s=timeout_s)
 
     yield run
     for pool in _pools.values():
