@@ -352,16 +352,19 @@ def unwrap_state_init(handle: Any) -> None:
 
 #: ``FSDPModule``'s public calls that act on a unit's group whatever marks it, refused while a live
 #: context holds one of the group's parameters: see [Note: FSDP2's calls inside] in ``_patching``.
+#: ``set_reshard_after_forward`` exists from torch 2.8; the others in every release served.
 GUARDED_CALLS = ("reshard", "unshard", "set_reshard_after_forward")
 
 
-def wrap_guarded_calls(wrapper: Any) -> list[Any]:
-    """Put ``wrapper`` (a wrapt wrapper function) around each of ``GUARDED_CALLS``; returns the handles."""
-    return [wrapt.wrap_function_wrapper(FSDPModule, name, wrapper) for name in GUARDED_CALLS]
+def wrap_guarded_calls(wrapper: Any) -> list[tuple[str, Any]]:
+    """Put ``wrapper`` (a wrapt wrapper function) around each of ``GUARDED_CALLS`` this torch has;
+    returns ``(name, handle)`` pairs."""
+    return [(name, wrapt.wrap_function_wrapper(FSDPModule, name, wrapper))
+            for name in GUARDED_CALLS if hasattr(FSDPModule, name)]
 
 
-def unwrap_guarded_calls(handles: list[Any]) -> None:
-    for name, handle in zip(GUARDED_CALLS, handles, strict=True):
+def unwrap_guarded_calls(handles: list[tuple[str, Any]]) -> None:
+    for name, handle in handles:
         wrapt.unwrap_object(FSDPModule, name, handle, missing_ok=True)
 
 
@@ -548,7 +551,9 @@ def settle_forward(group: FSDPParamGroup, modules: Iterable[nn.Module]) -> None:
         state = fsdp_state_of(module)
         if state is not None:
             state._training_state = TrainingState.IDLE
-            state._state_ctx.iter_forward_root = None
+            context = state._state_ctx
+            if context.iter_forward_root is state:
+                context.iter_forward_root = None
 
 
 def root_modules(states: list[FSDPState]) -> list[nn.Module]:
@@ -613,7 +618,7 @@ def group_modules(group: FSDPParamGroup) -> tuple[nn.Module, ...]:
 # default are optional and not listed. The probe is static, so it runs
 # without a process group, once, at activation on an unverified torch.
 _METHODS: dict[type, tuple[str, ...]] = {
-    FSDPModule: ("_apply",) + GUARDED_CALLS,  # ``_apply`` redirected inside contexts; the rest guarded
+    FSDPModule: ("_apply", "reshard", "unshard"),  # ``_apply`` redirected inside contexts; the rest guarded
     FSDPState: ("_lazy_init", "__init__"),  # ``__init__``: wrapped by the ``fully_shard`` guard
     FSDPParamGroup: ("_to_sharded", "is_sharded"),
     FSDPParam: ("reset_sharded_param",),

@@ -132,8 +132,9 @@ class _ForwardInParamDtype:
     The casts are put back by the post-forward hook, by an ``always_call``
     hook when the forward raised an ``Exception``, and, for any other
     ``BaseException`` (``KeyboardInterrupt``, ``asyncio.CancelledError``),
-    which ``nn.Module`` runs no hook for, by ``guard_call``: the unit's
-    ``_call_impl`` wrapped in a ``try/finally`` for the context's duration.
+    which ``nn.Module`` runs no hook for, by ``SummonedGroup._guard_call``:
+    the unit's ``_call_impl`` in a ``try/finally`` for the context's duration,
+    which also puts back FSDP2's per-forward state (``_fsdp2.settle_forward``).
     A fault part way through the casts puts back those already placed
     (``held`` grows one parameter at a time), and exit puts back whatever a
     forward compiled around ``_call_impl`` left (``unwind``), before it reads
@@ -172,31 +173,18 @@ class _ForwardInParamDtype:
             self._put_back()
 
     def _put_back(self) -> None:
-        held, self._held = self._held, []
-        while held:  # last first; what a put-back reached is gone from ``held``
+        held = self._held
+        while held:  # last first; what a put-back reached is gone from ``held``, the rest stays for ``unwind``
             self._items[len(held) - 1][0].put_back(held[-1])
             held.pop()
 
     def unwind(self, depth: int = 0) -> None:
-        """Back to ``depth`` forwards in progress: at 0, the slots hold what they held before."""
+        """Back to ``depth`` forwards in progress: at 0, the slots hold what they held before (also where
+        the post-forward hook counted down but could not put every cast back)."""
         if self._depth > depth:
             self._depth = depth
-            if depth == 0:
-                self._put_back()
-
-    def guard_call(self, unit: nn.Module) -> Callable[..., Any]:
-        """``unit``'s ``_call_impl`` in a ``try/finally`` that unwinds this forward, whatever raised."""
-        call_impl = type(unit)._call_impl
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            depth = self._depth
-            try:
-                return call_impl(unit, *args, **kwargs)
-            finally:
-                if self._depth != depth:  # a BaseException skipped the post-forward hook
-                    self.unwind(depth)
-
-        return call
+        if self._depth == 0 and self._held:
+            self._put_back()
 
 
 class Conversions:
@@ -312,7 +300,7 @@ class SummonedGroup:
     """
 
     __slots__ = ("group", "fully_summoned", "units", "_mark", "_suspended", "_hooks", "_switch", "_guarded",
-                 "_roots")
+                 "_roots", "_cut_short")
 
     def __init__(self, group: fsdp2.FSDPParamGroup, fully_summoned: bool) -> None:
         self.group = group
@@ -324,6 +312,7 @@ class SummonedGroup:
         self._switch: _ForwardInParamDtype | None = None
         self._guarded: list[nn.Module] = []  # units whose ``_call_impl`` is ``_switch``'s guard
         self._roots: Callable[[], list[nn.Module]] | None = None  # set where forwards inside may run
+        self._cut_short = False  # a forward through the units raised (``_guard_call``)
 
     def prepare(self) -> bool:
         """FSDP2's group in a known state before anything is gathered, all local, nothing to undo:
@@ -362,6 +351,10 @@ class SummonedGroup:
             )))
             return
         self._roots = roots
+        for module in units:  # see [Note: casts never outlive their forward]
+            if "_call_impl" not in module.__dict__:
+                module.__dict__["_call_impl"] = self._guard_call(module)
+                self._guarded.append(module)
         no_backward = _RaiseOnBackward(units)
         for module in units:
             hooks.append(module.register_forward_hook(no_backward))
@@ -373,23 +366,39 @@ class SummonedGroup:
         if items:
             switch = self._switch = _ForwardInParamDtype(items)
             for module in units:
-                if "_call_impl" not in module.__dict__:  # see [Note: casts never outlive their forward]
-                    module.__dict__["_call_impl"] = switch.guard_call(module)
-                    self._guarded.append(module)
                 hooks.append(module.register_forward_pre_hook(switch.pre_forward))
                 hooks.append(module.register_forward_hook(switch.post_forward, always_call=True))
 
+    def _guard_call(self, unit: nn.Module) -> Callable[..., Any]:
+        """``unit``'s ``_call_impl`` in a ``try/finally``: whatever raised, the forward's casts are put back
+        and FSDP2's per-forward state of the group is as before it (see [Note: casts never outlive their
+        forward])."""
+        call_impl = type(unit)._call_impl
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            switch = self._switch
+            depth = 0 if switch is None else switch._depth
+            try:
+                return call_impl(unit, *args, **kwargs)
+            except BaseException:
+                self._cut_short = True  # FSDP2's post-forward may not have run: settled now, and at release
+                fsdp2.settle_forward(self.group, self.units)
+                raise
+            finally:
+                if switch is not None and (switch._depth != depth or (depth == 0 and switch._held)):
+                    switch.unwind(depth)  # a BaseException skipped the post-forward hook, or it failed
+
+        return call
+
     def release(self) -> None:
-        """Undo ``summon``: the mark undone, hooks resumed and removed.
-        Each step runs even if another raised; the first error is raised after all of them."""
-        mark, self._mark = self._mark, None
-        roots, self._roots = self._roots, None
+        """Undo ``summon``: the mark undone, hooks resumed and removed, a forward cut short settled.
+
+        Each step runs even if another raised, and the first error is raised after all of them. Each
+        forgets what it undid only once undone, so a second call (exit's, after an interrupt) finishes
+        what the first did not reach (see [Note: exit always restores] in ``_summon``)."""
         first: BaseException | None = None
-        settle = None
-        if roots is not None and fsdp2.forward_cut_short(self.group):  # see fsdp2.settle_forward
-            def settle() -> None:
-                fsdp2.settle_forward(self.group, [*self.units, *roots()])
-        for step in (mark.unmark if mark is not None else None, self._resume, self.remove_hooks, settle):
+        for step in (self._unmark if self._mark is not None else None, self._resume if self._suspended else None,
+                     self.remove_hooks, self._settle if self._roots is not None else None):
             if step is None:
                 continue
             try:
@@ -398,6 +407,20 @@ class SummonedGroup:
                 first = first or error
         if first is not None:
             raise first
+
+    def _unmark(self) -> None:
+        assert self._mark is not None
+        self._mark.unmark()
+        self._mark = None
+
+    def _settle(self) -> None:
+        """FSDP2's per-forward state of the group and the roots above, if a forward left it set."""
+        roots = self._roots
+        assert roots is not None
+        if self._cut_short or fsdp2.forward_cut_short(self.group):  # see fsdp2.settle_forward
+            fsdp2.settle_forward(self.group, [*self.units, *roots()])
+        self._roots = None
+        self._cut_short = False
 
     def _resume(self) -> None:
         fsdp2.resume_hooks(self._suspended)

@@ -269,8 +269,9 @@ def to_sharded(params: Sequence[SummonedParam]) -> None:
     writes: list[tuple[dict[str, Any], str, Any]] = []
     for param in reversed(params):
         writes += param.originals
-        param.originals = []
     _place(writes)
+    for param in params:  # forgotten only once placed: a second call after an interrupt places them again
+        param.originals = []
 
 
 def inspect_slots(params: Sequence[SummonedParam]) -> None:

@@ -115,7 +115,7 @@ def _remove_instance_form() -> None:
 
 
 _guard_handle: wrapt.FunctionWrapper | None = None  # on FSDPState.__init__, while patched
-_call_handles: list[wrapt.FunctionWrapper] = []  # on FSDPModule's guarded calls, while patched
+_call_handles: list[tuple[str, wrapt.FunctionWrapper]] = []  # on FSDPModule's guarded calls, while patched
 
 
 def _refuse_fully_shard_inside(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -242,6 +242,7 @@ class DTensorSummon:
         try:
             self.restore()  # raising or not, everything is restored first: see [Note: exit always restores]
         except BaseException as error:
+            self._release_again(error)
             if body_error is not None and error is not body_error and error.__context__ is None:
                 error.__context__ = body_error  # Python does not chain an error raised from inside torch's C++
             raise
@@ -374,7 +375,7 @@ class DTensorSummon:
         stores and flag resets) or the first bytecodes of ``__exit__`` from an
         asynchronous interrupt; every call between them is covered.
         """
-        inspected, grad_enabled = False, torch.is_grad_enabled()
+        inspected, released, grad_enabled = False, False, torch.is_grad_enabled()
         try:
             try:
                 self._remove_hooks()
@@ -383,6 +384,7 @@ class DTensorSummon:
                 inspected = True
             finally:
                 self._release()
+                released = True
             if inspected:
                 carry_requires_grad(self.summoned)
                 self._replay_conversions()
@@ -390,7 +392,8 @@ class DTensorSummon:
                     write_back(self.summoned, self._name, self.with_grads)
                     fsdp2.order_after_writeback(states_of(self.scope))
         finally:
-            self.summoned.clear()
+            if released:  # else exit's second release needs the records (``_release_again``)
+                self.summoned.clear()
             if torch.is_grad_enabled() is not grad_enabled:
                 torch._C._set_grad_enabled(grad_enabled)
 
@@ -400,8 +403,8 @@ class DTensorSummon:
         that the caller sees its own ``error``."""
         try:
             self._release()
-        except BaseException:  # logged: ``error`` is the caller's to see
-            logger.exception("summon_full_params: restoring after %r failed", error)
+        except BaseException:  # noqa: BLE001  # a second pass finishes it; ``error`` is the caller's to see
+            self._release_again(error)
         finally:
             self.summoned.clear()
             if torch.is_grad_enabled() is not grad_enabled:
@@ -424,10 +427,8 @@ class DTensorSummon:
         registry entry and group claims undone. Each step runs even if another raised; the first error
         is raised after all of them. See [Note: exit always restores]."""
         to_sharded(self.summoned)
-        groups, self.groups = self.groups, []
-        claimed, self._claimed = self._claimed, None
         first: BaseException | None = None
-        steps = [group.release for group in groups]
+        steps = [group.release for group in self.groups]
         steps.reverse()
         steps += (self._remove_hooks, self.conversions.release)
         for step in steps:
@@ -435,18 +436,32 @@ class DTensorSummon:
                 step()
             except BaseException as error:  # noqa: BLE001  # the rest still run; the first is raised
                 first = first or error
-        registry.forget(self, claimed)  # dict and counter updates: nothing in it raises
+        if first is None:
+            self.groups = []
+        registry.forget(self, self._claimed)  # dict and counter updates
+        self._claimed = None
         if first is not None:
             raise first
+
+    def _release_again(self, error: BaseException) -> None:
+        """A second ``_release`` after a failed exit or entry: it finishes what an interrupt kept the first
+        from reaching, and changes nothing where the first completed. Its own failure is logged, so
+        that the caller sees ``error``."""
+        try:
+            self._release()
+        except BaseException:  # logged: ``error`` is the caller's to see
+            logger.exception("summon_full_params: restoring after %r failed", error)
+        else:
+            self.summoned.clear()
 
     def _remove_hooks(self) -> None:
         """The forward hooks off, the groups' and the context's own (one at a time: if a removal is
         interrupted, the release removes the rest)."""
         for group in self.groups:
             group.remove_hooks()
-        refusal, self._refusal = self._refusal, None
-        if refusal is not None:
-            refusal.remove()
+        if self._refusal is not None:
+            self._refusal.remove()
+            self._refusal = None
 
     def _replay_conversions(self) -> None:
         """Apply the conversions made inside to the restored (sharded) parameters, through FSDP2."""
