@@ -18,7 +18,19 @@
 #
 #   bash scripts/device_check.sh            # device_fake, check, bench at 37 MiB
 #   BIG=1 bash scripts/device_check.sh      # and bench at 327 MiB, and 2.4 GB, if the budget has room
+#   bash scripts/device_check.sh --device cpu   # the same steps on the CPU: the fake backend at W = 8,
+#                                               # `check` and `bench` on 2 gloo processes (CI runs it,
+#                                               # so the script cannot rot while no GPU is lent)
 set -u
+DEVICE=cuda
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --device) DEVICE=${2:-}; shift 2 ;;
+        --device=*) DEVICE=${1#--device=}; shift ;;
+        *) echo "device_check.sh: unknown argument $1 (usage: device_check.sh [--device cuda|cpu])" >&2; exit 2 ;;
+    esac
+done
+case "$DEVICE" in cuda|cpu) ;; *) echo "device_check.sh: --device is cuda or cpu, not '$DEVICE'" >&2; exit 2 ;; esac
 BUDGET=${BUDGET:-290}
 OUT=${OUT:-./device-out}
 mkdir -p "$OUT"
@@ -30,9 +42,16 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-ranks=$(python3 -c "import torch; print(torch.cuda.device_count())") || exit 2
-echo "GPUs: $ranks" | tee -a "$OUT/gpu.txt"
+if [ "$DEVICE" = cuda ]; then
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+    ranks=$(python3 -c "import torch; print(torch.cuda.device_count())") || exit 2
+    echo "GPUs: $ranks" | tee -a "$OUT/gpu.txt"
+    worlds="8 64 1024"
+else
+    ranks=2  # two gloo processes on the host
+    worlds="8"
+    echo "device: cpu, 2 gloo ranks" | tee "$OUT/gpu.txt"
+fi
 
 status=0
 left() {  # left SECONDS: SECONDS, or what the budget has left (5 s kept for the end) if less; 1 at least
@@ -49,7 +68,7 @@ run() {  # run NAME SECONDS ARGS...: one fsdp-shim command, its log in $OUT/NAME
         return
     fi
     echo "=== fsdp-shim $* ($(date -u +%T), ${seconds} s)"
-    timeout "$seconds" python3 -m fsdp_shim "$@" --device cuda --ranks "$ranks" --timeout $((seconds - 10)) 2>&1 \
+    timeout "$seconds" python3 -m fsdp_shim "$@" --device "$DEVICE" --ranks "$ranks" --timeout $((seconds - 10)) 2>&1 \
         | tee "$OUT/$name.txt"
     local rc=${PIPESTATUS[0]}
     echo "=== $name: exit $rc"
@@ -57,15 +76,20 @@ run() {  # run NAME SECONDS ARGS...: one fsdp-shim command, its log in $OUT/NAME
 }
 
 # First: the multi-rank paths on this one GPU (fake process group), 55 s per world size at most
-echo "=== device_fake.py --device cuda --world 8 64 1024 ($(date -u +%T))"
-timeout "$(left 175)" python3 scripts/device_fake.py --device cuda --world 8 64 1024 --reps 11 --timeout 55 \
+echo "=== device_fake.py --device $DEVICE --world $worlds ($(date -u +%T))"
+# shellcheck disable=SC2086  # $worlds: one argument a world size
+timeout "$(left 175)" python3 scripts/device_fake.py --device "$DEVICE" --world $worlds --reps 11 --timeout 55 \
     --json "$OUT/device_fake.json" 2>&1 | tee "$OUT/device_fake.txt"
 rc=${PIPESTATUS[0]}
 echo "=== device_fake: exit $rc"
 [ "$rc" -eq 0 ] || status=1
 
 run check 65 check --verbose
-run bench37 50 bench --reps 10 --warmup 2
+if [ "$DEVICE" = cuda ]; then
+    run bench37 50 bench --reps 10 --warmup 2
+else  # two processes on two cores: fewer repetitions, the same contenders
+    run bench37 150 bench --reps 3 --warmup 1
+fi
 if [ "${BIG:-0}" = 1 ]; then
     run bench327 150 bench --width 768 --reps 10 --warmup 2
     run bench2g 150 bench --width 2048 --reps 5 --warmup 1 --no-between
