@@ -371,9 +371,12 @@ class DTensorSummon:
         changed is unknown, so the writeback's all or nothing is nothing.
         Grad mode is put back too: an interrupt inside a ``no_grad`` block's
         own exit (the writeback runs under one) would leave it off for the
-        thread. Python lets no library shield the release itself (a few dict
-        stores and flag resets) or the first bytecodes of ``__exit__`` from an
-        asynchronous interrupt; every call between them is covered.
+        thread. The release is idempotent (each step forgets what it undid
+        only once undone), and ``__exit__`` runs it a second time when the
+        first was cut short (``_release_again``), so an interrupt at any call
+        of the release is finished by the second pass. Python lets no library
+        shield the first bytecodes of ``__exit__`` itself; every call after
+        them is covered (``tests/test_interrupts.py`` injects at each).
         """
         inspected, released, grad_enabled = False, False, torch.is_grad_enabled()
         try:

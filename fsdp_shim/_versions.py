@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 #: This package's version (setup.cfg reads it from here, without importing torch).
-__version__ = "0.12.0"
+__version__ = "0.13.0"
 
 #: The lowest torch release supported (inclusive) and the first one not yet
 #: verified (exclusive).
