@@ -1,17 +1,15 @@
 """One FSDP2 parameter group of a summon (``SummonedGroup``): everything a context changes on FSDP2's
-state and on its units' modules, made by ``summon`` and undone by ``release``, as one pair.
+state and on its units' modules, made by ``summon`` and undone by ``release``, as one pair; and the
+conversions made inside a context (``Conversions``), across its groups.
 
-For a group whose every parameter is summoned (by this call or an
-enclosing one), on a rank whose slots hold the full parameters: FSDP2's
-state is marked so that FSDP2 leaves the slots alone (see [Note: summoned
-groups] in ``_fsdp2``), its state-dict and load hooks are suspended, its
-units' ``_apply`` converts the full parameters (see [Note: conversions
-inside]), and its forward hooks run a forward inside on the full
-parameters, cast to FSDP2's ``param_dtype`` as FSDP2 would
-(``_ForwardInParamDtype``), and refuse a backward through its outputs
-before FSDP2's own hooks run (FSDP1 forbids it too). A forward that cannot
-be right (``rank0_only``, or a unit only partly summoned) is refused before
-FSDP2's pre-forward changes any state (``refuse_forwards``).
+For a group whose every parameter is summoned, on a rank whose slots hold
+the full parameters: FSDP2's state is marked (see [Note: summoned groups]
+in ``_fsdp2``), its state-dict and load hooks are suspended, and a forward
+inside runs on the full parameters, cast to FSDP2's ``param_dtype`` as
+FSDP2 would (``_ForwardInParamDtype``), with a backward through its outputs
+refused before FSDP2's own hooks run (FSDP1 forbids it too). A forward that
+cannot be right (``rank0_only``, or a unit only partly summoned) is refused
+before FSDP2's pre-forward changes any state (``refuse_forwards``).
 """
 
 from __future__ import annotations

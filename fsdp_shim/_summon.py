@@ -346,7 +346,7 @@ class DTensorSummon:
                 grad = torch.zeros_like(sharded)  # FSDP1's zeros, in the parameter's layout: no communication
             chosen.append((index, cast(DTensor, grad)))
         if foreign:  # gradients on another mesh: their groups are checked and claimed too
-            groups = refuse_placements(foreign, writeback=False)
+            groups = refuse_placements(foreign, writeback=self.writeback)  # refused before any write
             if not registry.claim(self.thread, groups):
                 raise group_in_use(f"summon_full_params({module_label(module)})")
             assert self._claimed is not None
