@@ -202,6 +202,10 @@ def _wait_once(flight: InFlight) -> None:
         flight.gather_input = None
 
 
+def _nothing(_: object) -> None:
+    """A future's callback that keeps nothing of its value."""
+
+
 def completion(works: Sequence[Waitable], device: torch.device) -> Callable[[], object]:
     """What blocks the host until ``works`` (waited for, on ``device``) have completed.
 
@@ -221,7 +225,9 @@ def completion(works: Sequence[Waitable], device: torch.device) -> Callable[[], 
     it is done). A gather of one or two buckets never needs one.
     """
     if device.type == "cpu":
-        futures = [work.get_future() for work in works]  # type: ignore[attr-defined]  # a dist.Work
+        # Each work's future, chained to one whose value is None: the fence must not keep the gathered
+        # buffers alive past their batch (the stream holds two units at most).
+        futures = [work.get_future().then(_nothing) for work in works]  # type: ignore[attr-defined]  # a dist.Work
         return lambda: [future.wait() for future in futures]
     event = getattr(torch, device.type).Event()
     event.record()  # on the current stream, which ``wait()`` ordered after the collectives
