@@ -47,7 +47,7 @@ import functools
 import logging
 import zlib
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -136,7 +136,8 @@ def _comm_device(dtensor: DTensor) -> torch.device:
     return torch.device(device_type, handle.current_device())
 
 
-def _stage_bucket(bucket: list[BucketEntry], shape: BucketShape, receiver: Receiver = "all") -> InFlight:
+def _stage_bucket(bucket: list[BucketEntry], shape: BucketShape, receiver: Receiver = "all",
+                  host_copies: list[Any] | None = None) -> InFlight:
     """Copy in this rank's padded shards; the bucket's collective is left for ``launched()``.
 
     As FSDP2 does, the input is this rank's block of the output buffer, so the
@@ -156,7 +157,7 @@ def _stage_bucket(bucket: list[BucketEntry], shape: BucketShape, receiver: Recei
     per_rank = sum(split_sizes)
     output = torch.empty(world_size * per_rank, dtype=dtype, device=comm_device)
     gather_input = copy_in(bucket, split_sizes, dtype, comm_device, output[rank * per_rank:(rank + 1) * per_rank],
-                           shape.unpadded)
+                           shape.unpadded, host_copies)
     launch = functools.partial(all_gather_single, output, gather_input, group=group, async_op=True)
     return AllGatherFlight(bucket, split_sizes, output=output, blocks=shape.blocks, launch=launch,
                            gather_input=gather_input)
@@ -395,6 +396,7 @@ class BucketGather:
         posted: Posted = _NOBODY,
     ) -> None:
         self._posted = posted
+        self._host_copies: list[Any] = []  # see [Note: copy-in from host memory] in ``staging``
         self.plan = bucket_plan(dtensors, bucket_bytes, cast_to, reuse=plan, collective_bytes=collective_bytes,
                                 meshes=meshes)
         buckets, self._fallback = self.plan.bind(dtensors), list(self.plan.fallback)
@@ -415,7 +417,7 @@ class BucketGather:
     def _stage_ahead(self, launch: bool, finishing: int = 0) -> None:
         """Stage (and launch) buckets until ``ahead`` are in flight beyond the ``finishing`` one."""
         while self._unstaged and len(self._flights) - finishing < self._ahead:
-            flight = _stage_bucket(*self._unstaged.popleft(), self._receiver)
+            flight = _stage_bucket(*self._unstaged.popleft(), self._receiver, self._host_copies)
             self._flights.append(flight)  # recorded before its collective is posted: never dropped
             if launch:
                 flight.launched()
@@ -497,6 +499,9 @@ class BucketGather:
             results[index] = _gather_fallback(self._dtensors[index], holds_fulls, out_device, self._cast_to,
                                               None if self._meshes is None else self._meshes[index])
         self._fallback = []
+        if self._host_copies:  # no copy from host memory still reads a shard: [Note: copy-in from host memory]
+            self._host_copies[-1].synchronize()
+            self._host_copies.clear()
         return Gathered(results, layouts, self.plan)
 
     def _drop(self) -> None:

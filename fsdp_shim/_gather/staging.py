@@ -75,12 +75,23 @@ class AllGatherFlight(InFlight):
 
 def copy_in(
     bucket: list[BucketEntry], split_sizes: list[int], dtype: torch.dtype, device: torch.device,
-    block: torch.Tensor, unpadded: bool | None = None,
+    block: torch.Tensor, unpadded: bool | None = None, host_copies: list[Any] | None = None,
 ) -> torch.Tensor:
     """This rank's padded shards, back to back, in ``block`` (its block of the output): the all-gather's input.
 
     A bucket of one whose shard needs no padding, cast or move is its own
     input, and nothing is copied (see [Note: a bucket of one]).
+
+    [Note: copy-in from host memory]
+    Shards in host memory (FSDP2's ``CPUOffloadPolicy``, pinned) are moved to
+    the device by a ``non_blocking`` copy, which the device runs when its
+    stream reaches it: a host write to a shard before then (an optimizer step
+    on the CPU shards right after the summon returns) would tear the gathered
+    values. So each such copy records an event on ``host_copies``, and the
+    gather synchronises the last one before it returns
+    (``BucketGather._finish``): by then no copy still reads the shards. The
+    copies precede their all-gathers on the stream, so the wait is short and
+    the overlap of copy-in and all-gather is kept.
     """
     per_rank = sum(split_sizes)
     local = bucket[0].dtensor._local_tensor
@@ -101,4 +112,8 @@ def copy_in(
         if padded > numel:  # zeros: padding is never exposed, but stays deterministic
             piece[numel:].zero_()
     torch._foreach_copy_(destinations, sources, non_blocking=True)  # casts and moves in the same pass
+    if host_copies is not None and device.type != "cpu" and sources[0].device.type == "cpu":
+        event = getattr(torch, device.type).Event()  # see [Note: copy-in from host memory]
+        event.record()
+        host_copies.append(event)
     return block
