@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.tensor import DTensor
 
+from _helpers import wrapping_dist
 from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim import _registry
 
@@ -45,9 +46,8 @@ def inject(operation: str, *, after: int = 0, exception: type[BaseException] = I
     Yields a one-element list: how many calls of ``operation`` were made.
     """
     calls = [0]
-    originals = {name: getattr(dist, name) for name in OPERATIONS[operation] if hasattr(dist, name)}
 
-    def wrap(original):
+    def wrap(name, original):
         def faulty(*args, **kwargs):
             calls[0] += 1
             if calls[0] == after + 1:
@@ -56,13 +56,8 @@ def inject(operation: str, *, after: int = 0, exception: type[BaseException] = I
 
         return faulty
 
-    for name, original in originals.items():
-        setattr(dist, name, wrap(original))
-    try:
+    with wrapping_dist(OPERATIONS[operation], wrap):
         yield calls
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
 
 
 @contextlib.contextmanager

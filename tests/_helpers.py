@@ -18,7 +18,7 @@ from fsdp_shim.tools.models import LMConfig, TinyLM, build_lm, shard_lm, tokens_
 __all__ = [
     "LMConfig", "TinyLM", "build_lm", "shard_lm", "tokens_for",
     "assert_params_equal", "full_state", "mesh1d", "patched", "snapshot",
-    "assert_unchanged", "rank", "patch_state_restored",
+    "assert_unchanged", "rank", "patch_state_restored", "counting_collectives", "wrapping_dist",
 ]
 
 
@@ -133,11 +133,24 @@ _COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "all_gather", "al
 
 
 @contextlib.contextmanager
+def wrapping_dist(names, wrap) -> Iterator[None]:
+    """Each of ``names`` that ``torch.distributed`` has, replaced by ``wrap(name, original)`` for the block
+    (the shim looks c10d's functions up there at each call): the originals still run, on the real
+    process group, and are back after the block."""
+    originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
+    for name, original in originals.items():
+        setattr(dist, name, wrap(name, original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+@contextlib.contextmanager
 def counting_collectives() -> Iterator[dict[str, int]]:
-    """Count the collectives issued through ``torch.distributed`` (the shim looks them up there at each
-    call): each function still runs, on the real process group; the counts are by name."""
+    """Count the collectives issued through ``torch.distributed``, by name."""
     counts: dict[str, int] = {}
-    originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
 
     def counted(name, function):
         def call(*args, **kwargs):
@@ -145,10 +158,5 @@ def counting_collectives() -> Iterator[dict[str, int]]:
             return function(*args, **kwargs)
         return call
 
-    for name, function in originals.items():
-        setattr(dist, name, counted(name, function))
-    try:
+    with wrapping_dist(_COLLECTIVES, counted):
         yield counts
-    finally:
-        for name, function in originals.items():
-            setattr(dist, name, function)

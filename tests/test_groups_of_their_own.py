@@ -22,7 +22,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor
 
 import fsdp_shim
-from _helpers import assert_params_equal, build_lm, patched, shard_lm, tokens_for
+from _helpers import assert_params_equal, build_lm, patched, shard_lm, tokens_for, wrapping_dist
 
 _GATHERS = ("all_gather_single", "all_gather_into_tensor")
 
@@ -31,21 +31,15 @@ _GATHERS = ("all_gather_single", "all_gather_into_tensor")
 def recording_groups():
     """The ``group`` argument of every all-gather issued through ``torch.distributed``."""
     seen: list[object] = []
-    originals = {name: getattr(dist, name) for name in _GATHERS if hasattr(dist, name)}
 
-    def wrap(function):
+    def wrap(name, function):
         def call(*args, **kwargs):
             seen.append(kwargs.get("group", args[2] if len(args) > 2 else None))
             return function(*args, **kwargs)
         return call
 
-    for name, function in originals.items():
-        setattr(dist, name, wrap(function))
-    try:
+    with wrapping_dist(_GATHERS, wrap):
         yield seen
-    finally:
-        for name, function in originals.items():
-            setattr(dist, name, function)
 
 
 def _mesh_on_new_group() -> tuple[DeviceMesh, dist.ProcessGroup]:

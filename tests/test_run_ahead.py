@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import fsdp_shim
-from _helpers import LMConfig, assert_params_equal, build_lm, patched, shard_lm
+from _helpers import LMConfig, assert_params_equal, build_lm, patched, shard_lm, wrapping_dist
 from fsdp_shim._gather.layout import bucket_cap, bucket_plan
 
 # --------------------------------------------------------------------------- bounded run-ahead
@@ -46,11 +46,10 @@ class _ReturnsAtOnce:
 def nccl_like_waits(late_s: float = 0.03) -> Iterator[list[int]]:
     """On rank 1: waits that return at once; each post records its posted works not yet completed. On rank 0:
     each all-gather posted ``late_s`` late. Yields rank 1's record; every real work is waited for on exit."""
-    originals = {name: getattr(dist, name) for name in _ALL_GATHERS if hasattr(dist, name)}
     posted: list[_ReturnsAtOnce] = []
     unfinished: list[int] = []
 
-    def wrap(original):
+    def wrap(name, original):
         def post(*args, **kwargs):
             if dist.get_rank() == 0:
                 time.sleep(late_s)
@@ -64,13 +63,10 @@ def nccl_like_waits(late_s: float = 0.03) -> Iterator[list[int]]:
 
         return post
 
-    for name, original in originals.items():
-        setattr(dist, name, wrap(original))
     try:
-        yield unfinished
+        with wrapping_dist(_ALL_GATHERS, wrap):
+            yield unfinished
     finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
         for work in posted:
             work._work.wait()
 

@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import fsdp_shim
 from _helpers import (
+    wrapping_dist,
     LMConfig,
     assert_unchanged,
     build_lm,
@@ -147,27 +148,21 @@ def rank_cast_before_gather_moves_half_the_bytes():
     model = shard_lm(build_lm())
     moved: list[tuple[torch.dtype, int]] = []
     names = ("all_gather_single", "all_gather_into_tensor")
-    originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
 
-    def recording(original):
+    def recording(name, original):
         def record(*args, **kwargs):
             tensor = args[1]  # (output, input)
             moved.append((tensor.dtype, tensor.numel() * tensor.element_size()))
             return original(*args, **kwargs)
         return record
 
-    for name, original in originals.items():
-        setattr(dist, name, recording(original))
-    try:
-        by_dtype = {}
+    by_dtype = {}
+    with wrapping_dist(names, recording):
         for dtype in (None, torch.bfloat16):
             moved.clear()
             for _ in fsdp_shim.iter_full_params(model, dtype=dtype, rank0_only=False):  # every rank receives
                 pass
             by_dtype[dtype] = list(moved)
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
     assert {d for d, _ in by_dtype[None]} == {torch.float32}
     assert {d for d, _ in by_dtype[torch.bfloat16]} == {torch.bfloat16}
     assert sum(n for _, n in by_dtype[torch.bfloat16]) * 2 == sum(n for _, n in by_dtype[None]) > 0
