@@ -35,8 +35,7 @@ from fsdp_shim._scope import (
 )
 
 if TYPE_CHECKING:
-    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    from fsdp_shim._fsdp2 import FSDPParamGroup, FSDPState
 
 
 def validate_args(

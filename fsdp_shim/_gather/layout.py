@@ -47,7 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fsdp_shim import _fsdp2 as fsdp2
-from fsdp_shim._compat import is_dim0_shard, is_live_group, is_replicate, serves_cuda_with_nccl
+from fsdp_shim._compat import is_dim0_shard, is_replicate, serves_cuda_with_nccl
 
 logger = logging.getLogger("fsdp_shim")
 
@@ -286,7 +286,7 @@ def require_live_groups(groups: Iterable[dist.ProcessGroup], user: Callable[[], 
     ``user()``: what gathers over ``groups``, as the message names it (worked out only to raise).
     """
     for group in groups:
-        if not is_live_group(group):
+        if not fsdp2.is_live_group(group):
             raise destroyed_group(user)
         if _out_of_step and group in _out_of_step:
             raise RuntimeError(
