@@ -470,7 +470,7 @@ def gather_full_tensors(
     ``posted`` records whether a collective was posted (see [Note: a one-sided fault leaves its own mark]).
     Results never alias the DTensors' local storage. With a ``receiver`` other
     than ``"all"``, ``holds_fulls`` must be False on every rank it does not name
-    (``layout.Receivers`` says both).
+    (``layout.Delivery`` says both).
 
     The caller has refused what cannot be gathered (placements this torch gets
     wrong, dead or out-of-step groups: ``_refusals.refuse_placements``) before
