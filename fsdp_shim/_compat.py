@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as _c10d  # its private world: ``is_live_group`` reads it
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
@@ -83,11 +82,6 @@ def is_strided_shard(placement: Placement) -> bool:
 #: Releases whose ``DTensor.full_tensor()`` rejects a ``_StridedShard`` that
 #: no later mesh dim completes (torch's own redistribute bug, fixed in 2.12).
 STRIDED_SHARD_FULL_TENSOR_BROKEN = (2, 10) <= _TORCH[:2] < (2, 12)
-
-
-def is_live_group(group: dist.ProcessGroup) -> bool:
-    """Whether ``group`` is still registered with c10d (not destroyed, and from this process's world)."""
-    return dist.is_initialized() and group in _c10d._world.pg_map
 
 
 def cuda_backend_of(spelling: str) -> str:

@@ -1,9 +1,10 @@
-"""Every touch of FSDP2's private state, in one place, and the probe of it.
+"""Every touch of FSDP2's (and c10d's) private state, in one place, and the probe of it.
 
 FSDP2 (``torch.distributed.fsdp.fully_shard``) exposes ``unshard()`` and
 ``reshard()`` but not the per-parameter bookkeeping a faithful
-``summon_full_params`` needs. This module reads and changes that bookkeeping
-and nothing else in the package does.
+``summon_full_params`` needs. This module reads and changes that bookkeeping,
+the module globals of FSDP2's forward cast, and c10d's world of live groups;
+nothing else in the package does (``tests/test_house.py`` checks it).
 
 Read against torch 2.7.0 through 2.15.0 (``_fully_shard/_fsdp_state.py``,
 ``_fsdp_param_group.py``, ``_fsdp_param.py``) and exercised on each by the
@@ -36,8 +37,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import wrapt
+from torch.distributed import distributed_c10d
 from torch.distributed._composable_state import _module_state_mapping
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
@@ -46,49 +49,57 @@ from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState, FSDPStateContext, _get_module_fsdp_state
 
 __all__ = [
+    "CAST_FN",
+    "CAST_MODULE",
+    "CAST_WALKS",
     "FSDPParam",
     "FSDPParamGroup",
     "FSDPState",
-    "ParamModuleInfo",
-    "ShardedState",
-    "TrainingState",
     "GroupMark",
+    "READS",
+    "Suspended",
     "adopt_module_params",
     "all_fsdp_states",
     "busy_training_state",
-    "fsdp_state_of",
-    "GUARDED_CALLS",
-    "groups_of_call",
-    "wrap_guarded_calls",
-    "unwrap_guarded_calls",
-    "is_fsdp2_module",
-    "summon_cache",
-    "unit_summon_cache",
-    "lazy_init_root",
-    "mark_summoned",
+    "cast_fn",
     "forward_cut_short",
-    "settle_forward",
-    "suspend_hooks",
-    "resume_hooks",
-    "group_hook_sites",
+    "fsdp_state_of",
     "gather_mesh",
+    "group_hook_sites",
+    "group_modules",
+    "group_params",
+    "groups_of_call",
+    "has_cast_walk",
+    "is_live_group",
+    "lazy_init_root",
     "load_post_hook_sites",
-    "unsharded_param_if_any",
-    "sharded_behind",
-    "sharded_params",
+    "mark_summoned",
+    "missing_internals",
+    "order_after_writeback",
     "param_dtype_for_forward",
     "param_groups",
     "param_slots",
     "reshard_group",
-    "shard_rank",
+    "resume_hooks",
     "root_modules",
+    "settle_forward",
+    "shard_rank",
+    "sharded_behind",
+    "sharded_param",
+    "sharded_params",
+    "summon_cache",
+    "suspend_hooks",
+    "unit_summon_cache",
+    "unsharded_param_if_any",
+    "unwrap_cast_walks",
+    "unwrap_guarded_calls",
+    "unwrap_state_init",
+    "wrap_cast_walks",
+    "wrap_guarded_calls",
+    "wrap_state_init",
 ]
 
 Slot = tuple[nn.Module, str]
-
-
-def is_fsdp2_module(module: nn.Module) -> bool:
-    return isinstance(module, FSDPModule)
 
 
 def fsdp_state_of(module: nn.Module) -> FSDPState | None:
@@ -382,6 +393,39 @@ def groups_of_call(module: nn.Module, call: str, args: tuple[Any, ...], kwargs: 
     return groups
 
 
+# -- FSDP2's forward-input cast, which ``instrumentations/forward_io`` mends (listed in ``READS``) --
+# See [Note: where the cast is reached] in ``instrumentations/forward_io``.
+
+#: The module whose globals FSDP2 casts forward inputs through (``_fsdp_state``).
+CAST_MODULE = FSDPState.__module__
+#: The cast FSDP2 applies to each floating-point tensor, called through ``functools.partial``.
+CAST_FN = "_cast_fp_tensor"
+#: The walks FSDP2 casts forward inputs with: ``tree_map`` up to 2.7, ``_apply_to_tensors`` from 2.8.
+CAST_WALKS = ("tree_map", "_apply_to_tensors")
+
+
+def cast_fn(state_module: types.ModuleType) -> Any:
+    """FSDP2's per-tensor cast in ``state_module`` (``CAST_MODULE``, as imported)."""
+    return getattr(state_module, CAST_FN)
+
+
+def has_cast_walk(state_module: types.ModuleType) -> bool:
+    """Whether ``state_module`` has one of ``CAST_WALKS`` to wrap."""
+    return any(callable(getattr(state_module, name, None)) for name in CAST_WALKS)
+
+
+def wrap_cast_walks(state_module: types.ModuleType, wrapper: Any) -> dict[str, Any]:
+    """Put ``wrapper`` (a wrapt wrapper function) around each of ``CAST_WALKS`` ``state_module`` has;
+    returns ``{name: handle}``."""
+    return {name: wrapt.wrap_function_wrapper(state_module, name, wrapper)
+            for name in CAST_WALKS if callable(getattr(state_module, name, None))}
+
+
+def unwrap_cast_walks(state_module: types.ModuleType, handles: dict[str, Any]) -> None:
+    for name, handle in handles.items():
+        wrapt.unwrap_object(state_module, name, handle, missing_ok=True)
+
+
 def param_dtype_for_forward(group: FSDPParamGroup, fsdp_param: FSDPParam) -> torch.dtype | None:
     """The dtype FSDP2 would compute this parameter in, if it differs from the stored one.
 
@@ -605,6 +649,11 @@ def group_modules(group: FSDPParamGroup) -> tuple[nn.Module, ...]:
     return tuple(group.modules)
 
 
+def is_live_group(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` is still registered with c10d (not destroyed, and from this process's world)."""
+    return dist.is_initialized() and group in distributed_c10d._world.pg_map
+
+
 # -- the probe: what this module reads, and whether this torch has it all ----------------------
 # ``READS`` names every FSDP2 (and c10d) internal read above; ``missing_internals``
 # checks them against the installed torch, without a process group.
@@ -633,10 +682,8 @@ _FIELDS: dict[type, tuple[str | tuple[str, ...], ...]] = {
     ParamModuleInfo: ("module", "param_name", "shared_modules", "shared_param_names"),
 }
 #: Module-level names of FSDP2's ``_fsdp_state`` the ``fsdp2_cast`` instrumentation
-#: (``instrumentations/forward_io``) reads or wraps: the cast it recognises, and the walk FSDP2
-#: casts forward inputs with (``tree_map`` up to 2.7, ``_apply_to_tensors`` from 2.8: one of them).
-CAST_WALKS = ("tree_map", "_apply_to_tensors")
-_STATE_MODULE_NAMES: tuple[str | tuple[str, ...], ...] = ("_cast_fp_tensor", CAST_WALKS)
+#: (``instrumentations/forward_io``) reads or wraps: the cast it recognises, and one of the walks.
+_STATE_MODULE_NAMES: tuple[str | tuple[str, ...], ...] = (CAST_FN, CAST_WALKS)
 
 #: Everything probed, for ``fsdp-shim check -v``.
 READS: tuple[str, ...] = (
@@ -686,8 +733,7 @@ def missing_internals() -> list[str]:
             missing.append(f"_fsdp_state.{' or '.join(alternatives)}")
     if not callable(getattr(torch._C, "_current_graph_task_id", None)):
         missing.append("torch._C._current_graph_task_id")
-    c10d = sys.modules.get("torch.distributed.distributed_c10d")
-    world = getattr(c10d, "_world", None)
+    world = getattr(distributed_c10d, "_world", None)
     if world is None or not hasattr(type(world), "pg_map"):
         missing.append("distributed_c10d._world.pg_map")
     return missing

@@ -93,7 +93,7 @@ class SummonedParam:
     """
 
     __slots__ = (
-        "scoped", "sharded", "layout", "full", "full_version", "shard_versions", "shard_copy", "originals",
+        "scoped", "sharded", "layout", "full", "full_version", "versions_at_entry", "shard_copy", "originals",
         "current", "shard_changed", "full_changed", "nothing_to_write",
     )
 
@@ -106,8 +106,9 @@ class SummonedParam:
         self.full: torch.Tensor | None = None
         #: ``full._version`` once its values arrived; None for an inference tensor (no version counter).
         self.full_version: int | None = 0
-        #: See ``shard_versions``; recorded only under writeback, the one reader of it and of ``shard_changed``.
-        self.shard_versions = (0, 0, 0)
+        #: ``shard_versions(sharded)`` at entry; recorded only under writeback, the one reader of it and of
+        #: ``shard_changed``.
+        self.versions_at_entry = (0, 0, 0)
         #: The local shard's values at entry, under writeback only: an edit through ``.data`` moves no
         #: version counter, so exit compares values too. See [Note: exit checks].
         self.shard_copy: torch.Tensor | None = None
@@ -152,7 +153,7 @@ class SummonedParam:
                 zip(self.scoped.slots, held, strict=False)])  # held: as far as the cast reached
 
     # -- exit --------------------------------------------------------------
-    def changed_full(self) -> bool:
+    def may_hold_edits(self) -> bool:
         """Whether the full tensor may hold edits.
 
         [Note: inference mode]
@@ -190,8 +191,8 @@ class SummonedParam:
         the old shard widened as the replay widens it is the baseline.
         """
         sharded, current = self.sharded, self.current
-        self.shard_changed = shard_versions(sharded) != self.shard_versions
-        self.full_changed = self.changed_full()
+        self.shard_changed = shard_versions(sharded) != self.versions_at_entry
+        self.full_changed = self.may_hold_edits()
         if current is MISSING or any(p.is_partial() for p in sharded.placements):
             return
         if current.shape != sharded.shape:
@@ -254,7 +255,7 @@ def to_full(params: Sequence[SummonedParam], fulls: Sequence[torch.Tensor | None
         param.full = value
         param.full_version = None if value.is_inference() else value._version  # its values are in
         if writeback:
-            param.shard_versions = shard_versions(sharded)
+            param.versions_at_entry = shard_versions(sharded)
             param.shard_copy = sharded._local_tensor.clone()
         originals = param.originals
         for module, name in scoped.slots:

@@ -35,13 +35,10 @@ from fsdp_shim._scope import (
 )
 
 if TYPE_CHECKING:
-    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    from fsdp_shim._fsdp2 import FSDPParamGroup, FSDPState
 
 
-def validate_args(
-    writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_grads: bool, module: nn.Module | None = None
-) -> None:
+def validate_args(writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_grads: bool) -> None:
     """Reject what FSDP1's ``_validate_unshard_params_args`` rejects, with the same types, and warn as it warns."""
     if with_grads and offload_to_cpu:
         raise NotImplementedError(

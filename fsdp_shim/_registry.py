@@ -16,15 +16,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-if TYPE_CHECKING:
-    from fsdp_shim._scope import SlotKey
-
+#: A slot, as contexts claim it: ``(id(module), attribute name)`` (``_scope.slot_key`` makes one).
+SlotKey = tuple[int, str]
 
 _lock = threading.Lock()
 

@@ -22,12 +22,12 @@ from torch.distributed.tensor import DTensor
 from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim import _registry as registry
 from fsdp_shim._param import ScopedParam
+from fsdp_shim._registry import SlotKey
 from fsdp_shim._units import holds_distributed, scope_modules
 
 if TYPE_CHECKING:
     from fsdp_shim._gather.layout import BucketPlan
 
-SlotKey = tuple[int, str]
 #: A module holding summoned slots: the module, those slots (its tensors dict and the name), and
 #: whether FSDP2 manages one of them.
 SlotOwner = tuple[nn.Module, list[tuple[dict[str, Any], str]], bool]

@@ -260,7 +260,7 @@ class _InFlightBatch:
         fulls: list[torch.Tensor | None] = [None] * len(self.batch.tensors)
         try:
             for indices, pending in self._pending:
-                batch_fulls = pending.finish(holds_fulls=holds_fulls, out_device=out_device)  # None where not held
+                batch_fulls = pending.finish(holds_fulls=holds_fulls, out_device=out_device).tensors  # None: not held
                 for index, full in zip(indices, batch_fulls, strict=True):
                     fulls[index] = full
         except BaseException:

@@ -109,7 +109,7 @@ def summon(
         return contextlib.nullcontext()
     logger.debug("summon_full_params(%s): route=dtensor", module_label(module))
     # Checked at the call, which a with statement makes at once: FSDP1 checks at __enter__, one step later.
-    validate_args(writeback, rank0_only, offload_to_cpu, with_grads, module)
+    validate_args(writeback, rank0_only, offload_to_cpu, with_grads)
     return DTensorSummon(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads, bucket_cap(bucket_mb),
                          modules)
 

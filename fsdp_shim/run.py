@@ -8,8 +8,10 @@
 exit status, the messages for a missing file or an unknown option (exit 2)
 and tracebacks (the program's frames only) are those of plain ``python``;
 the only difference is that ``FullyShardedDataParallel.summon_full_params``
-is patched first. ``FSDP_SHIM_DISABLE=1`` runs the program unpatched, and so
-does a torch outside the supported range (with the import's warning).
+is patched first. ``FSDP_SHIM_DISABLE=1`` runs the program unpatched; on a
+torch outside the supported range the patch refuses DTensor summons (refusing
+mode, with the import's warning), and where the shim cannot be active (no
+torch, a wrapt too old) the program runs unpatched, with its warning.
 """
 
 from __future__ import annotations
@@ -107,17 +109,17 @@ def _run_program(kind: str, target: str, program: list[str]) -> None:
     exec(code, _fresh_main(script))  # noqa: S102  (python SCRIPT does this)
 
 
-def launch(kind: str, target: str, program: Sequence[str], prog: str = "python -m fsdp_shim.run") -> int:
-    """Patch (unless disabled or unsupported), then run the program; returns its exit status."""
+def launch(kind: str, target: str, program: Sequence[str]) -> int:
+    """Patch (unless disabled or inactive; refusing on a torch it cannot serve), then run the program; returns
+    its exit status."""
     if kind == "script" and not os.path.exists(target):
         exe = os.path.basename(sys.executable)
         print(f"{exe}: can't open file {os.path.abspath(target)!r}: [Errno 2] No such file or directory",
               file=sys.stderr)
         return 2
-    import fsdp_shim  # noqa: PLC0415  (warns, and patches nothing, on an unsupported torch)
+    import fsdp_shim  # noqa: PLC0415  (torch is imported by the activation below, not at ours)
 
-    if fsdp_shim.unsupported_reason is None:
-        fsdp_shim.patch()  # honours FSDP_SHIM_DISABLE
+    fsdp_shim.unsupported_reason  # noqa: B018  (activates: patches, refusing where unserved, unless disabled)
     try:
         _run_program(kind, target, list(program))
     except SystemExit:
@@ -139,7 +141,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m fsdp_shim.run
         print(HELP.format(usage=usage))
         return 0
     assert target is not None
-    return launch(kind, target, program, prog)
+    return launch(kind, target, program)
 
 
 if __name__ == "__main__":

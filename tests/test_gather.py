@@ -88,7 +88,7 @@ def rank_bucket_boundaries():
     fulls, dtensors = _tensors(alone)
     pending = start_gather(dtensors, bucket_bytes=64 << 20)
     assert [type(f) for f in pending._flights] == [AllGatherFlight]
-    assert all(torch.equal(got, full) for got, full in zip(pending.finish(holds_fulls=True), fulls))
+    assert all(torch.equal(got, full) for got, full in zip(pending.finish(holds_fulls=True).tensors, fulls))
 
 
 def rank_fallback_placements_are_bit_identical():
@@ -233,10 +233,10 @@ def _deliver_to_exactly_the_ranks_named(mesh, fulls, dtensors, shard_rank):
         else:  # rank 0's shard group takes part (rank 1 drops what it got); ranks 2 and 3 move nothing at all
             assert all(r == (dist.get_rank() < 2) for r in received)
             assert all(m == (dist.get_rank() < 2) for m in moved)
-        got = pending.finish(holds_fulls=keeps)
+        got = pending.finish(holds_fulls=keeps).tensors
         assert all(out is None or torch.equal(out, f) for out, f in zip(got, fulls))
     for receiver, keeps in (("global_rank0", dist.get_rank() == 0), ("all", True)):
-        cast = start_gather(dtensors, cast_to=torch.bfloat16, receiver=receiver, bucket_bytes=300).finish(holds_fulls=keeps)
+        cast = start_gather(dtensors, cast_to=torch.bfloat16, receiver=receiver, bucket_bytes=300).finish(holds_fulls=keeps).tensors
         for full, out in zip(fulls, cast):
             assert (out is not None) == keeps
             assert out is None or (out.dtype == torch.bfloat16 and torch.equal(out, full.to(torch.bfloat16)))
@@ -257,10 +257,10 @@ def rank_staged_buckets_launch_later_and_in_order():
         # staged: every bucket's collective waits for launch(), none posted
         assert all(f.launch is not None and f.work is None for f in staged._flights)
         keeps = receiver == "all" or dist.get_rank() == 0
-        got_first = first.finish(holds_fulls=keeps)
+        got_first = first.finish(holds_fulls=keeps).tensors
         staged.launch()
         assert all(getattr(f, "launch", None) is None and f.work is not None for f in staged._flights)
-        got_staged = staged.finish(holds_fulls=keeps)
+        got_staged = staged.finish(holds_fulls=keeps).tensors
         if keeps:
             for full, got in zip(fulls[:2], got_first):
                 assert torch.equal(got, full.to(torch.bfloat16))
@@ -275,7 +275,7 @@ def _launched_then_dropped(dtensors, fulls):
     again = start_gather(dtensors, receiver="all", bucket_bytes=DEFAULT)
     for flight in again._flights:  # each bucket's all-gather launched; waited for here (twice), finish still copies out
         assert flight.work is not None and flight.work.wait() and flight.work.wait()
-    assert all(torch.equal(g, f) for g, f in zip(again.finish(holds_fulls=True), fulls))
+    assert all(torch.equal(g, f) for g, f in zip(again.finish(holds_fulls=True).tensors, fulls))
     dropped = start_gather(dtensors, receiver="all", launch=False, bucket_bytes=DEFAULT)
     dropped.abandon()  # never launched on any rank: nothing to wait for, and nothing left behind
     assert [torch.equal(g, f) for g, f in zip(gather_full_tensors(dtensors, bucket_bytes=DEFAULT).tensors, fulls)] == [True] * 3
@@ -304,7 +304,7 @@ def rank_summon_window_holds_two_buckets_at_most():
     try:
         gather = _engine.BucketGather(dtensors, bucket_bytes=64, ahead=1)  # one tensor a bucket
         assert len(gather._flights) == 1
-        got = gather.finish(holds_fulls=True)
+        got = gather.finish(holds_fulls=True).tensors
         whole = _engine.BucketGather(dtensors, bucket_bytes=64)  # the stream's: every bucket at once
         assert len(whole._flights) == len(specs)
         whole.finish(holds_fulls=True)

@@ -9,7 +9,8 @@ import ``tools/`` (anywhere, deferred imports too), and the summon's rooms
 never import ``instrumentations/``: ``_patching`` installs them, deferred.
 One summon, entered and left on one of two ranks, runs code in the thirteen rooms of
 ``docs/contributing.md`` and no others. Imports run down the layers (``LAYERS``), never up or
-across, and ``_param.SummonedParam._place`` is the only code that writes a module's slot.
+across, and ``_param.SummonedParam._place`` is the only code that writes a module's slot. Only
+``_fsdp2`` names FSDP2's or c10d's private state, and its ``__all__`` is what the others take from it.
 """
 
 from __future__ import annotations
@@ -155,31 +156,108 @@ def test_one_summon_runs_in_the_rooms_the_layout_names(dist_run):
     assert dist_run(2, rank_one_summon_runs_in) == [(rooms, 1), (rooms, 1)]  # one all-gather: the unit
 
 
-#: FSDP2's private fields and methods the probe lists (``_fsdp2._METHODS``, ``_FIELDS``): no runtime
-#: module but ``_fsdp2`` may name one as an attribute, nor import ``_fully_shard`` at run time.
+#: FSDP2's private fields and methods the probe lists (``_fsdp2._METHODS``, ``_FIELDS``), and the
+#: field of c10d's private world it reads: no module but ``_fsdp2`` may name one as an attribute.
 _FSDP2_PRIVATE = {
     "fsdp_params", "_fsdp_param_group", "_fsdp_param_groups", "_sharded_state", "_training_state", "_state_ctx",
     "post_forward_mesh_info", "_reset_sharded_params", "_unsharded_param", "_sharded_post_forward_param",
-    "_module_info", "reset_sharded_param", "_to_sharded", "_lazy_init", "mesh_info", "_is_root",
+    "_module_info", "reset_sharded_param", "_to_sharded", "_lazy_init", "mesh_info", "_is_root", "pg_map",
 }
+
+#: The torch modules whose private names are FSDP2's and c10d's (``_fully_shard``'s every submodule too).
+_PRIVATE_MODULES = ("torch.distributed.fsdp._fully_shard", "torch.distributed.distributed_c10d",
+                    "torch.distributed._composable_state")
+
+
+def _private_module_names() -> set[str]:
+    """The private module-level names of ``_PRIVATE_MODULES`` (``_world``, ``_cast_fp_tensor``,
+    ``_get_module_fsdp_state``, ...): those they define, their data, and the globals ``_fsdp2`` reads
+    there (``_apply_to_tensors``, defined elsewhere, is one of ``_fsdp_state``'s to wrap)."""
+    import importlib
+    import pkgutil
+    import types
+
+    from fsdp_shim import _fsdp2
+
+    package = importlib.import_module(_PRIVATE_MODULES[0])
+    modules = [importlib.import_module(name) for name in _PRIVATE_MODULES]
+    modules += [importlib.import_module(f"{package.__name__}.{sub.name}")
+                for sub in pkgutil.iter_modules(package.__path__)]
+    names: set[str] = set()
+    for module in modules:
+        for name, value in vars(module).items():
+            if not name.startswith("_") or name.startswith("__") or isinstance(value, types.ModuleType):
+                continue
+            owner = getattr(value, "__module__", None) if isinstance(value, (type, types.FunctionType)) else None
+            if owner is None or owner.startswith(_PRIVATE_MODULES):  # defined there, or its data
+                names.add(name)
+    for wanted in _fsdp2._STATE_MODULE_NAMES:
+        names.update(n for n in ((wanted,) if isinstance(wanted, str) else wanted) if n.startswith("_"))
+    return names
+
+
+def _fsdp2_boundary_crossings(path: Path, private_names: set[str]) -> set[str]:
+    """What ``path`` names of FSDP2's or c10d's private state: an import of one of ``_PRIVATE_MODULES``
+    (under ``TYPE_CHECKING`` too), an attribute named like one of their private module-level names
+    or of the fields in ``_FSDP2_PRIVATE``, a string (not a docstring) naming one, or naming one of
+    those modules (what ``getattr``, wrapt and post-import hooks take)."""
+    tree = ast.parse(path.read_text())
+    docstrings = {id(node.value) for node in ast.walk(tree)
+                  if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)}
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith(_PRIVATE_MODULES))
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if module.startswith(_PRIVATE_MODULES):
+                found.add(module)
+            elif module in ("torch.distributed", "torch.distributed.fsdp"):  # ``from torch.distributed import distributed_c10d``
+                found.update(f"{module}.{a.name}" for a in node.names
+                             if f"{module}.{a.name}".startswith(_PRIVATE_MODULES))
+        elif isinstance(node, ast.Attribute) and (node.attr in _FSDP2_PRIVATE or node.attr in private_names):
+            found.add(node.attr)
+        elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+              and (node.value in private_names or node.value.startswith(_PRIVATE_MODULES))):
+            found.add(repr(node.value))
+    return found
 
 
 def test_only_fsdp2_touches_fsdp2s_private_state():
-    runtime = [p for p in MODULES if "tools" not in p.relative_to(PACKAGE).parts and p.name != "_fsdp2.py"]
-    touches: dict[str, set[str]] = {}
-    for path in runtime:
-        tree = ast.parse(path.read_text())
-        typing_only = {id(sub) for node in ast.walk(tree)
-                       if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-                       for sub in ast.walk(node)}
-        for node in ast.walk(tree):
-            if id(node) in typing_only:
-                continue
-            if isinstance(node, ast.Attribute) and node.attr in _FSDP2_PRIVATE:
-                touches.setdefault(path.name, set()).add(node.attr)
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributed.fsdp._fully_shard"):
-                touches.setdefault(path.name, set()).add(node.module)  # type: ignore[arg-type]
+    """FSDP2's and c10d's private names, fields and module globals alike, are read, wrapped and called
+    in ``_fsdp2`` only: every other module (instrumentations and tools too) goes through it."""
+    private_names = _private_module_names()
+    assert {"_cast_fp_tensor", "_apply_to_tensors", "_world", "_get_module_fsdp_state"} <= private_names
+    touches = {str(path.relative_to(PACKAGE)): crossings for path in MODULES if path.name != "_fsdp2.py"
+               if (crossings := _fsdp2_boundary_crossings(path, private_names))}
     assert touches == {}
+
+
+def test_fsdp2s_all_is_what_the_package_takes_from_it():
+    """``_fsdp2.__all__`` lists every name another module of the package takes from it (imported, or
+    read as an attribute of the module), and nothing that no module, of the package or its tests, takes."""
+    from fsdp_shim import _fsdp2
+
+    def taken(paths: list[Path]) -> set[str]:
+        names: set[str] = set()
+        for path in paths:
+            tree = ast.parse(path.read_text())
+            aliases = set()
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.module == "fsdp_shim._fsdp2":
+                    names.update(a.name for a in node.names)
+                elif isinstance(node, ast.ImportFrom) and node.module == "fsdp_shim":
+                    aliases.update(a.asname or a.name for a in node.names if a.name == "_fsdp2")
+            names.update(node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                         and isinstance(node.value, ast.Name) and node.value.id in aliases)
+        return names
+
+    by_package = taken([p for p in MODULES if p.name != "_fsdp2.py"])
+    by_tests = taken(sorted(Path(__file__).resolve().parent.rglob("*.py")))
+    exported = set(_fsdp2.__all__)
+    assert sorted(by_package - exported) == []
+    assert sorted(exported - by_package - by_tests) == []
+    assert sorted(name for name in exported if not hasattr(_fsdp2, name)) == []
 
 
 def test_the_probe_lists_what_is_wrapped_and_redirected():

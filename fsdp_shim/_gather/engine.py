@@ -1,6 +1,6 @@
 """The gather engine: DTensors in, full tensors out, one bucket or one batch in flight.
 
-Owns staging a bucket and launching its all-gather, the copy-out, the
+Owns launching the all-gathers of the buckets ``staging`` stages, the copy-out, the
 ``full_tensor()`` fallback and the one driver (``BucketGather``) the summon
 (``gather_full_tensors``) and the stream (``start_gather``) use. Nothing here knows about modules, FSDP
 state or swapping; ``_summon`` and ``_stream`` decide *what* to gather and where the results
@@ -33,7 +33,7 @@ on every backend: the one collective NCCL users take, and the one gloo
 runs in the tests (``docs/gather-engine.md`` says why gloo's point-to-point
 transport was deleted).
 
-[Note: a one-sided fault leaves its own mark] is at ``Posted``, [Note: a group of one] at ``_start_alone``,
+[Note: a one-sided fault leaves its own mark] is at ``Posted``, [Note: a group of one] at ``staging._start_alone``,
 [Note: offloaded memory] at ``_finish_bucket``, [Note: cast before gather] at ``start_gather``,
 [Note: every posted work is waited for] at ``_wait_all``.
 Measurements behind each, and the history of removed mechanisms:
@@ -43,7 +43,6 @@ Measurements behind each, and the history of removed mechanisms:
 from __future__ import annotations
 
 import collections
-import functools
 import logging
 import zlib
 from collections.abc import Callable, Sequence
@@ -54,20 +53,18 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from fsdp_shim._compat import all_gather_single, grad_disabled
+from fsdp_shim._compat import grad_disabled
 from fsdp_shim._gather.layout import (
     BucketPlan,
-    BucketShape,
     Dim0Layout,
     Meshes,
     Receiver,
     bucket_plan,
-    delivers_over,
     gathered_dtype,
     mark_out_of_step,
     mesh_dim_groups,
 )
-from fsdp_shim._gather.staging import AllGatherFlight, BucketEntry, InFlight, InPlace, Waitable, copy_in
+from fsdp_shim._gather.staging import AllGatherFlight, InFlight, InPlace, Waitable, comm_device_of, stage_bucket
 
 logger = logging.getLogger("fsdp_shim")
 
@@ -125,60 +122,6 @@ def resolve_device(device: torch.device | str | int | None) -> torch.device | No
         if handle is not None and hasattr(handle, "current_device"):
             return torch.device(device.type, handle.current_device())
     return device
-
-
-def _comm_device(dtensor: DTensor) -> torch.device:
-    """The device collectives on this mesh run on (CPU-offloaded shards are staged there)."""
-    device_type = dtensor.device_mesh.device_type
-    if device_type == "cpu":
-        return _CPU
-    handle = getattr(torch, device_type)
-    return torch.device(device_type, handle.current_device())
-
-
-def _stage_bucket(bucket: list[BucketEntry], shape: BucketShape, receiver: Receiver = "all",
-                  host_copies: list[Any] | None = None) -> InFlight:
-    """Copy in this rank's padded shards; the bucket's collective is left for ``launched()``.
-
-    As FSDP2 does, the input is this rank's block of the output buffer, so the
-    copy-in needs no buffer of its own and the all-gather runs in place. A
-    bucket of one tensor whose shard needs no padding, cast or move is sent
-    as it is: no copy-in at all (see [Note: a bucket of one]).
-    Called under ``no_grad``.
-    """
-    first = bucket[0]
-    world_size, group, rank = first.layout.world_size, first.layout.group, first.layout.rank
-    split_sizes, dtype = shape.split_sizes, shape.dtype
-    comm_device = _comm_device(first.dtensor)
-    if not delivers_over(receiver, group):
-        return InPlace(bucket, split_sizes)  # nobody on this group receives: nothing to move
-    if world_size == 1:
-        return _start_alone(bucket, split_sizes, dtype, comm_device)
-    per_rank = sum(split_sizes)
-    output = torch.empty(world_size * per_rank, dtype=dtype, device=comm_device)
-    gather_input = copy_in(bucket, split_sizes, dtype, comm_device, output[rank * per_rank:(rank + 1) * per_rank],
-                           shape.unpadded, host_copies)
-    launch = functools.partial(all_gather_single, output, gather_input, group=group, async_op=True)
-    return AllGatherFlight(bucket, split_sizes, output=output, blocks=shape.blocks, launch=launch,
-                           gather_input=gather_input)
-
-
-def _start_alone(
-    bucket: list[BucketEntry], split_sizes: list[int], dtype: torch.dtype, device: torch.device
-) -> InFlight:
-    """A shard group of one rank: each full tensor is its shard, copied once.
-
-    [Note: a group of one]
-    When the shard mesh dim has one rank (one GPU, or HSDP with one shard per
-    replica), nothing is exchanged: each full tensor is a fresh copy of its
-    shard (cast on the way where asked), made in one ``_foreach_copy_`` per
-    bucket. The copy is still needed: results never alias live shards, so
-    ``writeback=False`` edits are discarded as FSDP1's ``FULL_SHARD`` discards
-    them.
-    """
-    padded_fulls = [torch.empty(padded, dtype=dtype, device=device) for padded in split_sizes]
-    torch._foreach_copy_(padded_fulls, [b.dtensor._local_tensor.reshape(-1) for b in bucket])
-    return InPlace(bucket, split_sizes, padded_fulls=padded_fulls)
 
 
 def _wait_once(flight: InFlight) -> None:
@@ -417,7 +360,7 @@ class BucketGather:
     def _stage_ahead(self, launch: bool, finishing: int = 0) -> None:
         """Stage (and launch) buckets until ``ahead`` are in flight beyond the ``finishing`` one."""
         while self._unstaged and len(self._flights) - finishing < self._ahead:
-            flight = _stage_bucket(*self._unstaged.popleft(), self._receiver, self._host_copies)
+            flight = stage_bucket(*self._unstaged.popleft(), self._receiver, self._host_copies)
             self._flights.append(flight)  # recorded before its collective is posted: never dropped
             if launch:
                 flight.launched()
@@ -457,12 +400,9 @@ class BucketGather:
             raise
         return completion(works, device) if works else None
 
-    def finish(self, *, holds_fulls: bool, out_device: torch.device | None = None) -> list[torch.Tensor | None]:
-        """Wait and copy out, bucket by bucket (each output freed as soon as it is copied), then the fallbacks."""
-        return self.finish_with_layouts(holds_fulls=holds_fulls, out_device=out_device).tensors
-
-    def finish_with_layouts(self, *, holds_fulls: bool, out_device: torch.device | None = None) -> Gathered:
-        """``finish``, with the layout each tensor was gathered by (writeback reuses it)."""
+    def finish(self, *, holds_fulls: bool, out_device: torch.device | None = None) -> Gathered:
+        """Wait and copy out, bucket by bucket (each output freed as soon as it is copied), then the fallbacks;
+        with the layout each tensor was gathered by (writeback reuses it)."""
         try:
             with grad_disabled():
                 return self._finish(holds_fulls, out_device)
@@ -504,22 +444,17 @@ class BucketGather:
             self._host_copies.clear()
         return Gathered(results, layouts, self.plan)
 
-    def _drop(self) -> None:
-        """On an error path: wait for every launched collective, then drop everything; raises nothing."""
+    def _drop(self) -> BaseException | None:
+        """Wait for every launched collective and drop everything: staged buckets and the fallbacks never
+        run. Raises nothing; returns the first failed wait (the error paths re-raise their own error)."""
         flights, self._flights = list(self._flights), collections.deque()
         self._unstaged.clear()
         self._fallback = []
-        _wait_all(flights)
+        return _wait_all(flights)
 
     def abandon(self) -> None:
-        """Wait for every launched collective and drop every result; staged ones and the fallbacks never run.
-
-        Raises the first failed wait, after waiting for all of them.
-        """
-        flights, self._flights = list(self._flights), collections.deque()
-        self._unstaged.clear()
-        self._fallback = []
-        error = _wait_all(flights)
+        """``_drop``, on an early stop: raises the first failed wait, after waiting for all of them."""
+        error = self._drop()
         if error is not None:
             raise error
 
@@ -545,7 +480,7 @@ def gather_full_tensors(
     ``posted`` records whether a collective was posted (see [Note: a one-sided fault leaves its own mark]).
     Results never alias the DTensors' local storage. With a ``receiver`` other
     than ``"all"``, ``holds_fulls`` must be False on every rank it does not name
-    (``layout.Receivers`` says both).
+    (``layout.Delivery`` says both).
 
     The caller has refused what cannot be gathered (placements this torch gets
     wrong, dead or out-of-step groups: ``_refusals.refuse_placements``) before
@@ -554,7 +489,7 @@ def gather_full_tensors(
     """
     gather = BucketGather(dtensors, bucket_bytes=bucket_bytes, receiver=receiver, ahead=1, plan=plan,
                           collective_bytes=collective_bytes, meshes=meshes, posted=posted)
-    return gather.finish_with_layouts(holds_fulls=holds_fulls, out_device=out_device)
+    return gather.finish(holds_fulls=holds_fulls, out_device=out_device)
 
 
 def start_gather(
@@ -638,7 +573,7 @@ def agree_on_grads(
             code = None if grad is None else _layout_code(grad)  # every present one: are they all alike?
             local += [grad is None, grad is not None, other,
                       _NO_CODE if code is None else code, _NO_CODE if code is None else -code]
-        flags = torch.tensor(local, dtype=torch.int64).to(_comm_device(first))
+        flags = torch.tensor(local, dtype=torch.int64).to(comm_device_of(first))
         mesh = None if meshes is None else meshes[indices[0]]  # its owner's, where it says (see ``Meshes``)
         for group in mesh_dim_groups(first.device_mesh if mesh is None else mesh):
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)

@@ -47,7 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fsdp_shim import _fsdp2 as fsdp2
-from fsdp_shim._compat import is_dim0_shard, is_live_group, is_replicate, serves_cuda_with_nccl
+from fsdp_shim._compat import is_dim0_shard, is_replicate, serves_cuda_with_nccl
 
 logger = logging.getLogger("fsdp_shim")
 
@@ -286,7 +286,7 @@ def require_live_groups(groups: Iterable[dist.ProcessGroup], user: Callable[[], 
     ``user()``: what gathers over ``groups``, as the message names it (worked out only to raise).
     """
     for group in groups:
-        if not is_live_group(group):
+        if not fsdp2.is_live_group(group):
             raise destroyed_group(user)
         if _out_of_step and group in _out_of_step:
             raise RuntimeError(
@@ -520,7 +520,7 @@ def split_into_buckets(
 Receiver = Literal["all", "group_rank0", "global_rank0"]
 
 
-class Receivers(NamedTuple):
+class Delivery(NamedTuple):
     """Who receives a call's full tensors, and whether this rank holds them afterwards.
 
     [Note: who receives]
@@ -537,31 +537,31 @@ class Receivers(NamedTuple):
     holds_fulls: bool  # whether this rank holds the full tensors once gathered
 
 
-_EVERY_RANK = Receivers("all", True)
+_EVERY_RANK = Delivery("all", True)
 
 
-def receivers_for_summon(rank0_only: bool, groups: Collection[fsdp2.FSDPParamGroup], fsdp2_only: bool) -> Receivers:
+def receivers_for_summon(rank0_only: bool, groups: Collection[fsdp2.FSDPParamGroup], fsdp2_only: bool) -> Delivery:
     """Who receives a summon's full tensors: ``groups`` are the FSDP2 groups in its scope, ``fsdp2_only``
     whether FSDP2 manages everything in it. See [Note: who receives]."""
     if not rank0_only:
         return _EVERY_RANK
     if not groups:
-        return Receivers("global_rank0", dist.get_rank() == 0)
+        return Delivery("global_rank0", dist.get_rank() == 0)
     holds = True
     for group in groups:  # a per-unit summon's path: a loop, not a generator
         if fsdp2.shard_rank(group) != 0:
             holds = False
             break
     if fsdp2_only:  # each shard group's rank 0 holds, and is rank 0 of the group the gather runs over
-        return Receivers("group_rank0", holds)
-    return Receivers("all", holds)  # FSDP2 units and other DTensors in one call: the simple, safe answer
+        return Delivery("group_rank0", holds)
+    return Delivery("all", holds)  # FSDP2 units and other DTensors in one call: the simple, safe answer
 
 
-def receivers_for_stream(rank0_only: bool) -> Receivers:
+def receivers_for_stream(rank0_only: bool) -> Delivery:
     """Who receives ``iter_full_params``' tensors: every rank, or global rank 0 alone."""
     if not rank0_only:
         return _EVERY_RANK
-    return Receivers("global_rank0", not dist.is_initialized() or dist.get_rank() == 0)
+    return Delivery("global_rank0", not dist.is_initialized() or dist.get_rank() == 0)
 
 
 def delivers_over(receiver: Receiver, group: dist.ProcessGroup) -> bool:

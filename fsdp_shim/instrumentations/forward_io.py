@@ -49,12 +49,10 @@ import wrapt
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils import _pytree
 
-from fsdp_shim._fsdp2 import CAST_WALKS
+from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim.instrumentations.base import Instrumentation
 
 logger = logging.getLogger("fsdp_shim")
-
-_CAST_WALKS = CAST_WALKS  # see [Note: where the cast is reached]; listed by the probe in ``_fsdp2``
 
 
 def _is_namedtuple(x: Any) -> bool:
@@ -102,18 +100,18 @@ class FSDP2ForwardCast(Instrumentation):
     """FSDP2's forward-input and output cast, keeping what it does not change. See the module docstring."""
 
     name = "fsdp2_cast"
-    module = "torch.distributed.fsdp._fully_shard._fsdp_state"
+    module = fsdp2.CAST_MODULE  # its globals are reached through ``_fsdp2``, which lists them in its probe
     upstream = "torch 2.7.0 to 2.15.0: FSDPState's cast through tree_map (2.7) or _apply_to_tensors (2.8+)"
-    expects = ("_cast_fp_tensor",)
+    expects = (fsdp2.CAST_FN,)
 
     def _mismatch(self, module: ModuleType) -> str | None:
         problem = super()._mismatch(module)
-        if problem is None and not any(callable(getattr(module, n, None)) for n in _CAST_WALKS):
-            problem = f"it has neither {' nor '.join(_CAST_WALKS)}"
+        if problem is None and not fsdp2.has_cast_walk(module):
+            problem = f"it has neither {' nor '.join(fsdp2.CAST_WALKS)}"
         return problem
 
     def _apply(self, module: ModuleType) -> None:
-        cast_fn = module._cast_fp_tensor
+        cast_fn = fsdp2.cast_fn(module)
 
         def walk(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             if len(args) == 2 and not kwargs and isinstance(args[0], functools.partial) \
@@ -121,12 +119,10 @@ class FSDP2ForwardCast(Instrumentation):
                 return cast_keeping_identity(args[0], args[1])
             return wrapped(*args, **kwargs)
 
-        self._handles = {name: wrapt.wrap_function_wrapper(module, name, walk)
-                         for name in _CAST_WALKS if callable(getattr(module, name, None))}
+        self._handles = fsdp2.wrap_cast_walks(module, walk)
 
     def _undo(self, module: ModuleType) -> None:
-        for name, handle in self._handles.items():
-            wrapt.unwrap_object(module, name, handle, missing_ok=True)
+        fsdp2.unwrap_cast_walks(module, self._handles)
         self._handles = {}
 
 
