@@ -52,7 +52,7 @@ RECEIVERS = ("sender", "all")
 
 #: What vLLM's ``WeightSource`` interface looks like where this adapter was verified.
 #: vLLM 0.28 to 0.32 have a ``WeightSource`` of an earlier shape (a ``metadata()`` method, ``__iter__``), read
-#: from their wheels; it is not served.
+#: from their wheels; it is not served. 0.34.0's ``base.py`` is 0.33.0's, byte for byte (read from its wheel).
 VLLM_API = ("vllm.distributed.weight_transfer.base.WeightSource with a cached-property `metadata` and "
             "`iter_full()`, as in vLLM 0.33.0 (verified) and later; vLLM 0.28 to 0.32 have an earlier "
             "WeightSource (a metadata() method and __iter__) that this adapter does not serve")
