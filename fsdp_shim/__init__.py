@@ -73,6 +73,7 @@ __all__ = [
     "sharded_param",
     "summon_full_params",
     "unpatch",
+    "vllm_weight_source",
     "__version__",
 ]
 
@@ -387,3 +388,66 @@ def iter_full_params(
     return stream_full_params(
         model, dtype=dtype, rank0_only=rank0_only, device=device, bucket_mb=bucket_mb, keep_dtype=keep_dtype,
     )
+
+
+def vllm_weight_source(
+    model: nn.Module,
+    dtype: torch.dtype | None = None,
+    *,
+    keep_dtype: str | Sequence[str] | Callable[[str], bool] | None = None,
+    receivers: str = "sender",
+    name_map: Callable[[str], str] | None = None,
+    device: torch.device | str | None = None,
+    bucket_mb: float | None = None,
+) -> Any:
+    """``iter_full_params`` as vLLM's own ``WeightSource``, for its native weight-transfer engines.
+
+    ::
+
+        source = fsdp_shim.vllm_weight_source(model, torch.bfloat16)   # on every trainer rank
+        engine = WeightTransferTrainerFactory.trainer_init(init_info, client=client, source=source)
+        engine.send_weights()                                            # each round, every rank
+
+    Returns an instance of a subclass of ``vllm.distributed.weight_transfer.base.WeightSource``
+    (vLLM is imported by this call, not by ``import fsdp_shim``):
+
+    * ``metadata``: ``ParamMeta(name, wire dtype, full shape)`` for every parameter once (a tie
+      under its first name), in exactly ``iter_full()``'s order (FSDP2 unit by unit, the root's
+      unit first: not ``named_parameters()`` order), the dtype after the cast (``keep_dtype``
+      respected); a ``functools.cached_property``, identical on every rank, computed from the
+      module tree, FSDP2's state and DTensor metadata: no collective, no full tensor. Read it
+      once the model is sharded.
+    * ``iter_full()``: a fresh pass of ``iter_full_params`` each call (cast before the gather, the
+      next unit in flight, memory near two units): a collective, so every trainer rank iterates
+      it to the end, in step.
+
+    Names are the model's parameter names without the wrapper segments
+    ``_checkpoint_wrapped_module.`` (activation checkpointing) and ``_orig_mod.``
+    (``torch.compile``), then ``name_map`` (FSDP1's ``_fsdp_wrapped_module.`` cannot occur:
+    FSDP1 trees are refused, as by the stream). Ownership is unset (``owners=None``): every rank
+    drives every gather.
+
+    Args:
+        dtype: the wire dtype of floating parameters, cast before the gather (``None``: stored dtype).
+        keep_dtype: parameters that travel uncast, as in ``iter_full_params``; patterns match the
+            model's name or the name without wrapper segments (before ``name_map``).
+        receivers: ``"sender"``: only global rank 0 gets tensors, the others yield ``(name, None)``
+            and only join the gathers (vLLM's NCCL broadcast engine; its non-sender ranks drive
+            ``iter_full()`` and ignore what it yields). ``"all"``: every rank gets every tensor
+            (the colocated IPC engine, one vLLM worker per trainer GPU). vLLM's trainer rank 0
+            must be global rank 0.
+        name_map: ``str -> str`` applied to every name after the wrapper segments are removed
+            (the inference model's naming); two parameters mapped alike raise ``ValueError``.
+        device, bucket_mb: as in ``iter_full_params``.
+
+    Raises:
+        ImportError: vLLM cannot be imported, or lacks this ``WeightSource`` interface (vLLM
+            0.33.0 has it; 0.28 to 0.32 have an earlier one).
+        TypeError, ValueError: what ``iter_full_params`` refuses, in its words; ``receivers``
+            other than ``"sender"`` or ``"all"``; a ``name_map`` that is not callable.
+    """
+    _require_support()
+    from fsdp_shim._vllm import make_source  # noqa: PLC0415  (after activation; vLLM on first use)
+
+    return make_source(model, dtype, keep_dtype=keep_dtype, receivers=receivers, name_map=name_map, device=device,
+                       bucket_mb=bucket_mb)

@@ -6,6 +6,7 @@
     python scripts/matrix.py --remove-venvs  # free each venv's disk once its row is done
     python scripts/matrix.py --python python3.12 2.13.0   # venvs on another interpreter
     python scripts/matrix.py --newest        # the newest torch pip can see: the canary for a new release
+    python scripts/matrix.py --vllm          # add the vLLM row: tests/test_vllm_source.py on vLLM 0.33.0
 
 One virtual environment per release under ``--cache`` (default
 ``~/.cache/fsdp-shim-matrix``), reused while it holds that exact release; the
@@ -22,6 +23,12 @@ of torch are CUDA builds: they import and run on the CPU once their
 with any pip constraint lifted (``PIP_CONSTRAINT=/dev/null``): a machine
 whose pip config caps torch must still be able to test the release above
 the cap, which is the point of ``--newest``.
+
+The vLLM row (``--vllm``, ``VLLM_ROW``) is narrower: vLLM 0.33.0 installed ``--no-deps`` beside
+its torch line (2.14.1), plus the few pure-Python packages its weight-transfer modules import, in a
+venv of its own (``torch-2.14.1-vllm``); it runs ``tests/test_vllm_source.py`` alone, with
+``FSDP_SHIM_REQUIRE_VLLM=1`` so that a vLLM that fails to import fails the row instead of skipping,
+and no ``fsdp-shim check`` (the full rows run it).
 
 Standard library only: it runs from any Python 3.10+, outside the venvs it builds.
 Exit status: 0 if every row passed, 1 otherwise.
@@ -68,9 +75,34 @@ def floor_pins(setup_cfg: Path = ROOT / "setup.cfg") -> tuple[str, ...]:
     return tuple(pins)
 
 
+@dataclass(frozen=True)
+class ClientRow:
+    """A row that runs a few test files against a client installed without its dependencies."""
+
+    name: str  # the venv's and the table's suffix
+    torch: str
+    no_deps: tuple[str, ...]  # installed with ``pip install --no-deps``
+    deps: tuple[str, ...]  # the few of their dependencies the tests import
+    tests: tuple[str, ...]  # what pytest runs (nothing else: the full rows run the suite)
+    env: tuple[tuple[str, str], ...] = ()
+
+
+#: vLLM's native weight-transfer API against ``fsdp_shim.vllm_weight_source`` (issue 53): vLLM 0.33.0
+#: pins torch 2.14.0, and its weight-transfer modules import on the CPU beside torch 2.14.x from the
+#: wheel installed ``--no-deps`` plus these pure-Python packages (pinned: a release of one lands in a
+#: change of its own).
+VLLM_ROW = ClientRow(
+    name="vllm", torch="2.14.1", no_deps=("vllm==0.33.0",),
+    deps=("pyzmq==27.3.0", "urllib3==2.8.0", "cbor2==6.3.0", "aiohttp==3.14.5", "requests==2.34.2",
+          "openai-harmony==0.0.8", "openai==3.60.0", "pybase64==1.5.1"),
+    tests=("tests/test_vllm_source.py",), env=(("FSDP_SHIM_REQUIRE_VLLM", "1"),),
+)
+
+
 @dataclass
 class Row:
     torch: str
+    client: str = ""  # a ClientRow's name, else ""
     python: str = ""  # the venv's Python, major.minor
     installed: str = ""  # torch.__version__ as the venv reports it
     wrapt: str = ""  # the venv's wrapt
@@ -137,10 +169,12 @@ def _python_version(interpreter: str) -> str:
     return proc.stdout.strip()
 
 
-def _venv_name(version: str, python_version: str) -> str:
-    """``torch-X`` on this interpreter's Python (the name CI's cache already holds), else ``torch-X-pyM.N``."""
+def _venv_name(version: str, python_version: str, client: str = "") -> str:
+    """``torch-X`` on this interpreter's Python (the name CI's cache already holds), else ``torch-X-pyM.N``;
+    a client row's venv adds ``-NAME``, so that its client never reaches a full row's venv."""
     same = python_version == "%d.%d" % sys.version_info[:2]
-    return f"torch-{version}" if same else f"torch-{version}-py{python_version}"
+    name = f"torch-{version}" if same else f"torch-{version}-py{python_version}"
+    return f"{name}-{client}" if client else name
 
 
 #: Client packages a row installs beside the project, resolved together with its test extras: on
@@ -162,10 +196,11 @@ def newest_torch(interpreter: str = sys.executable) -> str:
 
 
 def run_release(version: str, cache: Path, logs: Path, pytest_args: list[str], timeout: float,
-                interpreter: str = sys.executable, floor: bool = False) -> Row:
-    """One row; with ``floor``, the project's other dependencies at their declared lower bounds."""
-    row = Row(version, python=_python_version(interpreter), floor=floor)
-    name = _venv_name(version, row.python)
+                interpreter: str = sys.executable, floor: bool = False, client: ClientRow | None = None) -> Row:
+    """One row; with ``floor``, the project's other dependencies at their declared lower bounds; with
+    ``client``, that client row (its packages, its tests only, no ``fsdp-shim check``)."""
+    row = Row(version, client=client.name if client else "", python=_python_version(interpreter), floor=floor)
+    name = _venv_name(version, row.python, row.client)
     venv = cache / "venvs" / name
     python = venv / "bin" / "python"
     wheels = cache / "wheels"
@@ -198,16 +233,28 @@ def run_release(version: str, cache: Path, logs: Path, pytest_args: list[str], t
         if code != 0:
             row.pytest = row.check = f"project install failed (exit {code})"
             return row
+        if client is not None:
+            for packages, flags in ((client.no_deps, ["--no-deps"]), (client.deps, [])):
+                code, _ = _run([str(python), "-m", "pip", "install", "--quiet", *flags, *packages], log,
+                               {**env, **_UNCAPPED})
+                if code != 0:
+                    row.pytest = row.check = f"client install failed (exit {code})"
+                    return row
+            env.update(client.env)
         row.installed = _venv_version(python)
         row.wrapt = _venv_version(python, "wrapt")
         row.install_s = time.perf_counter() - start
 
         start = time.perf_counter()
-        code, out = _run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args], log, env,
-                         timeout)
+        tests = list(client.tests) if client is not None else []
+        code, out = _run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests, *pytest_args], log,
+                         env, timeout)
         row.pytest_s = time.perf_counter() - start
         row.pytest, row.pytest_ok = _pytest_summary(out), code == 0
 
+        if client is not None:
+            row.check, row.check_ok = "not run (client row)", True
+            return row
         start = time.perf_counter()
         code, out = _run([str(python), "-m", "fsdp_shim", "check"], log, env, timeout)
         row.check_s = time.perf_counter() - start
@@ -227,7 +274,8 @@ def print_table(rows: list[Row]) -> None:
     for row in rows:
         minutes = (row.install_s + row.pytest_s + row.check_s) / 60
         mark = "" if row.ok else " FAIL"
-        print(f"| {row.torch:<8} | {row.python:<6} | {row.installed:<14} | {_wrapt_cell(row):<13} "
+        torch_cell = f"{row.torch}+{row.client}" if row.client else row.torch
+        print(f"| {torch_cell:<8} | {row.python:<6} | {row.installed:<14} | {_wrapt_cell(row):<13} "
               f"| {row.pytest + mark:<28} | {row.check:<16} | {minutes:>7.1f} |")
 
 
@@ -243,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="venvs and downloaded wheels (default: ~/.cache/fsdp-shim-matrix)")
     parser.add_argument("--logs", type=Path, default=ROOT / ".matrix-logs",
                         help="one full log per release (default: .matrix-logs)")
+    parser.add_argument("--vllm", action="store_true",
+                        help=f"add the vLLM row: {', '.join(VLLM_ROW.tests)} on torch {VLLM_ROW.torch} with "
+                             f"{', '.join(VLLM_ROW.no_deps)} (see the module docstring)")
     parser.add_argument("--remove-venvs", action="store_true", help="delete each venv once its row is done")
     parser.add_argument("--json", type=Path, help="also write the rows to this file")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds for each pytest or check run")
@@ -251,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="interpreter the venvs are built on (default: the one running this script)")
     args = parser.parse_args(argv)
     python_version = _python_version(args.python)
-    releases = list(args.torch) or ([] if args.newest else list(versions.VERIFIED_TORCH))
+    releases = list(args.torch) or ([] if args.newest or args.vllm else list(versions.VERIFIED_TORCH))
     if args.newest:
         newest = newest_torch(args.python)
         print(f"matrix: the newest torch pip can see is {newest}", flush=True)
@@ -272,6 +323,16 @@ def main(argv: list[str] | None = None) -> int:
               f"check {row.check}; log {row.log}", flush=True)
         if args.remove_venvs:
             shutil.rmtree(args.cache / "venvs" / _venv_name(version, python_version), ignore_errors=True)
+    if args.vllm:
+        print(f"matrix: torch {VLLM_ROW.torch} with {', '.join(VLLM_ROW.no_deps)} (--no-deps): "
+              f"{', '.join(VLLM_ROW.tests)} ...", flush=True)
+        row = run_release(VLLM_ROW.torch, args.cache, args.logs, args.pytest_args.split(), args.timeout,
+                          args.python, client=VLLM_ROW)
+        rows.append(row)
+        print(f"matrix: torch {VLLM_ROW.torch}+{VLLM_ROW.name}: pytest {row.pytest}; log {row.log}", flush=True)
+        if args.remove_venvs:
+            shutil.rmtree(args.cache / "venvs" / _venv_name(VLLM_ROW.torch, python_version, VLLM_ROW.name),
+                          ignore_errors=True)
     print(f"\nfsdp_shim version matrix, {time.strftime('%Y-%m-%d')}, Python {python_version}\n")
     print_table(rows)
     if args.json:

@@ -282,6 +282,7 @@ LAYERS: list[set[str]] = [
     {"fsdp_shim._scope"},
     {"fsdp_shim._group", "fsdp_shim._refusals"},
     {"fsdp_shim._summon", "fsdp_shim._stream"},
+    {"fsdp_shim._vllm"},
     {"fsdp_shim.instrumentations.base"},
     {"fsdp_shim.instrumentations.composer", "fsdp_shim.instrumentations.compose_rl",
      "fsdp_shim.instrumentations.forward_io"},

@@ -243,6 +243,9 @@ RATIOS = [
     ("stream bf16 / per-unit shim", "stream_bf16", "per_unit_shim"),
     ("stream fp32 / raw all-gather", "stream_fp32", "raw_all_gather"),
     ("full_tensor+bf16 / stream bf16", "full_tensor_bf16", "stream_bf16"),
+    # vLLM's ModuleSource.iter_full() is full_tensor_loop exactly (fp32 on the wire); vllm_weight_source's
+    # iter_full() is the bf16 stream, renamed
+    ("ModuleSource loop / stream bf16", "full_tensor_loop", "stream_bf16"),
     ("fwd+summon+bwd / fwd+bwd", "fwd_summon_bwd", "fwd_bwd"),
 ]
 
