@@ -130,8 +130,8 @@ class _ForwardInParamDtype:
     The casts are put back by the post-forward hook, by an ``always_call``
     hook when the forward raised an ``Exception``, and, for any other
     ``BaseException`` (``KeyboardInterrupt``, ``asyncio.CancelledError``),
-    which ``nn.Module`` runs no hook for, by ``SummonedGroup._guard_call``:
-    the unit's ``_call_impl`` in a ``try/finally`` for the context's duration,
+    which ``nn.Module`` runs no hook for, by the guard ``SummonedGroup`` puts on
+    the unit's ``_call_impl``: a ``try/finally`` for the context's duration,
     which also puts back FSDP2's per-forward state (``_fsdp2.settle_forward``).
     A fault part way through the casts puts back those already placed
     (``held`` grows one parameter at a time), and exit puts back whatever a
@@ -310,7 +310,7 @@ class SummonedGroup:
         self._switch: _ForwardInParamDtype | None = None
         self._guarded: list[nn.Module] = []  # units whose ``_call_impl`` is ``_switch``'s guard
         self._roots: Callable[[], list[nn.Module]] | None = None  # set where forwards inside may run
-        self._cut_short = False  # a forward through the units raised (``_guard_call``)
+        self._cut_short = False  # a forward through the units raised (their ``_call_impl`` guard)
 
     def prepare(self) -> bool:
         """FSDP2's group in a known state before anything is gathered, all local, nothing to undo:
@@ -351,7 +351,25 @@ class SummonedGroup:
         self._roots = roots
         for module in units:  # see [Note: casts never outlive their forward]
             if "_call_impl" not in module.__dict__:
-                module.__dict__["_call_impl"] = self._guard_call(module)
+                call_impl = module.__class__._call_impl
+
+                def guarded_call(*args: Any, _unit: nn.Module = module, _call_impl: Any = call_impl,
+                                 **kwargs: Any) -> Any:
+                    """The unit's ``_call_impl`` in a ``try/finally``: whatever raised, the forward's casts are
+                    put back and FSDP2's per-forward state of the group is as before it."""
+                    switch = self._switch
+                    depth = 0 if switch is None else switch._depth
+                    try:
+                        return _call_impl(_unit, *args, **kwargs)
+                    except BaseException:
+                        self._cut_short = True  # FSDP2's post-forward may not have run: settled now and at release
+                        fsdp2.settle_forward(self.group, self.units)
+                        raise
+                    finally:
+                        if switch is not None and (switch._depth != depth or (depth == 0 and switch._held)):
+                            switch.unwind(depth)  # a BaseException skipped the post-forward hook, or it failed
+
+                module.__dict__["_call_impl"] = guarded_call  # made here, not by a call: every summon runs this
                 self._guarded.append(module)
         no_backward = _RaiseOnBackward(units)
         for module in units:
@@ -367,36 +385,16 @@ class SummonedGroup:
                 hooks.append(module.register_forward_pre_hook(switch.pre_forward))
                 hooks.append(module.register_forward_hook(switch.post_forward, always_call=True))
 
-    def _guard_call(self, unit: nn.Module) -> Callable[..., Any]:
-        """``unit``'s ``_call_impl`` in a ``try/finally``: whatever raised, the forward's casts are put back
-        and FSDP2's per-forward state of the group is as before it (see [Note: casts never outlive their
-        forward])."""
-        call_impl = type(unit)._call_impl
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            switch = self._switch
-            depth = 0 if switch is None else switch._depth
-            try:
-                return call_impl(unit, *args, **kwargs)
-            except BaseException:
-                self._cut_short = True  # FSDP2's post-forward may not have run: settled now, and at release
-                fsdp2.settle_forward(self.group, self.units)
-                raise
-            finally:
-                if switch is not None and (switch._depth != depth or (depth == 0 and switch._held)):
-                    switch.unwind(depth)  # a BaseException skipped the post-forward hook, or it failed
-
-        return call
-
     def release(self) -> None:
         """Undo ``summon``: the mark undone, hooks resumed and removed, a forward cut short settled.
 
         Each step runs even if another raised, and the first error is raised after all of them. Each
         forgets what it undid only once undone, so a second call (exit's, after an interrupt) finishes
         what the first did not reach (see [Note: exit always restores] in ``_summon``)."""
+        settle = self._roots is not None and (self._cut_short or fsdp2.forward_cut_short(self.group))
         first: BaseException | None = None
-        for step in (self._unmark if self._mark is not None else None, self._resume if self._suspended else None,
-                     self.remove_hooks, self._settle if self._roots is not None else None):
+        for step in (None if self._mark is None else self._mark.unmark, self._resume if self._suspended else None,
+                     self.remove_hooks, self._settle if settle else None):
             if step is None:
                 continue
             try:
@@ -404,21 +402,14 @@ class SummonedGroup:
             except BaseException as error:  # noqa: BLE001  # the rest still run; the first is raised
                 first = first or error
         if first is not None:
-            raise first
-
-    def _unmark(self) -> None:
-        assert self._mark is not None
-        self._mark.unmark()
-        self._mark = None
+            raise first  # each step runs again in a second call: unmark and settle are idempotent
+        self._mark, self._roots, self._cut_short = None, None, False
 
     def _settle(self) -> None:
-        """FSDP2's per-forward state of the group and the roots above, if a forward left it set."""
+        """FSDP2's per-forward state of the group and the roots above, left set by a forward cut short."""
         roots = self._roots
         assert roots is not None
-        if self._cut_short or fsdp2.forward_cut_short(self.group):  # see fsdp2.settle_forward
-            fsdp2.settle_forward(self.group, [*self.units, *roots()])
-        self._roots = None
-        self._cut_short = False
+        fsdp2.settle_forward(self.group, [*self.units, *roots()])  # see fsdp2.settle_forward
 
     def _resume(self) -> None:
         fsdp2.resume_hooks(self._suspended)
@@ -428,10 +419,11 @@ class SummonedGroup:
         interrupted removal leaves the rest to ``release``."""
         if self._switch is not None:
             self._switch.unwind()
-        guarded = self._guarded
-        while guarded:
-            guarded[-1].__dict__.pop("_call_impl", None)
-            guarded.pop()
+        for module in self._guarded:
+            attrs = module.__dict__
+            if "_call_impl" in attrs:
+                del attrs["_call_impl"]
+        self._guarded = []
         hooks = self._hooks
         while hooks:
             hooks[-1].remove()
