@@ -98,17 +98,15 @@ def rank_each_model_is_gathered_over_its_own_group():
 def counting_reduces():
     """The ``group`` argument of every ``all_reduce`` issued through ``torch.distributed``."""
     seen: list[object] = []
-    original = dist.all_reduce
 
-    def call(*args, **kwargs):
-        seen.append(kwargs.get("group"))
-        return original(*args, **kwargs)
+    def wrap(name, original):
+        def call(*args, **kwargs):
+            seen.append(kwargs.get("group"))
+            return original(*args, **kwargs)
+        return call
 
-    dist.all_reduce = call
-    try:
+    with wrapping_dist(("all_reduce",), wrap):
         yield seen
-    finally:
-        dist.all_reduce = original
 
 
 def test_each_model_is_gathered_over_its_own_group(dist_run):
