@@ -19,10 +19,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
+from _helpers import LMConfig, assert_params_equal, build_lm, patched, shard_lm, wrapping_dist
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor
 
 import fsdp_shim
-from _helpers import LMConfig, assert_params_equal, build_lm, patched, shard_lm, wrapping_dist
 from fsdp_shim._gather.layout import bucket_cap, bucket_plan
 
 # --------------------------------------------------------------------------- bounded run-ahead
@@ -87,6 +88,28 @@ def rank_a_rank_that_receives_nothing_stays_two_buckets_ahead_in_a_summon():
 def test_a_rank_that_receives_nothing_stays_two_buckets_ahead_in_a_summon(dist_run):
     (_, none), (peak, posts) = dist_run(2, rank_a_rank_that_receives_nothing_stays_two_buckets_ahead_in_a_summon)
     assert none == 0 and posts > 10, posts  # rank 0 records nothing; many buckets on rank 1
+    assert peak <= 2, f"rank 1 had {peak} all-gathers posted and unfinished (of {posts})"
+
+
+def rank_a_rank_that_receives_nothing_stays_two_units_ahead_in_a_per_unit_loop():
+    config = LMConfig(layers=8)
+    model, ref = shard_lm(build_lm(config)), build_lm(config)
+    expected = dict(ref.named_parameters())
+    with patched(), nccl_like_waits() as unfinished:
+        for unit_name, unit in fsdp_shim.fsdp_units(model):  # compose-rl's weight sync: a summon a unit
+            with FSDP.summon_full_params(unit, writeback=False, rank0_only=True, recurse=False):
+                if dist.get_rank() == 0:
+                    for name, param in unit.named_parameters():
+                        if not isinstance(param, DTensor):
+                            fqn = f"{unit_name}.{name}" if unit_name else name
+                            assert torch.equal(param, expected[fqn].detach()), fqn
+    return max(unfinished, default=0), len(unfinished)
+
+
+def test_a_rank_that_receives_nothing_stays_two_units_ahead_in_a_per_unit_loop(dist_run):
+    # across calls: 0.13.0 bounded each summon's own buckets only, and a unit is one bucket (measured: 9 of 9)
+    (_, none), (peak, posts) = dist_run(2, rank_a_rank_that_receives_nothing_stays_two_units_ahead_in_a_per_unit_loop)
+    assert none == 0 and posts == 9, posts  # 8 blocks and the root, one all-gather each
     assert peak <= 2, f"rank 1 had {peak} all-gathers posted and unfinished (of {posts})"
 
 

@@ -102,6 +102,10 @@ class Posted:
     any = False
 
 
+#: What blocks the host until each of the last summons' gathers has completed, oldest first (at most two
+#: are kept: see [Note: bounded run-ahead]). Process-wide: any group's older call is older work.
+_CALLS_BEHIND: collections.deque[Callable[[], object]] = collections.deque()
+
 _NOBODY = Posted()  # for a gather no call watches: what it records is never read
 
 
@@ -167,6 +171,13 @@ def completion(works: Sequence[Waitable], device: torch.device) -> Callable[[], 
     recorded on the current stream right after its ``wait()``, synchronised;
     on the host, the work's own future (gloo's ``wait()`` already blocked, so
     it is done). A gather of one or two buckets never needs one.
+    Across calls the same holds for the per-unit weight-sync loop, one
+    summon a unit, whose non-receiving ranks would otherwise post every unit's
+    gather while rank 0 sends the first: on a rank that receives nothing,
+    ``gather_full_tensors`` blocks on call ``k - 1``'s last collective before
+    call ``k + 1`` posts (``_CALLS_BEHIND``). A receiving rank's own consumer
+    paces it, so it pays nothing; a host wait chooses no collective, so ranks
+    may differ in it.
     """
     if device.type == "cpu":
         # Each work's future, chained to one whose value is None: the fence must not keep the gathered
@@ -339,6 +350,7 @@ class BucketGather:
         posted: Posted = _NOBODY,
     ) -> None:
         self._posted = posted
+        self.last_work: tuple[Waitable, torch.device] | None = None  # its last collective: ``gather_full_tensors``
         self._host_copies: list[Any] = []  # see [Note: copy-in from host memory] in ``staging``
         self.plan = bucket_plan(dtensors, bucket_bytes, cast_to, reuse=plan, collective_bytes=collective_bytes,
                                 meshes=meshes)
@@ -429,8 +441,11 @@ class BucketGather:
             # strict=False: _finish_bucket returns nothing where this rank keeps nothing (rank0_only)
             for b, full in zip(flight.bucket, _finish_bucket(flight, holds_fulls, out_device), strict=False):
                 results[b.position] = full
-            if work is not None and self._unstaged:  # a bucket k + 2 is still to be posted: it will wait for this
-                fence = completion((work,), cast(AllGatherFlight, flight).output.device)  # type: ignore[union-attr]
+            if work is not None:
+                device = flight.output.device  # type: ignore[attr-defined]  # an AllGatherFlight: it posted
+                self.last_work = work, device
+                if self._unstaged:  # a bucket k + 2 is still to be posted: it will wait for this
+                    fence = completion((work,), device)
             flights.popleft()
             del flight
         if self._fallback:
@@ -448,6 +463,7 @@ class BucketGather:
         """Wait for every launched collective and drop everything: staged buckets and the fallbacks never
         run. Raises nothing; returns the first failed wait (the error paths re-raise their own error)."""
         flights, self._flights = list(self._flights), collections.deque()
+        _CALLS_BEHIND.clear()  # a failed call's completion is not waited for again by an unrelated call
         self._unstaged.clear()
         self._fallback = []
         return _wait_all(flights)
@@ -487,9 +503,15 @@ def gather_full_tensors(
     calling; the engine does not check again. ``meshes``: the mesh each is gathered over where its owner
     says (``layout.Meshes``).
     """
+    while not holds_fulls and len(_CALLS_BEHIND) > 1:  # [Note: bounded run-ahead]: k - 1 done before k + 1
+        _CALLS_BEHIND.popleft()()
     gather = BucketGather(dtensors, bucket_bytes=bucket_bytes, receiver=receiver, ahead=1, plan=plan,
                           collective_bytes=collective_bytes, meshes=meshes, posted=posted)
-    return gather.finish(holds_fulls=holds_fulls, out_device=out_device)
+    gathered = gather.finish(holds_fulls=holds_fulls, out_device=out_device)
+    last = gather.last_work
+    if not holds_fulls and last is not None and not last[0].is_completed():  # gloo's wait blocked: it is complete
+        _CALLS_BEHIND.append(completion((last[0],), last[1]))
+    return gathered
 
 
 def start_gather(

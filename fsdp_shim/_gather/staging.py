@@ -25,6 +25,8 @@ class Waitable(Protocol):
 
     def wait(self) -> Any: ...
 
+    def is_completed(self) -> bool: ...
+
 
 @dataclass(eq=False)
 class InFlight:
