@@ -2,12 +2,15 @@
 # The GPU check, in at most $BUDGET seconds (default 290: under 5 minutes of
 # device time), run from the repository root on a machine whose python3
 # already has a CUDA torch:
+#   0. scripts/device_late.py (CUDA only): NCCL's completion contract emulated
+#      on the one GPU, 2 gloo processes, exact values;
 #   1. scripts/device_fake.py: the multi-rank code paths at W = 8, 64, 1024
 #      (flat and HSDP meshes) on the one GPU, through torch's fake process
 #      group in one process (paths, shapes, devices, pinning, memory, host
 #      time; fake collectives move no data, so no values);
 #   2. `fsdp-shim check` on CUDA (NCCL), one rank per visible GPU (values);
-#   3. `fsdp-shim bench` at 37 MiB.
+#   3. `fsdp-shim bench` at 37 MiB; on CUDA, scripts/scale_bench.py at
+#      Llama-3-70B's shapes (peak allocated per unit).
 # Each step's timeout is cut to what the budget has left; a step with under
 # 15 s left is skipped and says so. Nothing is installed from the network:
 # wheels under .whl/ (wrapt, when the machine's is older than we declare) are
@@ -36,9 +39,12 @@ OUT=${OUT:-./device-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/fsdp-shim-site \
-        .whl/*.whl || exit 2
-    export PYTHONPATH=/tmp/fsdp-shim-site
+    if python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/fsdp-shim-site .whl/*.whl; then
+        export PYTHONPATH=/tmp/fsdp-shim-site
+    else  # wheels for another interpreter (the GPU machine's): this machine's own packages
+        echo "device_check: .whl/ not installable here; using this python3's packages"
+    fi
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
@@ -75,14 +81,33 @@ run() {  # run NAME SECONDS ARGS...: one fsdp-shim command, its log in $OUT/NAME
     [ "$rc" -eq 0 ] || status=1
 }
 
-# First: the multi-rank paths on this one GPU (fake process group), 55 s per world size at most
-echo "=== device_fake.py --device $DEVICE --world $worlds ($(date -u +%T))"
+script() {  # script NAME SECONDS ARGS...: one python3 script, its log in $OUT/NAME.txt
+    local name=$1 seconds
+    seconds=$(left "$2")
+    shift 2
+    if [ "$seconds" -lt 15 ]; then
+        echo "=== $*: skipped, ${seconds} s of the ${BUDGET} s budget left" | tee "$OUT/$name.txt"
+        return
+    fi
+    echo "=== $* ($(date -u +%T), ${seconds} s)"
+    timeout "$seconds" python3 "$@" 2>&1 | tee "$OUT/$name.txt"
+    local rc=${PIPESTATUS[0]}
+    echo "=== $name: exit $rc"
+    [ "$rc" -eq 0 ] || status=1
+}
+
+if [ "$DEVICE" = cuda ]; then
+    # NCCL's completion contract on this one GPU: 2 gloo processes, all-gathers that land late (values)
+    script device_late 120 scripts/device_late.py --timeout 110
+fi
+# The multi-rank paths on this one GPU (fake process group), 55 s per world size at most
 # shellcheck disable=SC2086  # $worlds: one argument a world size
-timeout "$(left 175)" python3 scripts/device_fake.py --device "$DEVICE" --world $worlds --reps 11 --timeout 55 \
-    --json "$OUT/device_fake.json" 2>&1 | tee "$OUT/device_fake.txt"
-rc=${PIPESTATUS[0]}
-echo "=== device_fake: exit $rc"
-[ "$rc" -eq 0 ] || status=1
+script device_fake 175 scripts/device_fake.py --device "$DEVICE" --world $worlds --reps 11 --timeout 55 \
+    --json "$OUT/device_fake.json"
+if [ "$DEVICE" = cuda ]; then
+    # Llama-3-70B's shapes at the full vocabulary: peak allocated per unit, summon against unshard()
+    script scale70b 100 scripts/scale_bench.py --device cuda --world 64 1024 --vocab 128256 --reps 3
+fi
 
 run check 65 check --verbose
 if [ "$DEVICE" = cuda ]; then

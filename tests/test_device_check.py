@@ -58,3 +58,12 @@ def test_device_fake_runs_every_path_on_the_cpu(tmp_path):
             assert any(line.split()[:2] == ["8", mesh] and path in line for line in lines), (path, mesh)
     assert "cuda:gloo 2-process run" in proc.stdout and "skipped" in proc.stdout
     assert "device_fake: 0 failed of 18 checks" in proc.stdout
+
+
+def test_device_late_imports_against_this_package_and_refuses_the_cpu():
+    """``scripts/device_late.py`` (CUDA only) still imports what it uses from the package, and says why it
+    cannot run here instead of failing part way."""
+    late = SCRIPT.parent / "device_late.py"
+    proc = subprocess.run([sys.executable, str(late)], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr[-4000:]
+    assert "no CUDA device" in proc.stderr
