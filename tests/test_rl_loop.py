@@ -65,6 +65,12 @@ def rank_inference_mode_with_mixed_precision_forward():
         model.norm.bias.add_(1.0)  # an edit between two forwards must reach the second one
         second = model(tokens)
     assert torch.equal(first, outside) and not torch.equal(second, first)
+    want = build_lm()  # the edit written back into the fp32 masters, and nothing else: no bf16 cast of a forward
+    with torch.no_grad():
+        want.norm.bias.add_(1.0)
+    state = full_state(model)
+    for name, value in want.named_parameters():
+        assert state[name].dtype == torch.float32 and torch.equal(state[name], value.detach()), name
 
 
 def test_inference_mode_with_mixed_precision_forward(dist_run):
