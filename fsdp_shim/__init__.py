@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any, ContextManager
 import wrapt
 
 from fsdp_shim import _versions
+from fsdp_shim._errors import DestroyedGroupError, GroupOutOfStepError, UnsupportedTorchError, WritebackRefusedError
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
@@ -64,6 +65,10 @@ if TYPE_CHECKING:
 __version__ = _versions.__version__
 
 __all__ = [
+    "DestroyedGroupError",
+    "GroupOutOfStepError",
+    "UnsupportedTorchError",
+    "WritebackRefusedError",
     "is_fsdp_module",
     "fsdp_units",
     "is_patched",
@@ -223,9 +228,9 @@ def __getattr__(name: str) -> Any:
 def _require_support() -> None:
     reason = _activate()
     if _refusal is not None:
-        raise RuntimeError(f"fsdp_shim refuses to gather DTensor parameters here: {_refusal}")
+        raise UnsupportedTorchError(f"fsdp_shim refuses to gather DTensor parameters here: {_refusal}")
     if reason is not None:
-        raise RuntimeError(f"fsdp_shim is inactive: {reason}")
+        raise UnsupportedTorchError(f"fsdp_shim is inactive: {reason}")
 
 
 def patch() -> bool:
@@ -240,7 +245,7 @@ def patch() -> bool:
     """
     reason = _activate()
     if reason is not None and _refusal is None:
-        raise RuntimeError(f"fsdp_shim is inactive: {reason}")
+        raise UnsupportedTorchError(f"fsdp_shim is inactive: {reason}")
     if _versions.env_flag(_versions.DISABLE_ENV):
         logger.info("fsdp_shim: %s is set, not patching", _versions.DISABLE_ENV)
         return False

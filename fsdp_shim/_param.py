@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim._compat import WRITABLE_PARTIAL_OPS, partial_reduce_op
+from fsdp_shim._errors import WritebackRefusedError
 from fsdp_shim._gather.layout import Dim0Layout, dim0_layout
 
 #: What a slot of a summoned tensor holds at exit when it holds nothing (deleted inside).
@@ -331,7 +332,8 @@ def write_back(params: Sequence[SummonedParam], name: Callable[[SummonedParam], 
             continue  # the shard's own change stands; the full tensor holds nothing new
         items.append((item.sharded, item.current.detach(), item.layout))
     if problems:
-        raise RuntimeError("summon_full_params writeback refused, nothing written:\n  " + "\n  ".join(problems))
+        raise WritebackRefusedError(
+            "summon_full_params writeback refused, nothing written:\n  " + "\n  ".join(problems))
     write_back_locals(items)
     if with_grads:
         grads: list[tuple[DTensor, torch.Tensor, Dim0Layout | None]] = []
@@ -367,7 +369,7 @@ def write_back_locals(items: Sequence[tuple[DTensor, torch.Tensor, Dim0Layout | 
     """
     for dtensor, full, _ in items:
         if full.shape != dtensor.shape:
-            raise RuntimeError(
+            raise WritebackRefusedError(
                 f"cannot write back a tensor of shape {tuple(full.shape)} into a parameter "
                 f"of shape {tuple(dtensor.shape)}: writeback keeps the original shape"
             )

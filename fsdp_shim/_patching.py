@@ -49,6 +49,7 @@ import wrapt
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
 from fsdp_shim import _versions
+from fsdp_shim._errors import UnsupportedTorchError
 from fsdp_shim._units import route
 
 logger = logging.getLogger("fsdp_shim")
@@ -88,7 +89,7 @@ def _summon_full_params_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ..
 def _refusing_summon(wrapped: Any, refusal: str, module: Any, recurse: bool, *rest: Any) -> Any:
     """FSDP1's own context, unless the call would take the DTensor route: then raise. See [Note: refusing mode]."""
     if isinstance(module, nn.Module) and route(module, recurse)[0] == "dtensor":
-        raise RuntimeError(
+        raise UnsupportedTorchError(
             f"summon_full_params({type(module).__name__}) holds DTensor parameters, which fsdp_shim cannot gather "
             f"on this torch: {refusal}. Without fsdp_shim this call would silently do nothing."
         )

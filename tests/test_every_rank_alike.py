@@ -259,10 +259,10 @@ def rank_a_group_destroyed_before_the_first_summon_is_named():
     dist.barrier(group=group)
     dist.destroy_process_group(group)
     with patched():
-        with pytest.raises(RuntimeError, match="destroyed"):
+        with pytest.raises(fsdp_shim.DestroyedGroupError, match="destroyed"):
             with FSDP.summon_full_params(model, writeback=False):
                 raise AssertionError("the body ran")
-        with pytest.raises(RuntimeError, match="destroyed"):
+        with pytest.raises(fsdp_shim.DestroyedGroupError, match="destroyed"):
             next(fsdp_shim.iter_full_params(model))
     assert isinstance(model.weight, DTensor)
 

@@ -272,7 +272,7 @@ def test_the_probe_lists_what_is_wrapped_and_redirected():
 #: layers below its own, never one beside it or above. The summon and the stream stand side by side on
 #: the refusals, the parameters and the groups they share.
 LAYERS: list[set[str]] = [
-    {"fsdp_shim._versions", "fsdp_shim._registry"},
+    {"fsdp_shim._versions", "fsdp_shim._registry", "fsdp_shim._errors"},
     {"fsdp_shim._compat", "fsdp_shim._units"},
     {"fsdp_shim._fsdp2"},
     {"fsdp_shim._gather", "fsdp_shim._gather.layout"},

@@ -168,7 +168,7 @@ def rank_deleted_parameter_refuses_the_whole_writeback():
     _, model = _models()
     before = snapshot(model)
     with patched():
-        with pytest.raises(RuntimeError, match=r"nothing written(.|\n)*blocks.0.fc1.bias: deleted"):
+        with pytest.raises(fsdp_shim.WritebackRefusedError, match=r"nothing written(.|\n)*blocks.0.fc1.bias: deleted"):
             with FSDP.summon_full_params(model, writeback=True):
                 with torch.no_grad():
                     model.blocks[1].fc1.weight.add_(1.0)  # would be written, were the whole writeback sound
@@ -283,7 +283,7 @@ def rank_destroyed_group_fails_clearly():
         with FSDP.summon_full_params(model, writeback=False):
             assert model.weight.shape == (4, 4)
         dist.destroy_process_group(group)
-        with pytest.raises(RuntimeError, match="destroyed"):
+        with pytest.raises(fsdp_shim.DestroyedGroupError, match="destroyed"):
             with FSDP.summon_full_params(model, writeback=False):
                 pass
     assert isinstance(model.weight, DTensor)

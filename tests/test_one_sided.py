@@ -53,7 +53,7 @@ def _refused_at_once(model) -> list[str]:
     for attempt in ("summon", "stream"):
         started = time.monotonic()
         with patched(), inject("all_gather", after=10**9) as posted, pytest.raises(
-                RuntimeError, match="out of step") as refused:
+                fsdp_shim.GroupOutOfStepError, match="out of step") as refused:
             if attempt == "summon":
                 with FSDP.summon_full_params(model, writeback=False):
                     raise AssertionError("the body ran")

@@ -189,7 +189,7 @@ outcome = []
 try:
     with FSDP.summon_full_params(model, writeback=False):
         outcome.append("gathered" if not isinstance(model.weight, DTensor) else "no-op")
-except RuntimeError as exc:
+except fsdp_shim.UnsupportedTorchError as exc:  # a RuntimeError, typed
     outcome.append("refused")
     print(exc, file=sys.stderr)
 with FSDP.summon_full_params(nn.Linear(2, 2)):  # a plain module: FSDP1's null context, never refused
@@ -202,7 +202,7 @@ model(torch.ones(1, 4))
 try:
     with FSDP.summon_full_params(wrapper, writeback=False):
         outcome.append("wrapper" if type(model.weight) is nn.Parameter else "wrapper-no-op")
-except RuntimeError:
+except fsdp_shim.UnsupportedTorchError:
     outcome.append("refused")
 except AttributeError:  # allowed to run without an internal it needs (FSDP_SHIM_ALLOW_UNSUPPORTED_TORCH)
     outcome.append("missing")

@@ -48,6 +48,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim._compat import is_dim0_shard, is_replicate, serves_cuda_with_nccl
+from fsdp_shim._errors import DestroyedGroupError, GroupOutOfStepError
 
 logger = logging.getLogger("fsdp_shim")
 
@@ -193,9 +194,9 @@ def mark_out_of_step(
     held.extend(buffers)
 
 
-def destroyed_group(user: Callable[[], str]) -> RuntimeError:
+def destroyed_group(user: Callable[[], str]) -> DestroyedGroupError:
     """The refusal for a mesh whose process group was destroyed (or belongs to another world)."""
-    return RuntimeError(
+    return DestroyedGroupError(
         f"cannot gather {user()}: its device mesh uses a process group that was destroyed or belongs to "
         "another process group world (was it sharded before destroy_process_group()?)"
     )
@@ -289,7 +290,7 @@ def require_live_groups(groups: Iterable[dist.ProcessGroup], user: Callable[[], 
         if not fsdp2.is_live_group(group):
             raise destroyed_group(user)
         if _out_of_step and group in _out_of_step:
-            raise RuntimeError(
+            raise GroupOutOfStepError(
                 f"cannot gather {user()}: an earlier gather on its process group never completed on this rank "
                 f"({_out_of_step[group][0]}), so the ranks are out of step and the next collective could hang or "
                 "pair with the wrong one. Destroy and recreate the process group (dist.destroy_process_group(group), "
