@@ -45,6 +45,9 @@ embedding, the final norm and the lm_head):
 - ``stream``: ``for name, p in fsdp_shim.iter_full_params(model): pass`` (stored dtype, rank 0);
 - ``unshard``: FSDP2's own ``unit.unshard(); unit.reshard()`` for every unit;
 - ``full_tensor``: ``p.full_tensor()`` for every parameter;
+- ``stream_bf16`` and ``module_source``: a weight sync to vLLM in bf16, ``vllm_weight_source``'s
+  ``iter_full()`` (the stream with ``dtype=torch.bfloat16``: cast before the gather, half the bytes of
+  fp32 masters) against vLLM's ``ModuleSource.iter_full()`` loop (``p.full_tensor().to(bf16)``);
 - ``summon_model``: one ``summon_full_params(model, writeback=False)``: peak only, not timed.
 
 Figures, per contender:
@@ -104,7 +107,7 @@ _MALLOC_ENV = {
              "THP_MEM_ALLOC_ENABLE": "1"},
 }
 
-TIMED = ("summon_unit", "stream", "unshard", "full_tensor")
+TIMED = ("summon_unit", "stream", "stream_bf16", "unshard", "full_tensor", "module_source")
 CONTENDERS = (*TIMED, "summon_model")
 
 # Llama-3-70B
@@ -318,6 +321,7 @@ def _one(config: dict) -> dict:
         unit_of_name[name] = index
         unit_bytes[index] += param.numel() * param.element_size()  # the full (global) shape
     params = [(unit_of_name[name], param) for name, param in model.named_parameters()]
+    numel = sum(param.numel() for _, param in params)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def summon_unit(probe) -> None:
@@ -338,6 +342,28 @@ def _one(config: dict) -> dict:
                     last = index
                 probe()
             del tensor
+
+    def stream_bf16(probe) -> None:  # vllm_weight_source's iter_full(): the stream, cast before the gather
+        last = None
+        for name, tensor in fsdp_shim.iter_full_params(model, dtype=torch.bfloat16):
+            if probe is not None:
+                index = unit_of_name[name]
+                if index != last:
+                    memory.window(index)
+                    last = index
+                probe()
+            del tensor
+
+    def module_source(probe) -> None:  # vLLM's ModuleSource.iter_full(): full_tensor() per parameter, then the cast
+        last = None
+        for index, param in params:
+            if probe is not None and index != last:
+                memory.window(index)
+                last = index
+            full = param.full_tensor().to(torch.bfloat16)
+            if probe is not None:
+                probe()
+            del full
 
     def unshard(probe) -> None:
         for index, unit in enumerate(units):
@@ -366,8 +392,8 @@ def _one(config: dict) -> dict:
             if probe is not None:
                 probe()
 
-    runs = {"summon_unit": summon_unit, "stream": stream, "unshard": unshard, "full_tensor": full_tensor,
-            "summon_model": summon_model}
+    runs = {"summon_unit": summon_unit, "stream": stream, "stream_bf16": stream_bf16, "unshard": unshard,
+            "full_tensor": full_tensor, "module_source": module_source, "summon_model": summon_model}
     runs = {name: run for name, run in runs.items() if name in config["contenders"]}
     timed = [name for name in runs if name in TIMED]
     trace = config.get("trace", False)
@@ -433,6 +459,7 @@ def _one(config: dict) -> dict:
         "ratio_to_unshard": {n: statistics.median(r) for n, r in ratios.items() if r},
         "ratio_range": {n: (min(r), max(r)) for n, r in ratios.items() if r},
         "calls_per_unit": calls, "peaks": peaks, "seconds": time.perf_counter() - started, "tree": tree,
+        "wire_bytes": {"stream_bf16": 2 * numel, "module_source": sum(p.numel() * p.element_size() for _, p in params)},
     }
 
 
@@ -515,6 +542,11 @@ def _print_row(row: dict, full_root_bytes: int | None, tree: str) -> None:
                       f"{_size(peak['per_unit'][-1])} (x{peak['per_unit'][-1] / root_bytes:.2f})",
                       f"{_size(peak['whole'])} (x{peak['whole'] / largest:.2f})"]
         print("| " + " | ".join(cells) + " |")
+    if "stream_bf16" in row["peaks"] and "module_source" in row["peaks"]:
+        wire = row["wire_bytes"]
+        print(f"\nAll-gathered per bf16 sync: stream_bf16 {_size(wire['stream_bf16'])} (cast before the gather), "
+              f"module_source {_size(wire['module_source'])} ({row['dtype']} masters gathered, then cast): "
+              f"x{wire['module_source'] / wire['stream_bf16']:.2f}.")
     if full_root_bytes and full_root_bytes != root_bytes:
         held = [name for name in ("summon_unit", "unshard", "full_tensor") if name in row["peaks"]]
         print(f"\nAt the full vocabulary the root unit is {_gb(full_root_bytes)} GB; **extrapolated** from the "
@@ -528,8 +560,9 @@ def _print_row(row: dict, full_root_bytes: int | None, tree: str) -> None:
 def _print_summary(rows: list[dict]) -> None:
     print("\n#### Across meshes\n")
     print("| mesh | unshard ms/unit | summon_unit / unshard, time | calls | summon_unit peak x block | x root "
-          "| unshard peak x block | x root | stream / unshard | full_tensor / unshard | summon_model peak x model |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| unshard peak x block | x root | stream / unshard | full_tensor / unshard | summon_model peak x model "
+          "| ModuleSource loop / stream bf16, time | x root, peak |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         p, r, c = row["peaks"], row["ratio_to_unshard"], row["calls_per_unit"]
         block, root = (row["unit_bytes"][0] if row["units"] > 1 else None), row["unit_bytes"][-1]
@@ -546,7 +579,10 @@ def _print_summary(rows: list[dict]) -> None:
                  unit_ratio("summon_unit", 0, block), unit_ratio("summon_unit", 1, root),
                  unit_ratio("unshard", 0, block), unit_ratio("unshard", 1, root),
                  f"{r['stream']:.2f}" if "stream" in r else "", f"{r['full_tensor']:.2f}" if "full_tensor" in r else "",
-                 f"{p['summon_model']['whole'] / sum(row['unit_bytes']):.2f}" if "summon_model" in p else ""]
+                 f"{p['summon_model']['whole'] / sum(row['unit_bytes']):.2f}" if "summon_model" in p else "",
+                 f"{r['module_source'] / r['stream_bf16']:.2f}" if "module_source" in r and "stream_bf16" in r else "",
+                 f"{p['module_source']['per_unit'][-1] / root:.2f} / {p['stream_bf16']['per_unit'][-1] / root:.2f}"
+                 if "module_source" in p and "stream_bf16" in p else ""]
         print("| " + " | ".join(cells) + " |")
 
 
