@@ -284,7 +284,7 @@ def sharded_param(param: torch.Tensor) -> nn.Parameter | None:
     """
     if _activate() is not None:
         return None
-    from fsdp_shim._summon import sharded_param as _sharded_param  # noqa: PLC0415  (after activation)
+    from fsdp_shim._param import sharded_param as _sharded_param  # noqa: PLC0415  (after activation)
 
     return _sharded_param(param)
 

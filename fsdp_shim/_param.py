@@ -33,13 +33,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from fsdp_shim import _fsdp2 as fsdp2
+from fsdp_shim import _registry as registry
 from fsdp_shim._compat import WRITABLE_PARTIAL_OPS, partial_reduce_op
 from fsdp_shim._errors import WritebackRefusedError
 from fsdp_shim._gather.layout import Dim0Layout, dim0_layout
@@ -444,3 +445,27 @@ def _local_value(dtensor: DTensor, full: torch.Tensor, dtype: torch.dtype | None
         if op == "sum" and mesh.get_local_rank(dim) != 0:
             value = torch.zeros_like(value)
     return value
+
+
+def sharded_param(param: torch.Tensor) -> nn.Parameter | None:
+    """The sharded parameter a live context's full ``param`` stands for, else None."""
+    summoned = cast("SummonedParam | None", registry.record_of(param))
+    return None if summoned is None else summoned.scoped.sharded()
+
+
+def original_params(param: torch.Tensor) -> list[nn.Parameter]:
+    """Every object the slots of a summoned ``param`` held outside contexts.
+
+    The sharded parameter and, for a unit a forward had left unsharded when
+    a map was built, FSDP2's unsharded parameter too. Empty if ``param`` is
+    not a live context's full parameter.
+    """
+    summoned = cast("SummonedParam | None", registry.record_of(param))
+    if summoned is None:
+        return []
+    found = [summoned.scoped.sharded()]
+    if summoned.scoped.fsdp_param is not None:
+        unsharded = fsdp2.unsharded_param_if_any(summoned.scoped.fsdp_param)
+        if unsharded is not None:
+            found.append(unsharded)
+    return found

@@ -554,31 +554,6 @@ def _gather_grads(
     return {i: g for (i, _), g in zip(grads, gathered.tensors, strict=True) if g is not None}
 
 
-def sharded_param(param: torch.Tensor) -> nn.Parameter | None:
-    """The sharded parameter a live context's full ``param`` stands for, else None."""
-    summoned = cast("SummonedParam | None", registry.record_of(param))
-    return None if summoned is None else summoned.scoped.sharded()
-
-
-def original_params(param: torch.Tensor) -> list[nn.Parameter]:
-    """Every object the slots of a summoned ``param`` held outside contexts.
-
-    The sharded parameter and, for a unit a forward had left unsharded when
-    a map was built, FSDP2's unsharded parameter too. Empty if ``param`` is
-    not a live context's full parameter.
-    """
-    summoned = cast("SummonedParam | None", registry.record_of(param))
-    if summoned is None:
-        return []
-    found = [summoned.scoped.sharded()]
-    if summoned.scoped.fsdp_param is not None:
-        unsharded = fsdp2.unsharded_param_if_any(summoned.scoped.fsdp_param)
-        if unsharded is not None:
-            found.append(unsharded)
-    return found
-
-
-
 # [Note: every rank decides alike]
 # Whatever chooses the collectives a call runs (whether it runs any, which
 # tensors, in which buckets, whether it refuses) is computed from state every

@@ -15,7 +15,7 @@ import torch.nn as nn
 import wrapt
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
-from fsdp_shim._summon import original_params
+from fsdp_shim._param import original_params
 from fsdp_shim.instrumentations.base import Instrumentation
 
 
