@@ -107,7 +107,7 @@ def refuse_before_anything(
         groups = refuse_placements(named, writeback, scope.meshes)
         if cached is not None:
             cached.passed(specs, writeback, groups)
-    # Gradients are rank-local: what they need is agreed by every rank after entry (``_agreed_grads``).
+    # Gradients are rank-local: what they need is agreed by every rank after entry (``_grads.agreed_grads``).
     return groups, shardeds
 
 
@@ -203,7 +203,7 @@ def group_in_use(call: str) -> RuntimeError:
 
 def refuse_grad_layouts(call: str, name: str, plain: type | None = None) -> RuntimeError:
     """The ``with_grads`` refusal of a gradient laid out otherwise than its parameter: ``plain``, the type
-    of a plain tensor beside a DTensor parameter; else laid out alike on no two ranks (``_summon._agreed_grads``)."""
+    of a plain tensor beside a DTensor parameter; else laid out alike on no two ranks (``_grads.agreed_grads``)."""
     if plain is not None:
         return RuntimeError(f"{call} refused: {name!r} is a plain {plain.__name__}, not a DTensor like its "
                             "parameter. Nothing was gathered.")

@@ -44,7 +44,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, ContextManager, cast
+from typing import Any, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -56,15 +56,14 @@ from torch.utils.hooks import RemovableHandle
 from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim import _registry as registry
 from fsdp_shim import _versions
-from fsdp_shim._gather.engine import Gathered, Posted, agree_on_grads, gather_full_tensors
-from fsdp_shim._gather.layout import BucketCap, Receiver, bucket_cap, mark_part_way, receivers_for_summon
+from fsdp_shim._gather.engine import Gathered, Posted, gather_full_tensors
+from fsdp_shim._gather.layout import BucketCap, bucket_cap, mark_part_way, receivers_for_summon
+from fsdp_shim._grads import agreed_grads, gather_grads
 from fsdp_shim._group import Conversions, SummonedGroup, refuse_forwards
 from fsdp_shim._param import SummonedParam, carry_requires_grad, inspect_slots, to_full, to_sharded, write_back
 from fsdp_shim._refusals import (
     group_in_use,
     refuse_before_anything,
-    refuse_grad_layouts,
-    refuse_placements,
     refuse_writeback_inside_no_writeback,
     validate_args,
 )
@@ -200,7 +199,7 @@ class DTensorSummon:
             out_device = torch.device("cpu") if self.offload_to_cpu else None
             collective_bytes = self.cap.collective_bytes(len(scope.groups) == 1 and scope.fsdp2_only)
             # gradients: which exist anywhere, agreed by every rank (see [Note: every rank decides alike])
-            grad_inputs = self._agreed_grads(module, dtensors) if self.with_grads else None
+            grad_inputs = self._agreed_grads(dtensors) if self.with_grads else None
             # 3. gather: every value is in when it returns. Left part way, it marks the groups
             # (see [Note: a one-sided fault leaves its own mark] in ``_gather.engine``).
             posted = Posted()
@@ -212,7 +211,7 @@ class DTensorSummon:
                                                posted=posted)
                 if cached is not None:
                     cached.bucket_plan = gathered.plan
-                grads = (_gather_grads(grad_inputs, holds_fulls, out_device, self.cap.bucket_bytes, receiver,
+                grads = (gather_grads(grad_inputs, holds_fulls, out_device, self.cap.bucket_bytes, receiver,
                                        collective_bytes, posted, scope.meshes) if grad_inputs else {})
             except BaseException as error:
                 if posted.any:
@@ -306,49 +305,12 @@ class DTensorSummon:
                 "is not supported: only rank 0 (of each FSDP shard group) holds full parameters"
             ))
 
-    def _agreed_grads(self, module: nn.Module, dtensors: list[DTensor]) -> list[tuple[int, DTensor]]:
-        """The gradients to gather under ``with_grads``, as every rank agrees: one small all-reduce a mesh.
-
-        Which gradients exist is rank-local (a rank whose parameter took no
-        part in the backward has none), and the buckets a gather runs must be
-        the same on every rank. So, as FSDP1's ``unshard_grad`` does, the ranks
-        agree first: a gradient that no rank of its parameter's mesh has stays
-        ``None``; one that some ranks lack is gathered with zeros there (and is
-        ``None`` again on those ranks after exit). A gradient on another layout
-        than its parameter (mesh, placements, shape or dtype) is gathered by its
-        own spec where every rank has one laid out the same way, and refused on
-        every rank otherwise: zeros could not be given its layout, and differing
-        layouts gather differently.
-        """
-        by_mesh: dict[int, list[int]] = {}
-        meshes = self.scope.meshes  # FSDP2's, where they differ from the specs' (see [Note: the group is FSDP2's])
-        for index, dtensor in enumerate(dtensors):
-            mesh = None if meshes is None else meshes[index]
-            by_mesh.setdefault(id(dtensor.device_mesh if mesh is None else mesh), []).append(index)
-        agreed = agree_on_grads(dtensors, by_mesh, meshes)  # a collective, before any gather
-        chosen: list[tuple[int, DTensor]] = []
-        foreign: list[tuple[Callable[[], str], DTensor]] = []
-        call = f"summon_full_params({module_label(module)}, with_grads=True)"
-        for index, (missing, present, other_layout, one_layout) in agreed.items():
-            if not present:
-                continue
-            sharded = dtensors[index]
-            grad = sharded.grad
-            def name(i: int = index) -> str:
-                return f"{slot_fqn(module, self.scope.params[i].slots[0])}.grad"
-            if other_layout:  # refused alike: every rank knows what every other holds
-                if missing or not one_layout:
-                    raise refuse_grad_layouts(call, name())
-                if not isinstance(grad, DTensor):
-                    raise refuse_grad_layouts(call, name(), type(grad))
-                foreign.append((name, grad))
-            if grad is None:
-                grad = torch.zeros_like(sharded)  # FSDP1's zeros, in the parameter's layout: no communication
-            chosen.append((index, cast(DTensor, grad)))
-        if foreign:  # gradients on another mesh: their groups are checked and claimed too
-            groups = refuse_placements(foreign, writeback=self.writeback)  # refused before any write
+    def _agreed_grads(self, dtensors: list[DTensor]) -> list[tuple[int, DTensor]]:
+        """``_grads.agreed_grads``; the groups of gradients on another mesh claimed too."""
+        chosen, groups = agreed_grads(self.module, self.scope, dtensors, self.writeback)
+        if groups:
             if not registry.claim(self.thread, groups):
-                raise group_in_use(f"summon_full_params({module_label(module)})")
+                raise group_in_use(f"summon_full_params({module_label(self.module)})")
             assert self._claimed is not None
             self._claimed = [*self._claimed, *groups]
         return chosen
@@ -535,25 +497,6 @@ def _prepare(scope: Scope, resolved: list[DTensor], groups: list[SummonedGroup])
     return dtensors
 
 
-def _gather_grads(
-    grads: list[tuple[int, DTensor]], holds_fulls: bool, out_device: torch.device | None, bucket_bytes: int,
-    receiver: Receiver, collective_bytes: int | None, posted: Posted, meshes: list[Any] | None = None,
-) -> dict[int, torch.Tensor]:
-    """Gather the agreed gradients (``DTensorSummon._agreed_grads``): full gradients by scope position,
-    over their parameters' ``meshes`` (the scope's)."""
-    gathered = gather_full_tensors(
-        [grad for _, grad in grads],
-        holds_fulls=holds_fulls,
-        out_device=out_device,
-        bucket_bytes=bucket_bytes,
-        receiver=receiver,
-        collective_bytes=collective_bytes,
-        meshes=None if meshes is None else [meshes[i] for i, _ in grads],
-        posted=posted,
-    )
-    return {i: g for (i, _), g in zip(grads, gathered.tensors, strict=True) if g is not None}
-
-
 # [Note: every rank decides alike]
 # Whatever chooses the collectives a call runs (whether it runs any, which
 # tensors, in which buckets, whether it refuses) is computed from state every
@@ -586,7 +529,7 @@ def _gather_grads(
 #   only local work (swap-in, marks, hooks), never a collective;
 # - *buckets* (``_gather.layout.split_into_buckets``): specs, global shapes,
 #   dtypes, devices and caps;
-# - *gradients* (``DTensorSummon._agreed_grads``): the one input that is
+# - *gradients* (``_grads.agreed_grads``): the one input that is
 #   rank-local, made shared by one small all-reduce before anything is
 #   gathered (``_gather.engine.agree_on_grads``), as FSDP1 does;
 # - *the stream's batches* (``_stream.batch_params``): the tree, FSDP2's

@@ -286,6 +286,7 @@ LAYERS: list[set[str]] = [
     {"fsdp_shim.instrumentations"},
     {"fsdp_shim._scope"},
     {"fsdp_shim._group", "fsdp_shim._refusals"},
+    {"fsdp_shim._grads"},
     {"fsdp_shim._summon", "fsdp_shim._stream"},
     {"fsdp_shim._vllm"},
     {"fsdp_shim._patching"},
