@@ -24,8 +24,9 @@ from torch.utils._pytree import tree_map
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_shim import _fsdp2 as fsdp2
+from fsdp_shim import _versions
 from fsdp_shim._param import SummonedParam, hide_slots, put_back_slots
-from fsdp_shim._scope import SlotOwner, module_label
+from fsdp_shim._scope import Scope, SlotOwner, module_label, slot_owners, states_of
 
 #: A conversion made inside a context through a unit's ``_apply``: the unit and the call's arguments.
 Conversion = tuple[nn.Module, tuple[Any, ...], dict[str, Any]]
@@ -281,11 +282,22 @@ class Conversions:
             covered = self._covered = {id(m) for module, _, _ in self.made for m in module.modules()}
         return full.dtype if any(id(m) in covered for m, _ in param.slots) else None
 
-    def replay(self) -> None:
-        """Each recorded conversion again, through the module's own ``_apply``, on the restored slots."""
-        made, self.made = self.made, []  # the caller asks only where one was made
+    def replay(self, summoned: Sequence[SummonedParam], name: Callable[[SummonedParam], str]) -> None:
+        """Each recorded conversion again, through the module's own ``_apply``, on the restored slots; a
+        warning for each parameter converted inside otherwise (its shard keeps its dtype)."""
+        made, self.made = self.made, []
         for module, args, kwargs in made:
             module._apply(*args, **kwargs)
+        for param in summoned:
+            current = param.current
+            if isinstance(current, torch.Tensor) and current.dtype != param.sharded.dtype:
+                _versions.warn(
+                    f"{name(param)} was converted to {current.dtype} inside summon_full_params other "
+                    f"than through a module's .to() or .double(); the sharded parameter stays "
+                    f"{param.sharded.dtype}. Convert its FSDP unit (or the whole model) instead.",
+                    stacklevel=5,
+                    mesh=param.sharded.device_mesh,
+                )
 
 
 class SummonedGroup:
@@ -428,3 +440,36 @@ class SummonedGroup:
         while hooks:
             hooks[-1].remove()
             hooks.pop()
+
+
+def summon_groups(
+    groups: list[SummonedGroup], summoned: list[SummonedParam], scope: Scope, conversions: Conversions,
+    holds_fulls: bool, rank0_only: bool,
+) -> RemovableHandle | None:
+    """Every FSDP2 group of a call summoned (marks, hooks, ``_apply``), each with its own parameters;
+    conversions redirected on its units and every slot owner; under ``rank0_only``, every forward refused
+    (ranks would disagree on which units need an all-gather): that refusal's handle, for the call to remove."""
+    by_group: dict[fsdp2.FSDPParamGroup, list[SummonedParam]] = {}
+    if len(scope.groups) == 1 and scope.fsdp2_only:  # one unit: every parameter is its group's
+        by_group = dict.fromkeys(scope.groups, summoned)
+    else:
+        for param in summoned:
+            group = param.scoped.group
+            if group is not None:
+                by_group.setdefault(group, []).append(param)
+
+    def roots() -> list[nn.Module]:  # worked out only where a forward is refused
+        return fsdp2.root_modules(states_of(scope))
+
+    units: list[nn.Module] = []
+    for summoned_group in groups:
+        summoned_group.summon(by_group.get(summoned_group.group, []), holds_fulls, not rank0_only, roots)
+        units += summoned_group.units
+    conversions.redirect(units, scope.owners or slot_owners(scope), holds_fulls)  # owners: kept on a cached scope
+    if not rank0_only:
+        return None
+    root = scope.root  # every module whose slots differ between ranks, and the roots above
+    return refuse_forwards([root, *roots(), *units, *scope.owner_modules], lambda: (
+        f"forward inside summon_full_params({module_label(root)}, rank0_only=True) "
+        "is not supported: only rank 0 (of each FSDP shard group) holds full parameters"
+    ))

@@ -55,11 +55,10 @@ from torch.utils.hooks import RemovableHandle
 
 from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim import _registry as registry
-from fsdp_shim import _versions
 from fsdp_shim._gather.engine import Gathered, Posted, gather_full_tensors
 from fsdp_shim._gather.layout import BucketCap, bucket_cap, mark_part_way, receivers_for_summon
 from fsdp_shim._grads import agreed_grads, gather_grads
-from fsdp_shim._group import Conversions, SummonedGroup, refuse_forwards
+from fsdp_shim._group import Conversions, SummonedGroup, summon_groups
 from fsdp_shim._param import SummonedParam, carry_requires_grad, inspect_slots, to_full, to_sharded, write_back
 from fsdp_shim._refusals import (
     group_in_use,
@@ -76,7 +75,6 @@ from fsdp_shim._scope import (
     has_distributed_params,
     module_label,
     slot_fqn,
-    slot_owners,
     states_of,
 )
 from fsdp_shim._units import route
@@ -154,11 +152,12 @@ class DTensorSummon:
 
     __slots__ = (
         "module", "recurse", "writeback", "rank0_only", "offload_to_cpu", "with_grads", "cap", "_modules",
-        "_entered", "thread", "scope", "summoned", "groups", "conversions", "_refusal", "_body_ran", "_claimed",
+        "_entered", "thread", "scope", "summoned", "groups", "conversions", "_forward_refusal", "_body_ran", "_claimed",
         "_live", "_holds_fulls",
     )
 
     _claimed: list[dist.ProcessGroup] | None  # the process groups it claimed: released on exit
+    _forward_refusal: RemovableHandle | None  # under ``rank0_only``: every forward refused while it lives
     groups: list[SummonedGroup]
 
     def __init__(
@@ -220,7 +219,8 @@ class DTensorSummon:
             # 4. install: every parameter to full, recorded on every rank; then every group summoned.
             self._to_full(dtensors, gathered, grads, holds_fulls)
             del gathered, grads
-            self._summon_groups(holds_fulls)
+            self._forward_refusal = summon_groups(self.groups, self.summoned, self.scope, self.conversions, holds_fulls,
+                                          self.rank0_only)
             if logger.isEnabledFor(logging.DEBUG):
                 nbytes = sum(d.numel() * d.element_size() for d in dtensors)
                 logger.debug(
@@ -256,7 +256,7 @@ class DTensorSummon:
         self.groups = []
         #: Conversions (``.to()``, ``.float()``, ...) made inside. See [Note: conversions inside] in ``_group``.
         self.conversions = Conversions()
-        self._refusal: RemovableHandle | None = None  # the forward refusal under ``rank0_only``
+        self._forward_refusal = None  # the forward refusal under ``rank0_only``
         self._body_ran = False  # only then may a writeback happen: see [Note: faults]
         self._claimed = None  # released on exit
         self._holds_fulls = False  # whether this rank's slots hold full tensors (set once they are gathered)
@@ -274,36 +274,6 @@ class DTensorSummon:
         if holds_fulls:
             to_full(summoned, gathered.tensors, grads, self.writeback)
         registry.register(self)
-
-    def _summon_groups(self, holds_fulls: bool) -> None:
-        """Every FSDP2 group in scope summoned (marks, hooks, ``_apply``), and, under ``rank0_only``, every
-        forward refused: ranks would disagree on which units need an all-gather."""
-        scope, rank0_only = self.scope, self.rank0_only
-        by_group: dict[fsdp2.FSDPParamGroup, list[SummonedParam]] = {}
-        if len(scope.groups) == 1 and scope.fsdp2_only:  # one unit: every parameter is its group's
-            by_group = dict.fromkeys(scope.groups, self.summoned)
-        else:
-            for param in self.summoned:
-                group = param.scoped.group
-                if group is not None:
-                    by_group.setdefault(group, []).append(param)
-
-        def roots() -> list[nn.Module]:  # worked out only where a forward is refused
-            return fsdp2.root_modules(states_of(scope))
-
-        units: list[nn.Module] = []
-        for summoned_group in self.groups:
-            summoned_group.summon(by_group.get(summoned_group.group, []), holds_fulls, not rank0_only, roots)
-            units += summoned_group.units
-        owners = scope.owners or slot_owners(scope)  # kept on a cached scope
-        self.conversions.redirect(units, owners, holds_fulls)
-        if rank0_only:  # every module whose slots differ between ranks, and the roots above
-            root = scope.root
-            guarded = [root, *roots(), *units, *scope.owner_modules]
-            self._refusal = refuse_forwards(guarded, lambda: (
-                f"forward inside summon_full_params({module_label(root)}, rank0_only=True) "
-                "is not supported: only rank 0 (of each FSDP shard group) holds full parameters"
-            ))
 
     def _agreed_grads(self, dtensors: list[DTensor]) -> list[tuple[int, DTensor]]:
         """``_grads.agreed_grads``; the groups of gradients on another mesh claimed too."""
@@ -352,7 +322,7 @@ class DTensorSummon:
                 released = True
             if inspected:
                 carry_requires_grad(self.summoned)
-                self._replay_conversions()
+                self.conversions.replay(self.summoned, self._name)
                 if self.writeback and self._body_ran:
                     write_back(self.summoned, self._name, self.with_grads)
                     fsdp2.order_after_writeback(states_of(self.scope))
@@ -424,24 +394,10 @@ class DTensorSummon:
         interrupted, the release removes the rest)."""
         for group in self.groups:
             group.remove_hooks()
-        if self._refusal is not None:
-            self._refusal.remove()
-            self._refusal = None
+        if self._forward_refusal is not None:
+            self._forward_refusal.remove()
+            self._forward_refusal = None
 
-    def _replay_conversions(self) -> None:
-        """Apply the conversions made inside to the restored (sharded) parameters, through FSDP2."""
-        if self.conversions.made:
-            self.conversions.replay()
-        for param in self.summoned:
-            current = param.current
-            if isinstance(current, torch.Tensor) and current.dtype != param.sharded.dtype:
-                _versions.warn(
-                    f"{self._name(param)} was converted to {current.dtype} inside summon_full_params other "
-                    f"than through a module's .to() or .double(); the sharded parameter stays "
-                    f"{param.sharded.dtype}. Convert its FSDP unit (or the whole model) instead.",
-                    stacklevel=5,
-                    mesh=param.sharded.device_mesh,
-                )
 
 
 def _scope_of_call(
