@@ -111,6 +111,49 @@ def summon(
                          modules)
 
 
+# [Note: faults]
+# Two rules, FSDP1's for the body and a stricter one for entry:
+# - A failure before the body runs (a gather error or timeout, a peer that
+#   stalls or dies, an exception or ``KeyboardInterrupt`` in an allocation,
+#   a copy or an all-gather, on one rank or all) writes nothing: the slots get their
+#   objects back, marks and hooks are undone, and the shards stay
+#   bit-identical, whatever ``writeback`` says. Full tensors whose values
+#   never arrived are never read: written back, they would put uninitialised
+#   memory into the training weights.
+# - A failure inside the body (the body reached means every value arrived)
+#   keeps FSDP1's rule: writeback still applies to the edits made there, all
+#   or nothing (see [Note: exit checks] in ``_param``), and the body's exception propagates.
+# Every collective already posted is waited for before the error leaves
+# (see [Note: every posted work is waited for] in ``_gather.engine``), so a fault
+# that hits every rank alike before the first collective leaves the group
+# usable. After a one-sided fault the group is out of step (the other
+# ranks' matching collective is still posted, or timed out): a rank whose
+# wait failed records it, and so does a rank that left the gather part way
+# (see [Note: a one-sided fault leaves its own mark] in ``_gather.engine``);
+# its later summons and streams over that group refuse at once (see
+# [Note: out of step] in ``_gather.layout``); ``docs/troubleshooting.md`` says
+# what to do.
+#
+# [Note: exit always restores]
+# ``inspect`` reads what the slots hold, so it comes before the slots
+# get their objects back; the writeback comes last, onto the restored
+# shards. Whatever raises on the way (the inspection of a slot that
+# cannot be read, a replayed conversion, a refused or failing
+# writeback, a ``KeyboardInterrupt``), ``_release`` runs first and in
+# full: every slot holds its original object, every group is released
+# (FSDP2's marks and suspended hooks undone, the forward hooks off), and
+# the registry forgets the context and its group claims. Only then does
+# the error propagate (Python chains the body's own error, if any, as
+# its ``__context__``). A failed inspection writes nothing back: what
+# changed is unknown, so the writeback's all or nothing is nothing.
+# Grad mode is put back too: an interrupt inside a ``no_grad`` block's
+# own exit (the writeback runs under one) would leave it off for the
+# thread. The release is idempotent (each step forgets what it undid
+# only once undone), and ``__exit__`` runs it a second time when the
+# first was cut short (``_release_again``), so an interrupt at any call
+# of the release is finished by the second pass. Python lets no library
+# shield the first bytecodes of ``__exit__`` itself; every call after
+# them is covered (``tests/test_interrupts.py`` injects at each).
 class DTensorSummon:
     """The DTensor implementation of ``summon_full_params``: a single-use context manager, one object
     from the call to the exit.
@@ -125,29 +168,7 @@ class DTensorSummon:
     not run). ``__exit__`` restores, also when the body raised. A class
     rather than a generator and an ``ExitStack``: weight sync enters one per
     unit, and those cost host time per call (``docs/host-cost.md``).
-
-    [Note: faults]
-    Two rules, FSDP1's for the body and a stricter one for entry:
-    - A failure before the body runs (a gather error or timeout, a peer that
-      stalls or dies, an exception or ``KeyboardInterrupt`` in an allocation,
-      a copy or an all-gather, on one rank or all) writes nothing: the slots get their
-      objects back, marks and hooks are undone, and the shards stay
-      bit-identical, whatever ``writeback`` says. Full tensors whose values
-      never arrived are never read: written back, they would put uninitialised
-      memory into the training weights.
-    - A failure inside the body (the body reached means every value arrived)
-      keeps FSDP1's rule: writeback still applies to the edits made there, all
-      or nothing (see [Note: exit checks] in ``_param``), and the body's exception propagates.
-    Every collective already posted is waited for before the error leaves
-    (see [Note: every posted work is waited for] in ``_gather.engine``), so a fault
-    that hits every rank alike before the first collective leaves the group
-    usable. After a one-sided fault the group is out of step (the other
-    ranks' matching collective is still posted, or timed out): a rank whose
-    wait failed records it, and so does a rank that left the gather part way
-    (see [Note: a one-sided fault leaves its own mark] in ``_gather.engine``);
-    its later summons and streams over that group refuse at once (see
-    [Note: out of step] in ``_gather.layout``); ``docs/troubleshooting.md`` says
-    what to do.
+    See [Note: faults] and [Note: exit always restores] above.
     """
 
     __slots__ = (
@@ -189,45 +210,9 @@ class DTensorSummon:
             if not registry.enter(thread, groups):
                 raise group_in_use(f"summon_full_params({module_label(module)})")
             self._claimed = groups
-            started = time.perf_counter()
             # 2. prepare: FSDP2's groups in a known state; the DTensors to gather, resolved once.
             self.groups = [SummonedGroup(group, fully) for group, fully in scope.groups.items()]
-            dtensors = _prepare(scope, shardeds, self.groups)
-            receiver, holds_fulls = receivers_for_summon(self.rank0_only, scope.groups, scope.fsdp2_only)
-            self._holds_fulls = holds_fulls
-            out_device = torch.device("cpu") if self.offload_to_cpu else None
-            collective_bytes = self.cap.collective_bytes(len(scope.groups) == 1 and scope.fsdp2_only)
-            # gradients: which exist anywhere, agreed by every rank (see [Note: every rank decides alike])
-            grad_inputs = self._agreed_grads(dtensors) if self.with_grads else None
-            # 3. gather: every value is in when it returns. Left part way, it marks the groups
-            # (see [Note: a one-sided fault leaves its own mark] in ``_gather.engine``).
-            posted = Posted()
-            try:
-                gathered = gather_full_tensors(dtensors, holds_fulls=holds_fulls, out_device=out_device,
-                                               bucket_bytes=self.cap.bucket_bytes, receiver=receiver,
-                                               plan=None if cached is None else cached.bucket_plan,
-                                               collective_bytes=collective_bytes, meshes=scope.meshes,
-                                               posted=posted)
-                if cached is not None:
-                    cached.bucket_plan = gathered.plan
-                grads = (gather_grads(grad_inputs, holds_fulls, out_device, self.cap.bucket_bytes, receiver,
-                                       collective_bytes, posted, scope.meshes) if grad_inputs else {})
-            except BaseException as error:
-                if posted.any:
-                    mark_part_way(groups, error)
-                raise
-            # 4. install: every parameter to full, recorded on every rank; then every group summoned.
-            self._to_full(dtensors, gathered, grads, holds_fulls)
-            del gathered, grads
-            self._forward_refusal = summon_groups(self.groups, self.summoned, self.scope, self.conversions, holds_fulls,
-                                          self.rank0_only)
-            if logger.isEnabledFor(logging.DEBUG):
-                nbytes = sum(d.numel() * d.element_size() for d in dtensors)
-                logger.debug(
-                    "summon_full_params(%s): %d tensors, %.1f MiB gathered in %.1f ms "
-                    "(rank0_only=%s, full tensors on this rank=%s)", module_label(module), len(dtensors),
-                    nbytes / 2**20, (time.perf_counter() - started) * 1e3, self.rank0_only, holds_fulls,
-                )
+            self._gather_and_install(_prepare(scope, shardeds, self.groups), cached, groups)  # 3. and 4.
             self._body_ran = True  # See [Note: faults]
         except BaseException as error:
             self._live = False
@@ -262,6 +247,44 @@ class DTensorSummon:
         self._holds_fulls = False  # whether this rank's slots hold full tensors (set once they are gathered)
         self._live = True
 
+    def _gather_and_install(self, dtensors: list[DTensor], cached: CachedSummon | None,
+                            groups: list[dist.ProcessGroup]) -> None:
+        """3. gather (every value is in when it returns; left part way, it marks the ``groups``: see [Note: a
+        one-sided fault leaves its own mark] in ``_gather.engine``); 4. install: every parameter to full,
+        recorded on every rank, then every FSDP2 group summoned."""
+        scope, started = self.scope, time.perf_counter()
+        receiver, holds_fulls = receivers_for_summon(self.rank0_only, scope.groups, scope.fsdp2_only)
+        self._holds_fulls = holds_fulls
+        out_device = torch.device("cpu") if self.offload_to_cpu else None
+        collective_bytes = self.cap.collective_bytes(len(scope.groups) == 1 and scope.fsdp2_only)
+        # gradients: which exist anywhere, agreed by every rank (see [Note: every rank decides alike])
+        grad_inputs = self._agreed_grads(dtensors) if self.with_grads else None
+        posted = Posted()
+        try:
+            gathered = gather_full_tensors(dtensors, holds_fulls=holds_fulls, out_device=out_device,
+                                           bucket_bytes=self.cap.bucket_bytes, receiver=receiver,
+                                           plan=None if cached is None else cached.bucket_plan,
+                                           collective_bytes=collective_bytes, meshes=scope.meshes, posted=posted)
+            if cached is not None:
+                cached.bucket_plan = gathered.plan
+            grads = (gather_grads(grad_inputs, holds_fulls, out_device, self.cap.bucket_bytes, receiver,
+                                  collective_bytes, posted, scope.meshes) if grad_inputs else {})
+        except BaseException as error:
+            if posted.any:
+                mark_part_way(groups, error)
+            raise
+        self._to_full(dtensors, gathered, grads, holds_fulls)
+        del gathered, grads
+        self._forward_refusal = summon_groups(self.groups, self.summoned, scope, self.conversions, holds_fulls,
+                                              self.rank0_only)
+        if logger.isEnabledFor(logging.DEBUG):
+            nbytes = sum(d.numel() * d.element_size() for d in dtensors)
+            logger.debug(
+                "summon_full_params(%s): %d tensors, %.1f MiB gathered in %.1f ms (rank0_only=%s, full tensors "
+                "on this rank=%s)", module_label(self.module), len(dtensors), nbytes / 2**20,
+                (time.perf_counter() - started) * 1e3, self.rank0_only, holds_fulls,
+            )
+
     def _to_full(self, dtensors: list[DTensor], gathered: Gathered, grads: dict[int, torch.Tensor],
                  holds_fulls: bool) -> None:
         """A ``SummonedParam`` for every tensor in scope, on every rank, each put to full where this rank
@@ -287,29 +310,8 @@ class DTensorSummon:
 
     # -- exit --------------------------------------------------------------
     def restore(self) -> None:
-        """Undo the entry: hooks off, inspect, release, then replay and writeback if the body ran.
-
-        [Note: exit always restores]
-        ``inspect`` reads what the slots hold, so it comes before the slots
-        get their objects back; the writeback comes last, onto the restored
-        shards. Whatever raises on the way (the inspection of a slot that
-        cannot be read, a replayed conversion, a refused or failing
-        writeback, a ``KeyboardInterrupt``), ``_release`` runs first and in
-        full: every slot holds its original object, every group is released
-        (FSDP2's marks and suspended hooks undone, the forward hooks off), and
-        the registry forgets the context and its group claims. Only then does
-        the error propagate (Python chains the body's own error, if any, as
-        its ``__context__``). A failed inspection writes nothing back: what
-        changed is unknown, so the writeback's all or nothing is nothing.
-        Grad mode is put back too: an interrupt inside a ``no_grad`` block's
-        own exit (the writeback runs under one) would leave it off for the
-        thread. The release is idempotent (each step forgets what it undid
-        only once undone), and ``__exit__`` runs it a second time when the
-        first was cut short (``_release_again``), so an interrupt at any call
-        of the release is finished by the second pass. Python lets no library
-        shield the first bytecodes of ``__exit__`` itself; every call after
-        them is covered (``tests/test_interrupts.py`` injects at each).
-        """
+        """Undo the entry: hooks off, inspect, release, then replay and writeback if the body ran. See
+        [Note: exit always restores]."""
         inspected, released, grad_enabled = False, False, torch.is_grad_enabled()
         try:
             try:
