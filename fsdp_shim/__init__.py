@@ -1,43 +1,18 @@
 """fsdp_shim: FSDP1's ``summon_full_params`` for FSDP2, HSDP and tensor-parallel models.
 
-Adoption is one line, at start-up::
+Adoption is one line, at start-up; existing call sites then work on models sharded with ``fully_shard``::
 
     import fsdp_shim  # patches FullyShardedDataParallel.summon_full_params
-
-after which existing call sites work on models sharded with ``fully_shard``::
-
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     with FSDP.summon_full_params(model, writeback=False, recurse=False):
         model.generate(...)                       # runs with full weights
 
-    for fqn, unit in fsdp_shim.fsdp_units(model):  # weight sync, unit by unit
-        with FSDP.summon_full_params(unit, recurse=False, writeback=False, rank0_only=True):
-            ...                                   # rank 0 sees full tensors
-
-    with FSDP.summon_full_params(model.lm_head, writeback=True), torch.no_grad():
-        model.lm_head.weight.mul_(0.5)            # persisted into every shard
-
-New weight-sync code can stream instead, the next unit in flight and bf16
-cast before the gather (half the bytes)::
-
-    for name, tensor in fsdp_shim.iter_full_params(model, dtype=torch.bfloat16):
-        if tensor is not None:                    # rank 0
-            engine.load_weight(name, tensor)
-
-FSDP1 module trees still go to FSDP1's own implementation. Inside the
-context every DTensor parameter in scope is a plain ``nn.Parameter`` holding
-the full tensor, in its stored dtype, under its usual name; on exit the module
-holds the very same parameter objects as before (optimizers and FSDP2 keep
-their references; ``sharded_param(full)`` names the original behind a full
-parameter). Contexts are per thread: one thread per rank issues collectives.
-``patch()`` also installs client instrumentations (compose-rl's vLLM weight
-sync runs unchanged) and the instance form ``unit.summon_full_params(unit)``.
-The README lists the exact semantics next to FSDP1's.
-
-Supported: torch >= 2.7, < 2.16 and wrapt >= 2.5; on a torch it cannot
-serve, a DTensor summon raises instead of doing nothing (the policy, and the
-environment switches: ``docs/versions.md`` and the README).
+New weight-sync code can stream instead (``iter_full_params``: the next unit in flight, cast before the
+gather), or hand the stream to vLLM (``vllm_weight_source``). FSDP1 module trees still go to FSDP1's own
+implementation. Supported: torch >= 2.7, < 2.16 and wrapt >= 2.5; on a torch it cannot serve, a DTensor
+summon raises instead of doing nothing. The README is the user guide: examples, the exact semantics next to
+FSDP1's, the version policy and the environment switches.
 """
 
 from __future__ import annotations

@@ -1,22 +1,17 @@
 """DTensor and c10d differences between torch releases, named by behaviour.
 
-Everything here was read from each release's wheel and is exercised by the
-version matrix (``scripts/matrix.py``; the runs are in ``docs/versions.md``).
-FSDP2's own differences live in ``_fsdp2``, next door.
+Everything here was read from each release's wheel and is exercised by the version matrix
+(``scripts/matrix.py``; the runs are in ``docs/versions.md``). FSDP2's own differences live in ``_fsdp2``, next door.
 
 [Note: torch versions]
-| behaviour                                               | releases           |
-|---------------------------------------------------------|--------------------|
-| placements are Python classes; ``_StridedShard`` is a   | <= 2.9             |
-| subclass of ``Shard``, so ``is_shard(0)`` is True for it |                    |
-| placements are C++ objects; ``_StridedShard`` is not a  | >= 2.10            |
-| ``Shard``                                               |                    |
-| ``full_tensor()`` of a standalone ``_StridedShard`` (no | 2.10, 2.11         |
-| plain ``Shard`` of its dim on another mesh dim) fails   |                    |
-| ``dist.all_gather_single`` (the old name warns)         | >= 2.13            |
-The fast path therefore tests placement *types* exactly (``type(p) is
-Shard``), never ``is_shard()``: a placement it does not know, today's or a
-future subclass, always takes the ``full_tensor()`` fallback.
+| behaviour                                                                                               | releases   |
+|---------------------------------------------------------------------------------------------------------|------------|
+| placements are Python classes; ``_StridedShard`` subclasses ``Shard``, so ``is_shard(0)`` is True       | <= 2.9     |
+| placements are C++ objects; ``_StridedShard`` is not a ``Shard``                                        | >= 2.10    |
+| ``full_tensor()`` fails for a standalone ``_StridedShard`` (no plain ``Shard`` of its dim completes it) | 2.10, 2.11 |
+| ``dist.all_gather_single`` (the old name warns)                                                         | >= 2.13    |
+The fast path therefore tests placement *types* exactly (``type(p) is Shard``), never ``is_shard()``: a
+placement it does not know, today's or a future subclass, always takes the ``full_tensor()`` fallback.
 """
 
 from __future__ import annotations

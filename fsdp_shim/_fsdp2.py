@@ -1,31 +1,17 @@
 """Every touch of FSDP2's (and c10d's) private state, in one place, and the probe of it.
 
-FSDP2 (``torch.distributed.fsdp.fully_shard``) exposes ``unshard()`` and
-``reshard()`` but not the per-parameter bookkeeping a faithful
-``summon_full_params`` needs. This module reads and changes that bookkeeping,
-the module globals of FSDP2's forward cast, and c10d's world of live groups;
-nothing else in the package does (``tests/test_house.py`` checks it).
+FSDP2 (``torch.distributed.fsdp.fully_shard``) exposes ``unshard()`` and ``reshard()`` but not the
+per-parameter bookkeeping a faithful ``summon_full_params`` needs. This module reads and changes that
+bookkeeping, the module globals of FSDP2's forward cast, and c10d's world of live groups; nothing else in the
+package does (``tests/test_house.py`` checks it).
 
-Read against torch 2.7.0 through 2.15.0 (``_fully_shard/_fsdp_state.py``,
-``_fsdp_param_group.py``, ``_fsdp_param.py``) and exercised on each by the
-version matrix. ``READS`` lists every name read here; on a torch newer than
-the verified range ``missing_internals`` checks them all once, at
-activation (see [Note: version policy] in ``_versions``). The differences that matter,
-each handled where named:
-
-| behaviour                                                  | releases | where              |
-|------------------------------------------------------------|----------|--------------------|
-| one ``FSDPState._fsdp_param_group`` attribute; from 2.12 a | <= 2.11  | ``param_groups``   |
-| list ``_fsdp_param_groups`` (the singular a property)      |          |                    |
-| the root's lazy init sets ``post_forward_mesh_info=None``  | <= 2.7   | ``lazy_init_root`` |
-| unconditionally (later: only with auto reshard)            |          |                    |
-| ``FSDPParamGroup.pre_forward`` reads ``unsharded_param`` of | >= 2.14  | ``mark_summoned``  |
-| every parameter, also when ``unshard()`` was a no-op       |          |                    |
-| mixed precision resolved per parameter; the group has no   | >= 2.15  | ``param_dtype_for_  |
-| ``mp_policy`` (``FSDPParam.mp_policy`` instead)            |          | forward``          |
-| ``set_keep_unsharded_storage``: ``reshard()`` may keep the | >= 2.15  | nothing to do: the |
-| unsharded storage (allocated, stale after an optimizer     |          | shim always gathers|
-| step)                                                      |          | from the shards    |
+Read against torch 2.7.0 through 2.15.0 (``_fully_shard/_fsdp_state.py``, ``_fsdp_param_group.py``,
+``_fsdp_param.py``) and exercised on each by the version matrix. ``READS`` lists every name read here; on a
+torch newer than the verified range ``missing_internals`` checks them all once, at activation (see
+[Note: version policy] in ``_versions``). Each release difference is handled, its releases named, where it
+matters: ``param_groups`` (2.12), ``lazy_init_root`` (2.7), ``mark_summoned`` (2.14),
+``param_dtype_for_forward`` (2.15). 2.15's ``set_keep_unsharded_storage`` (``reshard()`` may keep the
+unsharded storage, stale after an optimizer step) needs nothing: the shim always gathers from the shards.
 """
 
 from __future__ import annotations
@@ -117,6 +103,8 @@ def all_fsdp_states() -> list[FSDPState]:
 
 
 def param_groups(state: FSDPState) -> list[FSDPParamGroup]:
+    """The state's param groups: up to torch 2.11 one ``FSDPState._fsdp_param_group`` attribute; from 2.12 a
+    list, ``_fsdp_param_groups`` (the singular then a property)."""
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is not None:
         return list(groups)
@@ -248,7 +236,8 @@ def lazy_init_root(states: list[FSDPState]) -> bool:
     [Note: lazy init on entry]
     FSDP2 decides which unit is the root at the first forward, and the group
     state a context marks must be the post-init one (on torch 2.7 the root's init
-    rewrites ``post_forward_mesh_info``; an unmark would undo that). FSDP1's
+    sets ``post_forward_mesh_info=None`` unconditionally, later releases only
+    with auto reshard; an unmark would undo that). FSDP1's
     ``summon_full_params`` lazily initialises too. So entry initialises the
     *topmost* FSDP2 state above the summoned module, the one a forward through
     the whole model would pick, never the summoned unit itself: a cold
@@ -432,7 +421,8 @@ def param_dtype_for_forward(group: FSDPParamGroup, fsdp_param: FSDPParam) -> tor
     FSDP2's lazy init resolves it per parameter (``FSDPParam.param_dtype``,
     ``None`` for no cast). Before that (a group whose root cannot be
     initialised) the policy is read where this release keeps it: per
-    parameter from 2.15 (``param_dtype_override_fn``), on the group before.
+    parameter from 2.15 (``param_dtype_override_fn``; ``FSDPParam.mp_policy``,
+    the group has none), on the group (``mp_policy``) before.
     """
     if hasattr(fsdp_param, "param_dtype"):  # set by init_dtype_attrs at lazy init, every release
         dtype = fsdp_param.param_dtype

@@ -6,27 +6,9 @@ modules has two slots, and stays one object in both. ``_place``
 is the one writer of module slots in the package: entry puts the full
 parameter in every slot (``to_full``), a forward inside puts its cast there
 and back (``SummonedParam.cast_for_forward``), exit puts back the exact
-objects the slots held (``to_sharded``).
-
-[Note: exit checks]
-Before the slots are restored, each summoned tensor's slots are read: they
-hold its full tensor, a replacement (assignment, ``load_state_dict(assign=
-True)``), or nothing (deleted). ``requires_grad`` of what they hold carries over
-to the sharded parameter, as FSDP1 (``use_orig_params=True``) keeps it. Under
-``writeback=True`` a replacement is written back (FSDP1 writes back the new
-value of a replaced original parameter too), and the whole writeback is
-refused, with nothing written and every parameter named, for a deleted slot,
-or for a parameter changed both as a full tensor and in its shard (say an
-optimizer step on the sharded parameter): one of the two changes would be
-lost. A shard changed while its full tensor was not is left as it is.
-"Changed" is decided by version counters *and* by value: under
-``writeback=True`` entry keeps a copy of each local shard, and exit compares
-both the shard and this rank's slice of the full tensor with it, bit for
-bit, because an edit through ``.data`` (``p.data.copy_(new)``, optimizers
-that step ``p.data``) moves no counter. A full tensor whose slice still
-holds the shard's bits is not written (the write would change nothing). The
-decision is per rank, like the writeback itself: an edit that reaches only
-some ranks' slices is judged on each rank by what reached it.
+objects the slots held (``to_sharded``). Which edits exit keeps, and when it
+refuses: [Note: exit checks] at ``SummonedParam.judge``; how they are written:
+[Note: writeback needs no collective], above ``write_back_locals``.
 """
 
 from __future__ import annotations
@@ -180,9 +162,29 @@ class SummonedParam:
     def judge(self, exit_dtype: torch.dtype | None = None) -> None:
         """What changed inside a ``writeback=True`` context, by version counters and by value.
 
-        See [Note: exit checks]. One compare where nothing changed (this rank's
-        slice of the full tensor against the shard); where they differ, each is
-        compared with the shard as it was at entry, to tell which side changed.
+        [Note: exit checks]
+        Before the slots are restored, each summoned tensor's slots are read: they
+        hold its full tensor, a replacement (assignment, ``load_state_dict(assign=
+        True)``), or nothing (deleted). ``requires_grad`` of what they hold carries over
+        to the sharded parameter, as FSDP1 (``use_orig_params=True``) keeps it. Under
+        ``writeback=True`` a replacement is written back (FSDP1 writes back the new
+        value of a replaced original parameter too), and the whole writeback is
+        refused, with nothing written and every parameter named, for a deleted slot,
+        or for a parameter changed both as a full tensor and in its shard (say an
+        optimizer step on the sharded parameter): one of the two changes would be
+        lost. A shard changed while its full tensor was not is left as it is.
+        "Changed" is decided by version counters *and* by value: under
+        ``writeback=True`` entry keeps a copy of each local shard, and exit compares
+        both the shard and this rank's slice of the full tensor with it, bit for
+        bit, because an edit through ``.data`` (``p.data.copy_(new)``, optimizers
+        that step ``p.data``) moves no counter. A full tensor whose slice still
+        holds the shard's bits is not written (the write would change nothing). The
+        decision is per rank, like the writeback itself: an edit that reaches only
+        some ranks' slices is judged on each rank by what reached it.
+
+        One compare where nothing changed (this rank's slice of the full tensor
+        against the shard); where they differ, each is compared with the shard as
+        it was at entry, to tell which side changed.
         A ``Partial`` shard holds one of many values with the same reduction, so
         only versions judge it, and it is always written.
 

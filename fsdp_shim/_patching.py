@@ -1,39 +1,13 @@
 """The patch lifecycle, and which FSDP serves a module: FSDP1's, or the shim's DTensor summon.
 
-Routing itself is ``_units.route``, which both modes ask (the active one
-through ``_summon.summon``). Everything here reads public torch only, and
-the summon is handed in by ``fsdp_shim.patch``, never imported, so
-refusing mode can import this module (see [Note: refusing mode]).
-
-[Note: one handle]
-``wrap_function_wrapper`` returns the ``FunctionWrapper`` it installs; that
-object is our handle. ``is_patched`` asks wrapt whether the handle is still
-in the attribute's wrapper chain (a third party may have replaced or wrapped
-it since), and ``unpatch`` removes it by identity with ``unwrap_object``, which
-restores the exact original ``staticmethod`` object. wrapt resolves the
-attribute through the class ``__dict__``, not ``getattr``, which is how the
-``staticmethod`` survives: ``inspect.getattr_static`` then shows the wrapper,
-whose ``__wrapped__`` is the original staticmethod, and
-``inspect.signature`` still reports FSDP1's signature.
-
-[Note: the instance form]
-FSDP1's staticmethod is also called through an instance,
-``unit.summon_full_params(unit, ...)``. FSDP2 units have no such attribute,
-so ``patch`` gives ``FSDPModule`` one (a staticmethod that routes like the
-class form) if, and only if, no class in its MRO defines it: torch's own
-attribute is never replaced. ``unpatch`` removes it, by identity.
-
-``patch`` also installs the client instrumentations (``instrumentations``) and
-the ``fully_shard`` guard (``_refuse_fully_shard_inside``); ``unpatch``
-removes them.
-
-[Note: refusing mode]
-``patch(refusal)`` with a reason installs the same wrapper, routing to
-``_refusing_summon`` instead of ``_summon.summon``: FSDP1 trees and plain modules
-reach FSDP1's original, a module holding DTensors (or an FSDP2 unit) raises.
-It reads only public torch (``FSDPModule``, ``DTensor``), so it works on a
-torch whose FSDP2 internals moved; nothing of the package but ``_versions``
-is imported (no instrumentations, no guard). See [Note: version policy] in ``_versions``.
+Owns the wrapt wrapper on ``FullyShardedDataParallel.summon_full_params`` (one handle: [Note: one handle]
+at ``is_patched``), its instance form on ``FSDPModule`` ([Note: the instance form] at
+``_install_instance_form``) and, in active mode, the client instrumentations (``instrumentations``), the
+``fully_shard`` guard (``_refuse_fully_shard_inside``) and the guard on FSDP2's calls inside a context;
+``unpatch`` removes them all. Routing itself is ``_units.route``, which both modes ask (the active one
+through ``_summon.summon``). Its imports read public torch only (``_fsdp2``, ``_registry`` and the
+instrumentations are imported in active mode, deferred), and the summon is handed in by ``fsdp_shim.patch``,
+never imported, so refusing mode can import this module (see [Note: refusing mode] at ``_refusing_summon``).
 """
 
 from __future__ import annotations
@@ -87,7 +61,16 @@ def _summon_full_params_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ..
 
 
 def _refusing_summon(wrapped: Any, refusal: str, module: Any, recurse: bool, *rest: Any) -> Any:
-    """FSDP1's own context, unless the call would take the DTensor route: then raise. See [Note: refusing mode]."""
+    """FSDP1's own context, unless the call would take the DTensor route: then raise.
+
+    [Note: refusing mode]
+    ``patch(refusal)`` with a reason installs the same wrapper, routing to
+    ``_refusing_summon`` instead of ``_summon.summon``: FSDP1 trees and plain modules
+    reach FSDP1's original, a module holding DTensors (or an FSDP2 unit) raises.
+    It reads only public torch (``FSDPModule``, ``DTensor``), so it works on a
+    torch whose FSDP2 internals moved; nothing of the package but ``_versions``
+    is imported (no instrumentations, no guard). See [Note: version policy] in ``_versions``.
+    """
     if isinstance(module, nn.Module) and route(module, recurse)[0] == "dtensor":
         raise UnsupportedTorchError(
             f"summon_full_params({type(module).__name__}) holds DTensor parameters, which fsdp_shim cannot gather "
@@ -105,6 +88,15 @@ _INSTANCE_FORM = staticmethod(_instance_form)
 
 
 def _install_instance_form() -> None:
+    """Give ``FSDPModule`` the instance form, unless a class in its MRO defines the attribute.
+
+    [Note: the instance form]
+    FSDP1's staticmethod is also called through an instance,
+    ``unit.summon_full_params(unit, ...)``. FSDP2 units have no such attribute,
+    so ``patch`` gives ``FSDPModule`` one (a staticmethod that routes like the
+    class form) if, and only if, no class in its MRO defines it: torch's own
+    attribute is never replaced. ``unpatch`` removes it, by identity.
+    """
     if any(_NAME in vars(cls) for cls in FSDPModule.__mro__):
         return  # no-op: torch (or someone) defines it; never replace it
     setattr(FSDPModule, _NAME, _INSTANCE_FORM)
@@ -172,6 +164,19 @@ def _refuse_fsdp2_call_inside(wrapped: Any, instance: Any, args: tuple[Any, ...]
 
 
 def is_patched() -> bool:
+    """Whether our wrapper is still in the attribute's wrapper chain.
+
+    [Note: one handle]
+    ``wrap_function_wrapper`` returns the ``FunctionWrapper`` it installs; that
+    object is our handle. ``is_patched`` asks wrapt whether the handle is still
+    in the attribute's wrapper chain (a third party may have replaced or wrapped
+    it since), and ``unpatch`` removes it by identity with ``unwrap_object``, which
+    restores the exact original ``staticmethod`` object. wrapt resolves the
+    attribute through the class ``__dict__``, not ``getattr``, which is how the
+    ``staticmethod`` survives: ``inspect.getattr_static`` then shows the wrapper,
+    whose ``__wrapped__`` is the original staticmethod, and
+    ``inspect.signature`` still reports FSDP1's signature.
+    """
     current = inspect.getattr_static(_TARGET, _NAME)
     return _handle is not None and wrapt.is_wrapped_by(current, _handle)
 
@@ -206,7 +211,7 @@ def patch(refusal: str | None = None, summon: SummonFn | None = None) -> bool:
 
 
 def unpatch() -> bool:
-    """Remove our wrapper by handle; returns False if it was not installed."""
+    """Remove our wrapper by handle (see [Note: one handle]); returns False if it was not installed."""
     global _handle, _guard_handle
     with _lock:
         if _handle is None:

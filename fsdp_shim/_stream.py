@@ -1,43 +1,10 @@
 """The streaming weight sync: full parameters unit by unit, the next unit in flight.
 
-[Note: streaming]
-``iter_full_params`` serves the RL weight sync (send every full parameter to
-an inference engine) without a context and without swapping anything:
-
-* *Batches.* The model's parameters are split into batches: one per FSDP2
-  unit (its param group: what one ``recurse=False`` summon gathers), and runs
-  of parameters no unit manages (tensor parallel alone, plain tensors) cut at
-  the bucket cap. Consecutive batches that fit one bucket together are
-  merged: one collective instead of several. Ties are one parameter, named by
-  ``named_parameters()``'s first name. The plan reads only structure, so
-  every rank makes the same.
-* *One batch in flight, the next one staged.* Batch ``k + 1`` is staged
-  (copied in and cast, see [Note: staged, then launched] in ``_gather.engine``)
-  before batch ``k`` is waited for, so the CPU's copies overlap batch ``k``'s
-  transfer. Its collectives are launched, all of batch ``k + 1``'s, as
-  soon as batch ``k`` is in and before it is handed out. So batch
-  ``k + 1`` transfers while the caller sends batch ``k``, and is finished
-  only when the caller asks for it.
-* *Bounded memory.* The generator holds two adjacent batches: batch ``k``'s
-  full tensors (and, while they are copied out, its bucket buffers) and
-  batch ``k + 1``'s staged or in-flight buffers, plus padding (at most
-  ``W - 1`` rows a tensor); it drops each tensor at the next step.
-* *Fresh memory.* Every full tensor handed out is fresh memory nothing
-  else writes: a caller may keep it, or anything that reaches its memory.
-* *Refused up front, never dropped.* The stream refuses what the summon refuses (``_refusals``,
-  the summon's words) before its first batch and its groups' step before each launch (the loop
-  body may break one), claims its groups until it ends, and on any error or early stop waits for
-  every batch in flight (left part way, it marks its groups: ``stream_full_params``).
-* *Cast before gather.* With ``dtype``, floating shards are cast as they are
-  copied into the bucket (see [Note: cast before gather] in ``_gather.engine.start_gather``).
-  ``keep_dtype`` exempts chosen parameters (an MoE router's gate, kept fp32
-  for the engine): they travel in their stored dtype, so their values are
-  exact. A tie is kept if any of its names is chosen. A batch's exempt
-  DTensors are gathered apart from its cast ones; their buckets would be
-  separate anyway (a bucket holds one dtype), so this costs no collective.
-* *What is read.* The sharded parameters FSDP2 and the optimizer hold (fp32
-  masters under a ``param_dtype`` policy), also when a forward left a unit
-  unsharded. No FSDP2 state is touched.
+``iter_full_params`` (its generator: ``stream_full_params``) serves the RL weight sync (send every full
+parameter to an inference engine) without a context and without swapping anything. Owns the stream's plan
+(``batch_params``: one batch a unit, small ones merged; ``_vllm`` reuses it) and its one batch in flight;
+the gathers are the engine's. What it guarantees (batches, memory, fresh tensors, refusals, the cast, what
+is read): [Note: streaming], at ``stream_full_params``.
 """
 
 from __future__ import annotations
@@ -333,6 +300,45 @@ def stream_full_params(
     keep_dtype: KeepDtype = None,
 ) -> FullParams:
     """The generator behind ``fsdp_shim.iter_full_params`` (arguments already checked).
+
+    [Note: streaming]
+    ``iter_full_params`` serves the RL weight sync (send every full parameter to
+    an inference engine) without a context and without swapping anything:
+
+    * *Batches.* The model's parameters are split into batches: one per FSDP2
+      unit (its param group: what one ``recurse=False`` summon gathers), and runs
+      of parameters no unit manages (tensor parallel alone, plain tensors) cut at
+      the bucket cap. Consecutive batches that fit one bucket together are
+      merged: one collective instead of several. Ties are one parameter, named by
+      ``named_parameters()``'s first name. The plan reads only structure, so
+      every rank makes the same.
+    * *One batch in flight, the next one staged.* Batch ``k + 1`` is staged
+      (copied in and cast, see [Note: staged, then launched] in ``_gather.engine``)
+      before batch ``k`` is waited for, so the CPU's copies overlap batch ``k``'s
+      transfer. Its collectives are launched, all of batch ``k + 1``'s, as
+      soon as batch ``k`` is in and before it is handed out. So batch
+      ``k + 1`` transfers while the caller sends batch ``k``, and is finished
+      only when the caller asks for it.
+    * *Bounded memory.* The generator holds two adjacent batches: batch ``k``'s
+      full tensors (and, while they are copied out, its bucket buffers) and
+      batch ``k + 1``'s staged or in-flight buffers, plus padding (at most
+      ``W - 1`` rows a tensor); it drops each tensor at the next step.
+    * *Fresh memory.* Every full tensor handed out is fresh memory nothing
+      else writes: a caller may keep it, or anything that reaches its memory.
+    * *Refused up front, never dropped.* The stream refuses what the summon refuses (``_refusals``,
+      the summon's words) before its first batch and its groups' step before each launch (the loop
+      body may break one), claims its groups until it ends, and on any error or early stop waits for
+      every batch in flight (left part way, it marks its groups: below).
+    * *Cast before gather.* With ``dtype``, floating shards are cast as they are
+      copied into the bucket (see [Note: cast before gather] in ``_gather.engine.start_gather``).
+      ``keep_dtype`` exempts chosen parameters (an MoE router's gate, kept fp32
+      for the engine): they travel in their stored dtype, so their values are
+      exact. A tie is kept if any of its names is chosen. A batch's exempt
+      DTensors are gathered apart from its cast ones; their buckets would be
+      separate anyway (a bucket holds one dtype), so this costs no collective.
+    * *What is read.* The sharded parameters FSDP2 and the optimizer hold (fp32
+      masters under a ``param_dtype`` policy), also when a forward left a unit
+      unsharded. No FSDP2 state is touched.
 
     An error or early stop (the caller's ``break``, an exception in its loop body) after the first
     collective and before the last batch is in leaves the stream part way: this rank marks its groups

@@ -1,41 +1,12 @@
 """The DTensor summon: one context object, from the call to the exit.
 
-[Note: summon lifecycle]
-``summon`` routes the call: FSDP1 module trees to FSDP1's own
-implementation, untouched; a module with DTensors in scope (FSDP2, HSDP,
-tensor parallel) to a ``DTensorSummon``; anything else to a null context, as
-FSDP1's is for a module without FSDP1 state. Entry, in an order that keeps
-every rank's collectives aligned and leaves nothing changed if it fails part
-way:
-1. *Refuse*: ``collect_scope`` (no side effects), then every misuse
-   (training state, threads, meta device, placements, dead groups) raises
-   before any collective or change (``refuse_before_anything``).
-2. *Prepare*: FSDP2 groups in scope are brought to a known state: the root
-   above them lazily initialised (see [Note: lazy init on entry] in
-   ``_fsdp2.lazy_init_root``), parameter resets adopted
-   (``adopt_module_params``), units left unsharded by a forward resharded.
-   All local.
-3. *Gather*: one batched gather (``gather_full_tensors``), then gradients
-   if asked for. Every value has arrived when it returns.
-4. *Install*, rank-local: each full tensor becomes one new ``nn.Parameter``
-   placed in every slot of its parameter (ties stay one object); fully
-   summoned groups are marked (see [Note: summoned groups] in ``_fsdp2``);
-   forward hooks are installed.
-Exit (``DTensorSummon.restore``), always, also when the body raised: hooks
-off, every slot gets back the exact object it held and every mark is undone,
-conversions made inside are replayed on the shards (see [Note: conversions
-inside]), then writeback if asked (local copies into the original shards,
-see [Note: writeback needs no collective] in ``_param``) and if the body ran:
-as FSDP1 does, after a body that raised too, but never after a fault before
-the body (see [Note: faults]).
-
-The checks of step 1 (and FSDP1's argument checks, at the call) are in
-``_refusals``, in the words the stream shares: a refusal leaves everything
-as it was. Each parameter's part is a ``_param.SummonedParam``, each FSDP2
-group's a ``_group.SummonedGroup``; the context drives them, as FSDP2's
-state drives its groups.
-What chooses the collectives, and why every rank chooses alike: [Note: every
-rank decides alike], above the refusals.
+Owns the order of entry (refuse, prepare, gather, install) and of exit (restore, replay, write back):
+[Note: summon lifecycle] at ``summon``, and the rules for faults: [Note: faults] at ``DTensorSummon``.
+The checks of entry (and FSDP1's argument checks, at the call) are in ``_refusals``, in the words the
+stream shares: a refusal leaves everything as it was. Each parameter's part is a ``_param.SummonedParam``,
+each FSDP2 group's a ``_group.SummonedGroup``; the context drives them, as FSDP2's state drives its groups.
+What chooses the collectives, and why every rank chooses alike: [Note: every rank decides alike], at the end
+of this module.
 """
 
 from __future__ import annotations
@@ -93,7 +64,37 @@ def summon(
     bucket_mb: float | None = None,
     fsdp1: Callable[..., ContextManager[Any]] | None = None,
 ) -> ContextManager[None]:
-    """Route one call (see [Note: summon lifecycle]). ``fsdp1`` is FSDP1's original, if known."""
+    """Route one call. ``fsdp1`` is FSDP1's original, if known.
+
+    [Note: summon lifecycle]
+    ``summon`` routes the call: FSDP1 module trees to FSDP1's own
+    implementation, untouched; a module with DTensors in scope (FSDP2, HSDP,
+    tensor parallel) to a ``DTensorSummon``; anything else to a null context, as
+    FSDP1's is for a module without FSDP1 state. Entry, in an order that keeps
+    every rank's collectives aligned and leaves nothing changed if it fails part
+    way:
+    1. *Refuse*: ``collect_scope`` (no side effects), then every misuse
+       (training state, threads, meta device, placements, dead groups) raises
+       before any collective or change (``refuse_before_anything``).
+    2. *Prepare*: FSDP2 groups in scope are brought to a known state: the root
+       above them lazily initialised (see [Note: lazy init on entry] in
+       ``_fsdp2.lazy_init_root``), parameter resets adopted
+       (``adopt_module_params``), units left unsharded by a forward resharded.
+       All local.
+    3. *Gather*: one batched gather (``gather_full_tensors``), then gradients
+       if asked for. Every value has arrived when it returns.
+    4. *Install*, rank-local: each full tensor becomes one new ``nn.Parameter``
+       placed in every slot of its parameter (ties stay one object); fully
+       summoned groups are marked (see [Note: summoned groups] in ``_fsdp2``);
+       forward hooks are installed.
+    Exit (``DTensorSummon.restore``), always, also when the body raised: hooks
+    off, every slot gets back the exact object it held and every mark is undone,
+    conversions made inside are replayed on the shards (see [Note: conversions
+    inside] in ``_group``), then writeback if asked (local copies into the
+    original shards, see [Note: writeback needs no collective] in ``_param``)
+    and if the body ran: as FSDP1 does, after a body that raised too, but never
+    after a fault before the body (see [Note: faults]).
+    """
     if not isinstance(module, nn.Module):
         raise TypeError(f"summon_full_params expects an nn.Module, got {type(module).__name__}")
     served_by, modules = route(module, recurse, has_distributed_params)  # the walk, reused by the scope

@@ -3,28 +3,8 @@
 This module imports nothing heavier than the standard library, so that
 ``fsdp-shim check``, the import-time guard, the version matrix and the tests
 can all read the same facts without importing torch first, and so that the
-warning that torch cannot be imported can still be given.
-
-[Note: version policy]
-A call site must never be FSDP1's silent no-op on a DTensor model: a summon
-either gathers correctly or raises. So ``import fsdp_shim`` always patches
-(unless ``FSDP_SHIM_DISABLE`` is set), in one of two modes:
-- *active*: torch inside ``SUPPORTED_TORCH`` (every release in
-  ``VERIFIED_TORCH`` passed the whole suite and ``fsdp-shim check``); or a
-  newer, unverified torch on which every FSDP2 and c10d internal the shim
-  reads is present (``_fsdp2.missing_internals``, probed once at
-  activation, listed by ``fsdp-shim check -v``), with a warning once.
-- *refusing*: any other torch (older than ``MIN_TORCH``, or newer with an
-  internal missing). FSDP1 trees still go to FSDP1 and plain modules get
-  FSDP1's null context, but a summon of a module holding DTensors raises a
-  ``RuntimeError`` naming the torch release, what is missing and the
-  override. ``FSDP_SHIM_ALLOW_UNSUPPORTED_TORCH=1`` makes it active anyway,
-  with a warning: a wrong gather is worse than an error, so that is the
-  user's explicit choice.
-Only a missing torch or a wrapt without ``unwrap_object`` leaves the shim
-unpatched (*inactive*), with a warning. ``setup.cfg`` declares the lower
-bounds only: an upper bound there would make pip replace a training
-environment's torch, a multi-GB change nobody asked for.
+warning that torch cannot be imported can still be given. ``served`` is the
+one owner of whether a torch is served: [Note: version policy] is beside it.
 """
 
 from __future__ import annotations
@@ -110,12 +90,33 @@ def is_verified_torch(version: str) -> bool:
 
 def served(torch_version: str, missing_internals: Callable[[], list[str]]) -> str | None:
     """Whether this torch is served: None to serve it, else why the shim refuses DTensor summons
-    (refusing mode). The one owner of that decision; see [Note: version policy].
+    (refusing mode). The one owner of that decision; see [Note: version policy], below.
 
     A supported release is served. A newer one is served, with a warning, when every FSDP2
     internal the shim reads is present (``missing_internals()``, the probe, asked only then);
     anything else is refused, unless ``$FSDP_SHIM_ALLOW_UNSUPPORTED_TORCH`` is set, which serves
     it with a warning.
+
+    [Note: version policy]
+    A call site must never be FSDP1's silent no-op on a DTensor model: a summon
+    either gathers correctly or raises. So ``import fsdp_shim`` always patches
+    (unless ``FSDP_SHIM_DISABLE`` is set), in one of two modes:
+    - *active*: torch inside ``SUPPORTED_TORCH`` (every release in
+      ``VERIFIED_TORCH`` passed the whole suite and ``fsdp-shim check``); or a
+      newer, unverified torch on which every FSDP2 and c10d internal the shim
+      reads is present (``_fsdp2.missing_internals``, probed once at
+      activation, listed by ``fsdp-shim check -v``), with a warning once.
+    - *refusing*: any other torch (older than ``MIN_TORCH``, or newer with an
+      internal missing). FSDP1 trees still go to FSDP1 and plain modules get
+      FSDP1's null context, but a summon of a module holding DTensors raises a
+      ``RuntimeError`` naming the torch release, what is missing and the
+      override. ``FSDP_SHIM_ALLOW_UNSUPPORTED_TORCH=1`` makes it active anyway,
+      with a warning: a wrong gather is worse than an error, so that is the
+      user's explicit choice.
+    Only a missing torch or a wrapt without ``unwrap_object`` leaves the shim
+    unpatched (*inactive*), with a warning. ``setup.cfg`` declares the lower
+    bounds only: an upper bound there would make pip replace a training
+    environment's torch, a multi-GB change nobody asked for.
     """
     if is_supported_torch(torch_version):
         return None
@@ -148,7 +149,7 @@ logger = logging.getLogger("fsdp_shim")
 
 
 def is_leader(mesh: DeviceMesh | None = None) -> bool:
-    """Whether this process speaks for its group (see the module docstring)."""
+    """Whether this process speaks for its group: its *leader* (see the comment above)."""
     try:
         import torch.distributed as dist  # noqa: PLC0415  (this module is torch-free: see its docstring)
     except ImportError:

@@ -1,30 +1,9 @@
 """The stream as vLLM's ``WeightSource``: ``fsdp_shim.vllm_weight_source``.
 
-[Note: the stream as a vLLM weight source]
-vLLM's native weight-transfer API (``vllm.distributed.weight_transfer``, its
-``WeightSource`` since the trainer-side engines took one) asks a trainer for two
-channels, and checks that they agree:
-
-* ``metadata``: ``ParamMeta(name, wire dtype, full shape)`` for every parameter,
-  a ``functools.cached_property`` (vLLM's ``__init_subclass__`` enforces it),
-  identical on every trainer rank, read on any rank any number of times, so it
-  may run no collective. Here it is the stream's own plan (``_stream.batch_params``,
-  the function ``iter_full_params`` batches with, same arguments): module tree,
-  FSDP2's state and DTensor metadata only, no collective, no full tensor. So its
-  order *is* the stream's (unit by unit, the root's unit first), not
-  ``named_parameters()``' (the NCCL engine's sender check, ``_checked_iter``,
-  fails the latter at the first parameter of the first block), and its dtype is
-  the wire dtype after the cast (``keep_dtype`` respected).
-* ``iter_full()``: ``iter_full_params`` itself, a fresh pass each call: cast
-  before the gather, the next unit in flight, memory near two units. Its names
-  go through the same renaming as metadata's.
-
-Ownership is left unset (``owners=None``: every rank), as every rank must drive
-every gather. With ``receivers="sender"`` only global rank 0 receives tensors;
-the others yield ``(name, None)``, which is what the NCCL engine's non-sender
-loop (``for _ in source.iter_full(): pass``) does with them: nothing, and no
-memory is spent on them. ``receivers="all"`` gives every rank every tensor
-(the colocated IPC engine exports each rank's copies).
+Owns the adapter (``source_class``, made at the first call: vLLM is optional, and ``import fsdp_shim`` never
+imports it) and the names vLLM is told (wrapper segments removed, then ``name_map``). Its ``metadata`` is
+the stream's own plan (``wire_params`` over ``_stream.batch_params``), never a second one, and its
+``iter_full()`` is the stream itself: [Note: the stream as a vLLM weight source], at ``source_class``.
 """
 
 from __future__ import annotations
@@ -149,7 +128,34 @@ def _vllm_base() -> tuple[type, type]:
 
 @functools.cache
 def source_class() -> type:
-    """The adapter class: a subclass of vLLM's own ``WeightSource``, made once vLLM is imported."""
+    """The adapter class: a subclass of vLLM's own ``WeightSource``, made once vLLM is imported.
+
+    [Note: the stream as a vLLM weight source]
+    vLLM's native weight-transfer API (``vllm.distributed.weight_transfer``, its
+    ``WeightSource`` since the trainer-side engines took one) asks a trainer for two
+    channels, and checks that they agree:
+
+    * ``metadata``: ``ParamMeta(name, wire dtype, full shape)`` for every parameter,
+      a ``functools.cached_property`` (vLLM's ``__init_subclass__`` enforces it),
+      identical on every trainer rank, read on any rank any number of times, so it
+      may run no collective. Here it is the stream's own plan (``_stream.batch_params``,
+      the function ``iter_full_params`` batches with, same arguments): module tree,
+      FSDP2's state and DTensor metadata only, no collective, no full tensor. So its
+      order *is* the stream's (unit by unit, the root's unit first), not
+      ``named_parameters()``' (the NCCL engine's sender check, ``_checked_iter``,
+      fails the latter at the first parameter of the first block), and its dtype is
+      the wire dtype after the cast (``keep_dtype`` respected).
+    * ``iter_full()``: ``iter_full_params`` itself, a fresh pass each call: cast
+      before the gather, the next unit in flight, memory near two units. Its names
+      go through the same renaming as metadata's.
+
+    Ownership is left unset (``owners=None``: every rank), as every rank must drive
+    every gather. With ``receivers="sender"`` only global rank 0 receives tensors;
+    the others yield ``(name, None)``, which is what the NCCL engine's non-sender
+    loop (``for _ in source.iter_full(): pass``) does with them: nothing, and no
+    memory is spent on them. ``receivers="all"`` gives every rank every tensor
+    (the colocated IPC engine exports each rank's copies).
+    """
     weight_source, param_meta = _vllm_base()
 
     class FsdpShimWeightSource(weight_source):  # type: ignore[valid-type,misc]  # vLLM's class, found at run time

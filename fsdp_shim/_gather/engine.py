@@ -1,43 +1,15 @@
 """The gather engine: DTensors in, full tensors out, one bucket or one batch in flight.
 
-Owns launching the all-gathers of the buckets ``staging`` stages, the copy-out, the
-``full_tensor()`` fallback and the one driver (``BucketGather``) the summon
-(``gather_full_tensors``) and the stream (``start_gather``) use. Nothing here knows about modules, FSDP
-state or swapping; ``_summon`` and ``_stream`` decide *what* to gather and where the results
-go.
+Owns launching the all-gathers of the buckets ``staging`` stages, the copy-out, the ``full_tensor()``
+fallback, the one driver (``BucketGather``) the summon (``gather_full_tensors``) and the stream
+(``start_gather``) use, and the gradient agreement (``agree_on_grads``). Nothing here knows about modules,
+FSDP state or swapping; ``_summon`` and ``_stream`` decide *what* to gather and where the results go.
 
-[Note: one bucket in flight]
-Bucket ``k + 1``'s collective is launched before bucket ``k``
-is copied out, so the copy-out overlaps the next transfer. At most two
-buckets' outputs are alive at once (inputs live inside them), so the extra
-memory beyond the full tensors is at most two buckets.
-
-[Note: a bucket of one]
-With one tensor in a bucket the ``(W, S)`` output *is* its padded full tensor
-(rank blocks of ``c`` rows, back to back), so the result is a view of the
-first ``n`` rows and nothing is copied out; if its shard already has ``c``
-rows, in the gathered dtype, on the collective's device, the shard itself is
-the all-gather input and nothing is copied in either. Tensors larger than the
-bucket cap always take this path: the gather moves each byte once, as
-FSDP1's flat parameter does.
-
-[Note: staged, then launched]
-A bucket starts in two steps. Staging does the CPU's part: the padded input
-copied in and cast, the output allocated. Launching posts the all-gather.
-The summon does both at once (``BucketGather``'s default). The stream
-stages batch ``k + 1`` *before* it waits for batch ``k``: the copies and
-casts run while batch ``k`` is on the wire. Batch ``k + 1``'s collectives
-are launched only once batch ``k`` is in, so the process group never holds
-more than one batch's collectives. Every bucket moves by the all-gather,
-on every backend: the one collective NCCL users take, and the one gloo
-runs in the tests (``docs/gather-engine.md`` says why gloo's point-to-point
-transport was deleted).
-
-[Note: a one-sided fault leaves its own mark] is at ``Posted``, [Note: a group of one] at ``staging._start_alone``,
-[Note: offloaded memory] at ``_finish_bucket``, [Note: cast before gather] at ``start_gather``,
-[Note: every posted work is waited for] at ``_wait_all``.
-Measurements behind each, and the history of removed mechanisms:
-``docs/gather-engine.md``.
+Invariants: every posted work is waited for, whatever raises (``_wait_all``); no rank runs more than two
+buckets or batches past the last one it saw complete (``completion``); whether a call posted anything is
+recorded (``Posted``), so that a call left part way marks its groups. Each mechanism is a note beside its
+code; ``docs/gather-engine.md`` maps them, with the measurements behind each and the history of removed
+mechanisms.
 """
 
 from __future__ import annotations
@@ -222,7 +194,7 @@ def _wait_all(flights: Sequence[InFlight]) -> BaseException | None:
 
 
 def _finish_bucket(flight: InFlight, holds_fulls: bool, out_device: torch.device | None) -> list[torch.Tensor]:
-    """Wait for the bucket's collective and copy each tensor out. See [Note: bucket layout].
+    """Wait for the bucket's collective and copy each tensor out. See [Note: bucket layout] in ``layout``.
 
     [Note: offloaded memory]
     Full tensors moved to the host (``offload_to_cpu``, ``device="cpu"``) live
@@ -232,6 +204,15 @@ def _finish_bucket(flight: InFlight, holds_fulls: bool, out_device: torch.device
     life of the process: a model's worth pinned for good on every rank that
     offloads, beside an inference engine that needs it. The copy is one
     ``.to("cpu")`` a bucket, synchronous (the host reads the values next).
+
+    [Note: a bucket of one]
+    With one tensor in a bucket the ``(W, S)`` output *is* its padded full tensor
+    (rank blocks of ``c`` rows, back to back), so the result is a view of the
+    first ``n`` rows and nothing is copied out; if its shard already has ``c``
+    rows, in the gathered dtype, on the collective's device, the shard itself is
+    the all-gather input and nothing is copied in either. Tensors larger than the
+    bucket cap always take this path: the gather moves each byte once, as
+    FSDP1's flat parameter does.
 
     Called under ``no_grad``.
     """
@@ -262,7 +243,7 @@ def _unpadded(padded: torch.Tensor, layout: Dim0Layout) -> torch.Tensor:
 def _copy_out(output: torch.Tensor, flight: AllGatherFlight) -> list[torch.Tensor]:
     """Scatter a multi-tensor bucket's output into fresh padded full tensors; each one's full tensor.
 
-    See [Note: bucket layout]: only the first ``R`` rank blocks hold rows,
+    See [Note: bucket layout] in ``layout``: only the first ``R`` rank blocks hold rows,
     so only they are copied, into buffers of ``R * c_i`` rows. The full
     tensor is the buffer itself, or its first rows where it is padded.
     """
@@ -489,6 +470,12 @@ def gather_full_tensors(
 ) -> Gathered:
     """All-gather every DTensor in ``dtensors`` to a plain full tensor, one bucket in flight.
 
+    [Note: one bucket in flight]
+    Bucket ``k + 1``'s collective is launched before bucket ``k``
+    is copied out, so the copy-out overlaps the next transfer. At most two
+    buckets' outputs are alive at once (inputs live inside them), so the extra
+    memory beyond the full tensors is at most two buckets.
+
     A collective: every rank of the meshes involved must call it with the same
     tensors in the same order. ``holds_fulls=False`` takes part in the collectives
     but returns ``None`` for every tensor (``rank0_only`` on other ranks).
@@ -531,6 +518,18 @@ def start_gather(
     With ``launch=False`` the buckets are only staged (copied in, cast) and
     ``BucketGather.launch`` starts their collectives later. Fallback tensors
     (``full_tensor()``, blocking) are gathered in ``finish``.
+
+    [Note: staged, then launched]
+    A bucket starts in two steps. Staging does the CPU's part: the padded input
+    copied in and cast, the output allocated. Launching posts the all-gather.
+    The summon does both at once (``BucketGather``'s default). The stream
+    stages batch ``k + 1`` *before* it waits for batch ``k``: the copies and
+    casts run while batch ``k`` is on the wire. Batch ``k + 1``'s collectives
+    are launched only once batch ``k`` is in, so the process group never holds
+    more than one batch's collectives. Every bucket moves by the all-gather,
+    on every backend: the one collective NCCL users take, and the one gloo
+    runs in the tests (``docs/gather-engine.md`` says why gloo's point-to-point
+    transport was deleted).
 
     [Note: cast before gather]
     With ``cast_to`` (``iter_full_params(dtype=...)``), each floating local shard

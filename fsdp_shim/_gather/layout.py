@@ -6,30 +6,8 @@ Owns four decisions, for the summon and the stream alike: the bucket cap
 which groups are out of step (``mark_out_of_step``, ``require_live_groups``);
 and the caches of layouts and mesh dims (keyed weakly by the DTensor spec and
 mesh). Reads global metadata only, so every rank plans the same buckets in
-the same order. Nothing here moves data.
-
-[Note: dim-0 layout]
-FSDP2 and DTensor's ``Shard(0)`` both split dim 0 the way ``torch.chunk`` does:
-with ``W`` ranks on the shard mesh dim and ``n`` rows, every rank's chunk has
-``c = ceil(n / W)`` rows except the trailing ones, which are shorter or empty.
-Rank ``r`` holds rows ``[r * c, min(n, (r + 1) * c))``. Padding each local
-shard to ``c`` rows makes all contributions the same size, so one all-gather
-per bucket gathers many parameters at once.
-
-[Note: bucket layout]
-A bucket is a list of parameters sharing one process group, dtype and device.
-Each rank's all-gather input is the concatenation of its padded shards
-(``c_i * row_i`` elements each, ``S`` in all), written straight into its own
-block of the output buffer. The output is ``W`` such blocks back to back, so
-viewed as ``(W, S)`` column ranges ``[off_i, off_i + c_i * row_i)`` hold
-parameter ``i``'s rank blocks, and one ``split_with_sizes_copy`` scatters
-every parameter into its own padded buffer. Only the first ``R`` rank
-blocks hold rows of any tensor in the bucket (``R = max ceil(n_i / c_i)``,
-``W`` unless a tensor has fewer rows than there are ranks), so the copy-out
-reads those and each buffer has ``R * c_i`` rows. The full tensor handed out
-is the buffer, or a view of its first ``n_i`` rows: the memory beyond the
-full size is at most ``R * c_i - n_i`` rows a tensor. (With 64-row tensors
-on 1,024 ranks, ``R`` is 64: a sixteenth of the copy and the memory.)
+the same order. Nothing here moves data. The layouts: [Note: dim-0 layout] at
+``Dim0Layout``, [Note: bucket layout] at ``BucketShape``.
 """
 
 from __future__ import annotations
@@ -107,7 +85,16 @@ def bucket_cap(explicit_mb: float | None = None, default_mb: float = DEFAULT_BUC
 
 
 class Dim0Layout(NamedTuple):
-    """Where one rank's local shard sits in the full tensor. See [Note: dim-0 layout]."""
+    """Where one rank's local shard sits in the full tensor.
+
+    [Note: dim-0 layout]
+    FSDP2 and DTensor's ``Shard(0)`` both split dim 0 the way ``torch.chunk`` does:
+    with ``W`` ranks on the shard mesh dim and ``n`` rows, every rank's chunk has
+    ``c = ceil(n / W)`` rows except the trailing ones, which are shorter or empty.
+    Rank ``r`` holds rows ``[r * c, min(n, (r + 1) * c))``. Padding each local
+    shard to ``c`` rows makes all contributions the same size, so one all-gather
+    per bucket gathers many parameters at once.
+    """
 
     group: dist.ProcessGroup
     world_size: int  # W: ranks on the shard mesh dim
@@ -399,7 +386,23 @@ def fills_padding(bucket: Sequence[BucketEntry]) -> bool:
 
 
 class BucketShape(NamedTuple):
-    """What staging one planned bucket needs, worked out with its plan rather than per call."""
+    """What staging one planned bucket needs, worked out with its plan rather than per call.
+
+    [Note: bucket layout]
+    A bucket is a list of parameters sharing one process group, dtype and device.
+    Each rank's all-gather input is the concatenation of its padded shards
+    (``c_i * row_i`` elements each, ``S`` in all), written straight into its own
+    block of the output buffer. The output is ``W`` such blocks back to back, so
+    viewed as ``(W, S)`` column ranges ``[off_i, off_i + c_i * row_i)`` hold
+    parameter ``i``'s rank blocks, and one ``split_with_sizes_copy`` scatters
+    every parameter into its own padded buffer. Only the first ``R`` rank
+    blocks hold rows of any tensor in the bucket (``R = max ceil(n_i / c_i)``,
+    ``W`` unless a tensor has fewer rows than there are ranks), so the copy-out
+    reads those and each buffer has ``R * c_i`` rows. The full tensor handed out
+    is the buffer, or a view of its first ``n_i`` rows: the memory beyond the
+    full size is at most ``R * c_i - n_i`` rows a tensor. (With 64-row tensors
+    on 1,024 ranks, ``R`` is 64: a sixteenth of the copy and the memory.)
+    """
 
     split_sizes: list[int]  # each tensor's padded shard, in elements
     dtype: torch.dtype  # what travels: the stored dtype, or the cast one

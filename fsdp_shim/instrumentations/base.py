@@ -11,15 +11,7 @@ In the manner of OpenTelemetry's instrumentors, an ``Instrumentation``:
 - is undone by ``uninstrument`` (from ``fsdp_shim.unpatch()``), by handle;
 - is switched off by its own environment variable, ``FSDP_SHIM_DISABLE_<NAME>``.
 
-[Note: adding an instrumentation]
-Subclass ``Instrumentation`` with ``name``, ``module``, ``upstream``,
-``expects`` (module attributes that must exist), ``binders`` and
-``bound_names`` where other modules copy the names it adapts, and
-``_apply``/``_undo`` mirroring each other, in a module of its own client
-under ``instrumentations/``; then add an instance to
-``instrumentations.INSTRUMENTATIONS``. Change only what blocks FSDP2 (or
-makes it wrong), reached through that module, and leave everything else as
-the module left it.
+Adding one: [Note: adding an instrumentation] at ``Instrumentation``.
 """
 
 from __future__ import annotations
@@ -50,6 +42,16 @@ class Instrumentation:
     after copies the adapted names itself. ``uninstrument`` gives every
     binder that holds an adapted name the original back, whichever way it
     got it: the adapted names never outlive the patch.
+
+    [Note: adding an instrumentation]
+    Subclass ``Instrumentation`` with ``name``, ``module``, ``upstream``,
+    ``expects`` (module attributes that must exist), ``binders`` and
+    ``bound_names`` where other modules copy the names it adapts, and
+    ``_apply``/``_undo`` mirroring each other, in a module of its own client
+    under ``instrumentations/``; then add an instance to
+    ``instrumentations.INSTRUMENTATIONS``. Change only what blocks FSDP2 (or
+    makes it wrong), reached through that module, and leave everything else as
+    the module left it.
     """
 
     name: ClassVar[str]

@@ -3,36 +3,13 @@
 Neither is a summon; both stop RL code on FSDP2 that ran on FSDP1, which
 walks inputs and outputs without torch's pytree.
 
-- ``FSDP2ForwardCast``: FSDP2 casts every unit's forward inputs (and, with
-  ``output_dtype``, its outputs) whenever ``MixedPrecisionPolicy.param_dtype``
-  is set, even when no dtype changes. The walk rebuilds what it passes
-  through. torch 2.7 walks with pytree, whose registered nodes include
-  transformers' (4.5x) ``DynamicCache``: each decoder unit then updates a
-  *copy* of the KV cache, and ``generate(use_cache=True)`` samples from
-  wrong logits without an error. The mend walks as torch's own
-  ``_apply_to_tensors`` does (tensors, dataclasses, dicts, named tuples,
-  lists, tuples, sets; anything else is left as it is), and returns every
-  object whose contents no cast changed *as the same object*. A cast that
-  changes no dtype therefore leaves the inputs exactly as passed, on every
-  torch; a cast that changes one rebuilds only the containers on its way.
-- ``ModelOutputFlatten``: transformers flattens a ``ModelOutput`` for pytree
-  with ``output.values()`` and ``output.keys()``. A subclass with a field
-  named like a ``dict`` method (compose-rl's actor-critic output has
-  ``values``) shadows the method with a tensor, and the flatten raises
-  ``TypeError: 'Tensor' object is not callable``. FSDP2's root post-forward
-  flattens the output whenever grad is on (torch 2.7 to 2.12), so a PPO
-  step fails. The mend gives exactly those subclasses a flatten that reads
-  the mapping through ``dict`` itself; every other class keeps
-  transformers' own.
-
-[Note: where the cast is reached]
-In every torch from 2.7 to 2.15, ``torch.distributed.fsdp._fully_shard._fsdp_state``
-casts through one module global, called with
-``functools.partial(_cast_fp_tensor, dtype)``: ``tree_map`` (2.7) or
-``_apply_to_tensors`` (2.8 and later; 2.13 moved the call into
-``FSDPState._cast_forward_inputs``). The mend wraps that global (wrapt) and
-takes over only calls whose function is that partial; any other use of the
-name (2.13's functorch path) reaches torch's own.
+- ``FSDP2ForwardCast``: FSDP2's forward cast returns what no cast changed as
+  itself (torch 2.7's walk copies transformers' ``DynamicCache``, and
+  ``generate`` samples from wrong logits); [Note: where the cast is reached]
+  is beside it.
+- ``ModelOutputFlatten``: pytree's flatten of a ``ModelOutput`` whose fields
+  shadow a ``dict`` method (compose-rl's ``values``) reads the mapping through
+  ``dict`` itself, so FSDP2's root post-forward no longer raises.
 """
 
 from __future__ import annotations
@@ -97,7 +74,27 @@ def cast_keeping_identity(cast: Any, x: Any) -> Any:
 
 
 class FSDP2ForwardCast(Instrumentation):
-    """FSDP2's forward-input and output cast, keeping what it does not change. See the module docstring."""
+    """FSDP2's forward-input and output cast, keeping what it does not change.
+
+    FSDP2 casts every unit's forward inputs (and, with ``output_dtype``, its outputs) whenever
+    ``MixedPrecisionPolicy.param_dtype`` is set, even when no dtype changes. The walk rebuilds what
+    it passes through. torch 2.7 walks with pytree, whose registered nodes include transformers'
+    (4.5x) ``DynamicCache``: each decoder unit then updates a *copy* of the KV cache, and
+    ``generate(use_cache=True)`` samples from wrong logits without an error. The mend walks as
+    torch's own ``_apply_to_tensors`` does (tensors, dataclasses, dicts, named tuples, lists,
+    tuples, sets; anything else is left as it is), and returns every object whose contents no cast
+    changed *as the same object*. A cast that changes no dtype therefore leaves the inputs exactly
+    as passed, on every torch; a cast that changes one rebuilds only the containers on its way.
+
+    [Note: where the cast is reached]
+    In every torch from 2.7 to 2.15, ``torch.distributed.fsdp._fully_shard._fsdp_state``
+    casts through one module global, called with
+    ``functools.partial(_cast_fp_tensor, dtype)``: ``tree_map`` (2.7) or
+    ``_apply_to_tensors`` (2.8 and later; 2.13 moved the call into
+    ``FSDPState._cast_forward_inputs``). The mend wraps that global (wrapt) and
+    takes over only calls whose function is that partial; any other use of the
+    name (2.13's functorch path) reaches torch's own.
+    """
 
     name = "fsdp2_cast"
     module = fsdp2.CAST_MODULE  # its globals are reached through ``_fsdp2``, which lists them in its probe
@@ -147,6 +144,14 @@ def shadowed_dict_methods(cls: type) -> set[str]:
 
 class ModelOutputFlatten(Instrumentation):
     """pytree's flatten of ``ModelOutput`` subclasses whose fields shadow a ``dict`` method.
+
+    transformers flattens a ``ModelOutput`` for pytree with ``output.values()`` and
+    ``output.keys()``. A subclass with a field named like a ``dict`` method (compose-rl's
+    actor-critic output has ``values``) shadows the method with a tensor, and the flatten raises
+    ``TypeError: 'Tensor' object is not callable``. FSDP2's root post-forward flattens the output
+    whenever grad is on (torch 2.7 to 2.12), so a PPO step fails. The mend gives exactly those
+    subclasses a flatten that reads the mapping through ``dict`` itself; every other class keeps
+    transformers' own.
 
     [Note: why every shadowing ModelOutput subclass]
     The fault is transformers' flatten, shared by every ``ModelOutput``
