@@ -1,6 +1,6 @@
 """The package's house rules, checked on its source and on one summon: docstrings, import direction, rooms.
 
-No module docstring over 40 lines: notes live next to the code they explain,
+No module docstring over 15 lines: notes live next to the code they explain,
 figures in ``docs/``. The runtime import graph among
 the package's modules (every import, inside functions too, outside ``TYPE_CHECKING``)
 has no cycle, and ``_registry`` imports nothing of the package: it is data
@@ -57,10 +57,10 @@ def _runtime_imports(path: Path) -> set[str]:
     return found
 
 
-def test_no_module_docstring_is_over_40_lines():
+def test_no_module_docstring_is_over_15_lines():
     lengths = {path.name: len((ast.get_docstring(ast.parse(path.read_text()), clean=False) or "").splitlines())
                for path in MODULES}
-    assert {name: n for name, n in lengths.items() if n > 40} == {}
+    assert {name: n for name, n in lengths.items() if n > 15} == {}
 
 
 def test_the_import_graph_has_no_cycle():
