@@ -197,19 +197,18 @@ class DTensorSummon:
         if self._entered:
             raise RuntimeError("a summon_full_params context can be entered once; call summon_full_params again")
         self._entered = True
-        module, writeback = self.module, self.writeback
         self.thread = thread = registry.current_thread()
-        scope, cached = _scope_of_call(module, self.recurse, writeback, thread, self._modules)
+        scope, cached = _scope_of_call(self.module, self.recurse, self.writeback, thread, self._modules)
         self._modules = None
         if not scope.params:
             return  # no-op: nothing distributed in scope, or all summoned by an enclosing call
         # 1. refuse: misuse raises here, alike on every rank, before any change or collective.
-        groups, shardeds = refuse_before_anything(module, scope, writeback, thread, cached)
+        groups, shardeds = refuse_before_anything(self.module, scope, self.writeback, thread, cached)
         grad_enabled = torch.is_grad_enabled()
         self._begin(scope)
         try:
             if not registry.enter(thread, groups):
-                raise group_in_use(f"summon_full_params({module_label(module)})")
+                raise group_in_use(f"summon_full_params({module_label(self.module)})")
             self._claimed = groups
             # 2. prepare: FSDP2's groups in a known state; the DTensors to gather, resolved once.
             self.groups = [SummonedGroup(group, fully) for group, fully in scope.groups.items()]
