@@ -162,7 +162,7 @@ def _offload_write_after_return() -> str:
     for block in model.blocks:
         fully_shard(block, mesh=mesh, offload_policy=CPUOffloadPolicy())
     fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy())
-    shards = [p.to_local() for p in model.parameters()]
+    shards = [p.to_local().detach() for p in model.parameters()]
     assert all(s.device.type == "cpu" and s.is_pinned() for s in shards), "shards not pinned on the host"
     saved = [shard.clone() for shard in shards]
     with FSDP.summon_full_params(model, writeback=False):
