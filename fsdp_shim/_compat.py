@@ -38,7 +38,7 @@ class grad_disabled:
 
     ``torch.no_grad`` is a decorator-capable Python object whose every use
     costs more than the switch itself; the per-unit loop enters one per unit
-    (figures: ``docs/host-cost.md``)."""
+    (see [Note: hot path] in ``_summon``)."""
 
     __slots__ = ("_previous",)
 

@@ -190,8 +190,8 @@ def busy_training_state(states: list[FSDPState], groups: list[FSDPParamGroup]) -
 
     The root is the first state of the context all states of one root share
     after lazy init (FSDP2 lists them in ``modules()`` order): checking it is
-    O(1), where scanning every state was O(units) on each summon of a
-    per-unit loop. A context whose first state is not a root is scanned.
+    O(1) (see [Note: hot path] in ``_summon``). A context whose first state
+    is not a root is scanned.
     """
     if torch._C._current_graph_task_id() != -1:
         return "BACKWARD (autograd is running)"
@@ -600,8 +600,7 @@ def root_modules(states: list[FSDPState]) -> list[nn.Module]:
         if id(context) not in contexts:  # states of one root share its context: scan it once
             contexts.add(id(context))
             all_states = getattr(context, "all_states", [])
-            # One root per context, listed first by FSDP2's lazy init: a per-call scan of
-            # every state was O(units) on the rank0_only hot path.
+            # One root per context, listed first by FSDP2's lazy init (see [Note: hot path] in ``_summon``).
             candidates += all_states[:1] if all_states and all_states[0]._is_root else all_states
         for candidate in candidates:
             if candidate._is_root:

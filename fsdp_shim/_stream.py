@@ -255,7 +255,7 @@ class _InFlightBatch:
         return first
 
 
-def _drop_all(in_flight: list[_InFlightBatch], groups: list[Any], raising: bool = False) -> None:
+def _drop_all(in_flight: list[_InFlightBatch], process_groups: list[Any], raising: bool = False) -> None:
     """The stream's end: every launched gather waited for, then its group claims released.
 
     ``raising``: raise the first failed wait (on an error path the error already propagating wins).
@@ -266,7 +266,7 @@ def _drop_all(in_flight: list[_InFlightBatch], groups: list[Any], raising: bool 
             error = pending.drop() or error
     finally:
         in_flight.clear()
-        registry.release(groups)
+        registry.release(process_groups)
     if raising and error is not None:
         raise error
 
@@ -361,9 +361,9 @@ def stream_full_params(
     if meta is not None:
         raise on_meta_device(call, meta)
     named = ((lambda n=name: n, t) for name, t, _ in distributed)
-    groups = refuse_placements(named, writeback=False, gather_meshes=[mesh for _, _, mesh in distributed])
+    process_groups = refuse_placements(named, writeback=False, gather_meshes=[mesh for _, _, mesh in distributed])
     receiver, holds_fulls = receivers_for_stream(rank0_only)
-    if not registry.claim(registry.current_thread(), groups):
+    if not registry.claim(registry.current_thread(), process_groups):
         raise group_in_use(call)
     started = time.perf_counter()
     in_flight: list[_InFlightBatch] = []
@@ -383,7 +383,7 @@ def stream_full_params(
             in_flight.pop(0)
             if in_flight:
                 # the caller's loop body ran since the last launch: a summon there may have failed one-sidedly
-                require_live_groups(groups, lambda: call)
+                require_live_groups(process_groups, lambda: call)
                 for fence in completed_before:  # batch k - 1 complete before k + 1 is posted: [Note: bounded run-ahead]
                     fence()
                 in_flight[0].launch()  # batch k + 1 on the wire while batch k is copied out
@@ -397,11 +397,11 @@ def stream_full_params(
                 yield name, fulls[position]
                 fulls[position] = None  # valid until the next step: see [Note: streaming]
     except BaseException as error:
-        _drop_all(in_flight, groups)  # failed, or the caller stopped early (GeneratorExit)
+        _drop_all(in_flight, process_groups)  # failed, or the caller stopped early (GeneratorExit)
         if posted.any and not all_in:
-            mark_part_way(groups, error)
+            mark_part_way(process_groups, error)
         raise
-    _drop_all(in_flight, groups, raising=True)
+    _drop_all(in_flight, process_groups, raising=True)
     logger.debug(
         "iter_full_params: %d batches, %.1f MiB gathered (%s), full tensors on this rank: %s, %.1f ms",
         len(batches), sent_bytes / 2**20, dtype or "stored dtypes", holds_fulls, (time.perf_counter() - started) * 1e3,

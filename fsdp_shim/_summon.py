@@ -168,7 +168,7 @@ class DTensorSummon:
     ``restore`` undoes what was done, and never writes back (the body did
     not run). ``__exit__`` restores, also when the body raised. A class
     rather than a generator and an ``ExitStack``: weight sync enters one per
-    unit, and those cost host time per call (``docs/host-cost.md``).
+    unit, and those cost host time per call (see [Note: hot path]).
     See [Note: faults] and [Note: exit always restores] above.
     """
 
@@ -203,16 +203,16 @@ class DTensorSummon:
         if not scope.params:
             return  # no-op: nothing distributed in scope, or all summoned by an enclosing call
         # 1. refuse: misuse raises here, alike on every rank, before any change or collective.
-        groups, shardeds = refuse_before_anything(self.module, scope, self.writeback, thread, cached)
+        process_groups, shardeds = refuse_before_anything(self.module, scope, self.writeback, thread, cached)
         grad_enabled = torch.is_grad_enabled()
         self._begin(scope)
         try:
-            if not registry.enter(thread, groups):
+            if not registry.enter(thread, process_groups):
                 raise group_in_use(f"summon_full_params({module_label(self.module)})")
-            self._claimed = groups
+            self._claimed = process_groups
             # 2. prepare: FSDP2's groups in a known state; the DTensors to gather, resolved once.
             self.groups = [SummonedGroup(group, fully) for group, fully in scope.groups.items()]
-            self._gather_and_install(_prepare(scope, shardeds, self.groups), cached, groups)  # 3. and 4.
+            self._gather_and_install(_prepare(scope, shardeds, self.groups), cached, process_groups)  # 3. and 4.
             self._body_ran = True  # See [Note: faults]
         except BaseException as error:
             self._live = False
@@ -248,8 +248,8 @@ class DTensorSummon:
         self._live = True
 
     def _gather_and_install(self, dtensors: list[DTensor], cached: CachedSummon | None,
-                            groups: list[dist.ProcessGroup]) -> None:
-        """3. gather (every value is in when it returns; left part way, it marks the ``groups``: see [Note: a
+                            process_groups: list[dist.ProcessGroup]) -> None:
+        """3. gather (every value is in when it returns; left part way, it marks the ``process_groups``: see [Note: a
         one-sided fault leaves its own mark] in ``_gather.engine``); 4. install: every parameter to full,
         recorded on every rank, then every FSDP2 group summoned."""
         scope, started = self.scope, time.perf_counter()
@@ -271,7 +271,7 @@ class DTensorSummon:
                                   collective_bytes, posted, scope.meshes) if grad_inputs else {})
         except BaseException as error:
             if posted.any:
-                mark_part_way(groups, error)
+                mark_part_way(process_groups, error)
             raise
         self._to_full(dtensors, gathered, grads, holds_fulls)
         del gathered, grads
@@ -293,19 +293,19 @@ class DTensorSummon:
         Registered on every rank alike, holder or not: a nested call or a stream decides from the
         registry, never from what this rank's slots hold (see [Note: every rank decides alike])."""
         summoned = self.summoned
-        summoned += map(SummonedParam, self.scope.params, dtensors, gathered.layouts)  # every summon: kept lean
+        summoned += map(SummonedParam, self.scope.params, dtensors, gathered.layouts)  # see [Note: hot path]
         if holds_fulls:
             to_full(summoned, gathered.tensors, grads, self.writeback)
         registry.register(self)
 
     def _agreed_grads(self, dtensors: list[DTensor]) -> list[tuple[int, DTensor]]:
         """``_grads.agreed_grads``; the groups of gradients on another mesh claimed too."""
-        chosen, groups = agreed_grads(self.module, self.scope, dtensors, self.writeback)
-        if groups:
-            if not registry.claim(self.thread, groups):
+        chosen, grad_groups = agreed_grads(self.module, self.scope, dtensors, self.writeback)
+        if grad_groups:
+            if not registry.claim(self.thread, grad_groups):
                 raise group_in_use(f"summon_full_params({module_label(self.module)})")
             assert self._claimed is not None
-            self._claimed = [*self._claimed, *groups]
+            self._claimed = [*self._claimed, *grad_groups]
         return chosen
 
     # -- exit --------------------------------------------------------------
@@ -495,3 +495,19 @@ def _prepare(scope: Scope, resolved: list[DTensor], groups: list[SummonedGroup])
 # Exit and writeback run no collective: they may, and do, judge by what this
 # rank holds. ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` turns any divergence into an
 # error at the first mismatched collective; CI runs the suite once under it.
+
+# [Note: hot path]
+# The per-unit weight-sync loop enters one summon a unit, so on NCCL a warm
+# summon's host time is what users wait for (figures: ``docs/host-cost.md``;
+# ``scripts/host_cost.py`` measures it on the fake backend). The shortcuts
+# taken for it, each where it is made, each kept only while that script
+# shows it pays:
+# - an unchanged unit's scope and bucket plan are cached ([Note: summon
+#   cache] in ``_scope``), and each DTensor spec's layout (``_gather.layout``);
+# - a unit is gathered in one collective a dtype, as ``unshard()`` does;
+# - ``DTensorSummon`` is a slotted class, not a generator and an
+#   ``ExitStack``; its ``SummonedParam``s are made by one ``map``;
+# - ``_compat.grad_disabled``: ``no_grad`` as two C calls;
+# - a context's root state is found in O(1): FSDP2's lazy init lists it
+#   first (``_fsdp2``);
+# - ``Posted.any`` is a class attribute, the registry dicts and counters.

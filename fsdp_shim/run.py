@@ -109,7 +109,7 @@ def _run_program(kind: str, target: str, program: list[str]) -> None:
     exec(code, _fresh_main(script))  # noqa: S102  (python SCRIPT does this)
 
 
-def launch(kind: str, target: str, program: Sequence[str]) -> int:
+def run_patched(kind: str, target: str, program: Sequence[str]) -> int:
     """Patch (unless disabled or inactive; refusing on a torch it cannot serve), then run the program; returns
     its exit status."""
     if kind == "script" and not os.path.exists(target):
@@ -141,7 +141,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m fsdp_shim.run
         print(HELP.format(usage=usage))
         return 0
     assert target is not None
-    return launch(kind, target, program)
+    return run_patched(kind, target, program)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ _CPU = torch.device("cpu")
 class Posted:
     """Whether a call's gathers have posted a collective yet.
 
-    ``any`` starts False (a class attribute: making one costs no Python call on the hot path); the engine
+    ``any`` starts False (a class attribute: see [Note: hot path] in ``_summon``); the engine
     sets it once a collective is posted.
 
     [Note: a one-sided fault leaves its own mark]

@@ -303,8 +303,7 @@ def dim0_layout(dtensor: DTensor, mesh: DeviceMesh | None = None) -> Dim0Layout 
     spec's (an FSDP2 parameter: see [Note: the group is FSDP2's] in ``_fsdp2``).
     Cached per ``DTensorSpec`` (mesh, placements and global shape, which a
     DTensor never changes), local shape and mesh: an FSDP2 parameter keeps its
-    spec for life, and working the layout out is a sizeable part of a
-    per-unit summon's Python (``docs/host-cost.md``). The spec is held
+    spec for life (see [Note: hot path] in ``_summon``). The spec is held
     weakly, its entry dropped with it.
     """
     spec = dtensor._spec
@@ -413,9 +412,9 @@ class BucketShape(NamedTuple):
 class BucketPlan(NamedTuple):
     """``split_into_buckets``' answer by position, reusable for as long as ``key`` (``bucket_plan_key``) matches.
 
-    A per-unit summon gathers the same parameters call after call: planning
-    them again (a layout lookup, a dtype and a bucket key per tensor) was a
-    sixth of the gather's host cost. See [Note: summon cache] in ``_scope``.
+    A per-unit summon gathers the same parameters call after call, so the plan
+    is kept with the unit's cached summon: see [Note: summon cache] in ``_scope``
+    and [Note: hot path] in ``_summon``.
     """
 
     key: tuple[Any, ...]
