@@ -1,4 +1,4 @@
-"""The errors a caller may catch by type.
+"""The errors a caller may catch by type, and the error paths' one loop (``run_each``).
 
 Each subclasses the stdlib type the shim raised before it existed (``RuntimeError``),
 so existing ``except RuntimeError`` clauses keep working (wrapt's style). Misuse that
@@ -7,7 +7,10 @@ FSDP1 refuses keeps FSDP1's own types (``NotImplementedError``, ``ValueError``, 
 
 from __future__ import annotations
 
-__all__ = ["DestroyedGroupError", "GroupOutOfStepError", "UnsupportedTorchError", "WritebackRefusedError"]
+from collections.abc import Callable, Iterable
+
+__all__ = ["DestroyedGroupError", "GroupOutOfStepError", "UnsupportedTorchError", "WritebackRefusedError",
+           "run_each"]
 
 
 class GroupOutOfStepError(RuntimeError):
@@ -28,3 +31,18 @@ class UnsupportedTorchError(RuntimeError):
 class WritebackRefusedError(RuntimeError):
     """A ``writeback=True`` exit refused before writing anything (an edit in the shard and in the full
     tensor, a changed shape): every shard is as it was before the exit."""
+
+
+def run_each(steps: Iterable[Callable[[], object] | None]) -> BaseException | None:
+    """Call every step (``None``: skipped), each even if one before it raised, ``KeyboardInterrupt`` too; return
+    the first error, for the caller to raise once all have run. Every undo of an error path runs so."""
+    first: BaseException | None = None
+    for step in steps:
+        if step is None:
+            continue
+        try:
+            step()
+        except BaseException as error:  # noqa: BLE001  # the rest still run; the first is returned
+            first = first or error
+    return first
+

@@ -525,9 +525,10 @@ class GroupMark:
         """Undo ``mark_summoned``. See [Note: summoned groups]."""
         self.group._sharded_state = self.sharded_state
         self.group.post_forward_mesh_info = self.post_forward_mesh_info
-        for fsdp_param in self.lent_unsharded:
-            del fsdp_param._unsharded_param
-        self.lent_unsharded.clear()
+        lent = self.lent_unsharded
+        while lent:  # one at a time, each forgotten once gone: a second call finishes an interrupted first
+            vars(lent[-1]).pop("_unsharded_param", None)
+            lent.pop()
 
 
 def mark_summoned(group: FSDPParamGroup) -> GroupMark:
@@ -553,13 +554,17 @@ def mark_summoned(group: FSDPParamGroup) -> GroupMark:
     its hooks are the caller's to suspend (``_group.SummonedGroup``).
     """
     mark = GroupMark(group, group._sharded_state, group.post_forward_mesh_info)
-    for fsdp_param in group.fsdp_params:
-        if getattr(fsdp_param, "_unsharded_param", None) is None:  # torch >= 2.14 reads it in pre_forward
-            info = fsdp_param._module_info
-            fsdp_param._unsharded_param = info.module._parameters[info.param_name]  # type: ignore[assignment]  # a registered parameter: never None
-            mark.lent_unsharded.append(fsdp_param)
-    group._sharded_state = ShardedState.UNSHARDED
-    group.post_forward_mesh_info = None
+    try:
+        for fsdp_param in group.fsdp_params:
+            if getattr(fsdp_param, "_unsharded_param", None) is None:  # torch >= 2.14 reads it in pre_forward
+                info = fsdp_param._module_info
+                mark.lent_unsharded.append(fsdp_param)  # recorded first: ``unmark`` pops what is not there
+                fsdp_param._unsharded_param = info.module._parameters[info.param_name]  # type: ignore[assignment]  # a registered parameter: never None
+        group._sharded_state = ShardedState.UNSHARDED
+        group.post_forward_mesh_info = None
+    except BaseException:  # interrupted part way: the caller never gets the mark, so undo here
+        mark.unmark()
+        raise
     return mark
 
 

@@ -18,17 +18,18 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_shim._gather.engine import Posted, agree_on_grads, gather_full_tensors
 from fsdp_shim._gather.layout import Receiver
-from fsdp_shim._refusals import refuse_grad_layouts, refuse_placements
+from fsdp_shim import _registry as registry
+from fsdp_shim._refusals import group_in_use, refuse_grad_layouts, refuse_placements
 from fsdp_shim._scope import Scope, module_label, slot_fqn
 
 __all__ = ["agreed_grads", "gather_grads"]
 
 
 def agreed_grads(
-    module: nn.Module, scope: Scope, dtensors: list[DTensor], writeback: bool
+    module: nn.Module, scope: Scope, dtensors: list[DTensor], writeback: bool, thread: int
 ) -> tuple[list[tuple[int, DTensor]], list[dist.ProcessGroup]]:
     """The gradients to gather under ``with_grads``, as every rank agrees (one small all-reduce a mesh), and
-    the process groups of those on another mesh, which the caller claims.
+    the process groups of those on another mesh, claimed for ``thread`` (the caller releases them).
 
     Which gradients exist is rank-local (a rank whose parameter took no
     part in the backward has none), and the buckets a gather runs must be
@@ -68,6 +69,8 @@ def agreed_grads(
         chosen.append((index, cast(DTensor, grad)))
     # gradients on another mesh: their groups are checked (refused before any write), for the caller to claim
     groups = refuse_placements(foreign, writeback=writeback) if foreign else []
+    if groups and not registry.claim(thread, groups):
+        raise group_in_use(call)
     return chosen, groups
 
 

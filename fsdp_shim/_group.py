@@ -25,6 +25,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim import _versions
+from fsdp_shim._errors import run_each
 from fsdp_shim._param import SummonedParam, hide_slots, put_back_slots
 from fsdp_shim._scope import Scope, SlotOwner, module_label, slot_owners, states_of
 
@@ -404,15 +405,8 @@ class SummonedGroup:
         forgets what it undid only once undone, so a second call (exit's, after an interrupt) finishes
         what the first did not reach (see [Note: exit always restores] in ``_summon``)."""
         settle = self._roots is not None and (self._cut_short or fsdp2.forward_cut_short(self.group))
-        first: BaseException | None = None
-        for step in (None if self._mark is None else self._mark.unmark, self._resume if self._suspended else None,
-                     self.remove_hooks, self._settle if settle else None):
-            if step is None:
-                continue
-            try:
-                step()
-            except BaseException as error:  # noqa: BLE001  # the rest still run; the first is raised
-                first = first or error
+        first = run_each((None if self._mark is None else self._mark.unmark, self._resume if self._suspended else None,
+                          self.remove_hooks, self._settle if settle else None))
         if first is not None:
             raise first  # each step runs again in a second call: unmark and settle are idempotent
         self._mark, self._roots, self._cut_short = None, None, False

@@ -279,9 +279,10 @@ def to_sharded(params: Sequence[SummonedParam]) -> None:
         param.originals = []
 
 
-def inspect_slots(params: Sequence[SummonedParam]) -> None:
+def inspect_slots(params: Sequence[SummonedParam],
+                  exit_dtype: Callable[[SummonedParam], torch.dtype | None] | None = None) -> None:
     """Record what each parameter's slots hold now (``current``): its full tensor, a replacement, or
-    ``MISSING``. See [Note: exit checks]."""
+    ``MISSING``; with ``exit_dtype`` (under writeback), then judge each (``judge``). See [Note: exit checks]."""
     for param in params:
         full, scoped = param.full, param.scoped
         slots = scoped.slots
@@ -299,6 +300,9 @@ def inspect_slots(params: Sequence[SummonedParam]) -> None:
             param.current = MISSING  # tied slots replaced by different values: no one value
         else:
             param.current = replacements[0] if replacements else full
+    if exit_dtype is not None:
+        for param in params:
+            param.judge(exit_dtype(param))
 
 
 def carry_requires_grad(params: Sequence[SummonedParam]) -> None:

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim import _registry as registry
+from fsdp_shim._errors import run_each
 from fsdp_shim._gather.engine import BucketGather, Posted, resolve_device, start_gather
 from fsdp_shim._gather.layout import (
     Receiver,
@@ -246,13 +247,7 @@ class _InFlightBatch:
     def drop(self) -> BaseException | None:
         """Wait for every launched gather, each even if another's wait raises, and drop them; the first error."""
         pending_gathers, self._pending = self._pending, []
-        first: BaseException | None = None
-        for _, pending in pending_gathers:
-            try:
-                pending.abandon()
-            except BaseException as error:  # noqa: BLE001  (the rest are still waited for)
-                first = first or error
-        return first
+        return run_each(pending.abandon for _, pending in pending_gathers)
 
 
 def _drop_all(in_flight: list[_InFlightBatch], process_groups: list[Any], raising: bool = False) -> None:
@@ -397,9 +392,9 @@ def stream_full_params(
                 yield name, fulls[position]
                 fulls[position] = None  # valid until the next step: see [Note: streaming]
     except BaseException as error:
-        _drop_all(in_flight, process_groups)  # failed, or the caller stopped early (GeneratorExit)
-        if posted.any and not all_in:
+        if posted.any and not all_in:  # marked first: an interrupt in the drop below cannot skip it
             mark_part_way(process_groups, error)
+        _drop_all(in_flight, process_groups)  # failed, or the caller stopped early (GeneratorExit)
         raise
     _drop_all(in_flight, process_groups, raising=True)
     logger.debug(

@@ -26,11 +26,12 @@ from torch.utils.hooks import RemovableHandle
 
 from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim import _registry as registry
-from fsdp_shim._gather.engine import Gathered, Posted, gather_full_tensors
+from fsdp_shim._gather.engine import Posted, gather_full_tensors
 from fsdp_shim._gather.layout import BucketCap, bucket_cap, mark_part_way, receivers_for_summon
 from fsdp_shim._grads import agreed_grads, gather_grads
 from fsdp_shim._group import Conversions, SummonedGroup, summon_groups
 from fsdp_shim._param import SummonedParam, carry_requires_grad, inspect_slots, to_full, to_sharded, write_back
+from fsdp_shim._errors import run_each
 from fsdp_shim._refusals import (
     group_in_use,
     refuse_before_anything,
@@ -159,17 +160,11 @@ class DTensorSummon:
     """The DTensor implementation of ``summon_full_params``: a single-use context manager, one object
     from the call to the exit.
 
-    It holds the call's arguments, then, once entered, a ``SummonedParam``
-    for each parameter in scope and a ``SummonedGroup`` for each FSDP2 group
-    (what they changed, they undo), the conversions made inside, its group
-    claims; and it is what the registry knows of the context
-    (``registry.LiveContext``: its ``thread``, ``writeback`` and ``summoned``). ``__enter__`` reads refuse, prepare,
-    gather, install (see [Note: summon lifecycle]); if a step raises,
-    ``restore`` undoes what was done, and never writes back (the body did
-    not run). ``__exit__`` restores, also when the body raised. A class
-    rather than a generator and an ``ExitStack``: weight sync enters one per
-    unit, and those cost host time per call (see [Note: hot path]).
-    See [Note: faults] and [Note: exit always restores] above.
+    It holds the call's arguments, then, once entered, a ``SummonedParam`` for each parameter in scope,
+    a ``SummonedGroup`` for each FSDP2 group, the conversions made inside and its group claims; to the
+    registry it is ``registry.LiveContext``. ``__enter__`` refuses, prepares, gathers, installs (see
+    [Note: summon lifecycle]); a failed entry undoes what it did and writes nothing back. ``__exit__``
+    restores, also when the body raised. See [Note: faults] and [Note: exit always restores] above.
     """
 
     __slots__ = (
@@ -178,9 +173,16 @@ class DTensorSummon:
         "_live", "_holds_fulls",
     )
 
-    _claimed: list[dist.ProcessGroup] | None  # the process groups it claimed: released on exit
-    _forward_refusal: RemovableHandle | None  # under ``rank0_only``: every forward refused while it lives
+    #: Every parameter in scope, in scope order, on every rank (the registry's record of the context).
+    summoned: list[SummonedParam]
+    #: Every FSDP2 group with a parameter in scope, made before the gather (``SummonedGroup.prepare``).
     groups: list[SummonedGroup]
+    #: Conversions (``.to()``, ``.float()``, ...) made inside. See [Note: conversions inside] in ``_group``.
+    conversions: Conversions
+    _forward_refusal: RemovableHandle | None  # under ``rank0_only``: every forward refused while it lives
+    _body_ran: bool  # only then may a writeback happen: see [Note: faults]
+    _claimed: list[dist.ProcessGroup] | None  # the process groups it claimed: released on exit
+    _holds_fulls: bool  # whether this rank's slots hold full tensors (set once they are gathered)
 
     def __init__(
         self, module: nn.Module, recurse: bool, writeback: bool, rank0_only: bool, offload_to_cpu: bool,
@@ -234,31 +236,27 @@ class DTensorSummon:
     # -- entry -------------------------------------------------------------
     def _begin(self, scope: Scope) -> None:
         """From here on ``restore`` has something to undo: the fields it reads, empty."""
-        self.scope = scope
-        #: Every parameter in scope, in scope order, on every rank (the registry's record of the context).
-        self.summoned: list[SummonedParam] = []
-        #: Every FSDP2 group with a parameter in scope, made before the gather (``SummonedGroup.prepare``).
-        self.groups = []
-        #: Conversions (``.to()``, ``.float()``, ...) made inside. See [Note: conversions inside] in ``_group``.
-        self.conversions = Conversions()
-        self._forward_refusal = None  # the forward refusal under ``rank0_only``
-        self._body_ran = False  # only then may a writeback happen: see [Note: faults]
-        self._claimed = None  # released on exit
-        self._holds_fulls = False  # whether this rank's slots hold full tensors (set once they are gathered)
+        self.scope, self.summoned, self.groups, self.conversions = scope, [], [], Conversions()
+        self._forward_refusal, self._body_ran, self._claimed, self._holds_fulls = None, False, None, False
         self._live = True
 
     def _gather_and_install(self, dtensors: list[DTensor], cached: CachedSummon | None,
                             process_groups: list[dist.ProcessGroup]) -> None:
-        """3. gather (every value is in when it returns; left part way, it marks the ``process_groups``: see [Note: a
-        one-sided fault leaves its own mark] in ``_gather.engine``); 4. install: every parameter to full,
-        recorded on every rank, then every FSDP2 group summoned."""
+        """3. gather (every value is in when it returns; left part way, it marks the ``process_groups``: see
+        [Note: a one-sided fault leaves its own mark] in ``_gather.engine``); 4. install: a ``SummonedParam``
+        for every tensor on every rank, put to full where this rank holds full tensors, the context
+        registered on every rank alike (a nested call or a stream decides from the registry: see [Note:
+        every rank decides alike]), then every FSDP2 group summoned."""
         scope, started = self.scope, time.perf_counter()
         receiver, holds_fulls = receivers_for_summon(self.rank0_only, scope.groups, scope.fsdp2_only)
         self._holds_fulls = holds_fulls
         out_device = torch.device("cpu") if self.offload_to_cpu else None
         collective_bytes = self.cap.collective_bytes(len(scope.groups) == 1 and scope.fsdp2_only)
-        # gradients: which exist anywhere, agreed by every rank (see [Note: every rank decides alike])
-        grad_inputs = self._agreed_grads(dtensors) if self.with_grads else None
+        grad_inputs = None
+        if self.with_grads:  # which exist anywhere, agreed by every rank; those on another mesh claimed
+            grad_inputs, grad_groups = agreed_grads(self.module, scope, dtensors, self.writeback, self.thread)
+            if grad_groups:
+                self._claimed = [*process_groups, *grad_groups]  # a new list: the cached summon holds the first
         posted = Posted()
         try:
             gathered = gather_full_tensors(dtensors, holds_fulls=holds_fulls, out_device=out_device,
@@ -270,54 +268,29 @@ class DTensorSummon:
             grads = (gather_grads(grad_inputs, holds_fulls, out_device, self.cap.bucket_bytes, receiver,
                                   collective_bytes, posted, scope.meshes) if grad_inputs else {})
         except BaseException as error:
-            if posted.any:
-                mark_part_way(process_groups, error)
+            if posted.any:  # the gradients' groups on another mesh too: they share ``posted``
+                mark_part_way(self._claimed or process_groups, error)
             raise
-        self._to_full(dtensors, gathered, grads, holds_fulls)
+        self.summoned += map(SummonedParam, scope.params, dtensors, gathered.layouts)  # see [Note: hot path]
+        if holds_fulls:
+            to_full(self.summoned, gathered.tensors, grads, self.writeback)
         del gathered, grads
+        registry.register(self)
         self._forward_refusal = summon_groups(self.groups, self.summoned, scope, self.conversions, holds_fulls,
                                               self.rank0_only)
         if logger.isEnabledFor(logging.DEBUG):
-            nbytes = sum(d.numel() * d.element_size() for d in dtensors)
-            logger.debug(
-                "summon_full_params(%s): %d tensors, %.1f MiB gathered in %.1f ms (rank0_only=%s, full tensors "
-                "on this rank=%s)", module_label(self.module), len(dtensors), nbytes / 2**20,
-                (time.perf_counter() - started) * 1e3, self.rank0_only, holds_fulls,
-            )
-
-    def _to_full(self, dtensors: list[DTensor], gathered: Gathered, grads: dict[int, torch.Tensor],
-                 holds_fulls: bool) -> None:
-        """A ``SummonedParam`` for every tensor in scope, on every rank, each put to full where this rank
-        holds full tensors; then the context is registered.
-
-        Registered on every rank alike, holder or not: a nested call or a stream decides from the
-        registry, never from what this rank's slots hold (see [Note: every rank decides alike])."""
-        summoned = self.summoned
-        summoned += map(SummonedParam, self.scope.params, dtensors, gathered.layouts)  # see [Note: hot path]
-        if holds_fulls:
-            to_full(summoned, gathered.tensors, grads, self.writeback)
-        registry.register(self)
-
-    def _agreed_grads(self, dtensors: list[DTensor]) -> list[tuple[int, DTensor]]:
-        """``_grads.agreed_grads``; the groups of gradients on another mesh claimed too."""
-        chosen, grad_groups = agreed_grads(self.module, self.scope, dtensors, self.writeback)
-        if grad_groups:
-            if not registry.claim(self.thread, grad_groups):
-                raise group_in_use(f"summon_full_params({module_label(self.module)})")
-            assert self._claimed is not None
-            self._claimed = [*self._claimed, *grad_groups]
-        return chosen
+            _log_gathered(self, dtensors, started)
 
     # -- exit --------------------------------------------------------------
     def restore(self) -> None:
-        """Undo the entry: hooks off, inspect, release, then replay and writeback if the body ran. See
-        [Note: exit always restores]."""
+        """Undo the entry: hooks off, inspect (holders), release, then replay and writeback if the body ran.
+        See [Note: exit always restores]."""
         inspected, released, grad_enabled = False, False, torch.is_grad_enabled()
         try:
             try:
                 self._remove_hooks()
                 if self._holds_fulls:  # elsewhere the slots kept their shards: nothing to inspect
-                    self._inspect()
+                    inspect_slots(self.summoned, self.conversions.exit_dtype if self.writeback else None)
                 inspected = True
             finally:
                 self._release()
@@ -350,29 +323,14 @@ class DTensorSummon:
     def _name(self, param: SummonedParam) -> str:
         return slot_fqn(self.scope.root, param.slots[0])
 
-    def _inspect(self) -> None:
-        """Record what the slots hold and, under writeback, what changed: before the release and before
-        any conversion is replayed on the shards. See [Note: exit checks] in ``_param``."""
-        inspect_slots(self.summoned)
-        if self.writeback:
-            exit_dtype = self.conversions.exit_dtype
-            for param in self.summoned:
-                param.judge(exit_dtype(param))
-
     def _release(self) -> None:
-        """Every slot gets back the exact object it held; every group released; the forward refusal,
-        registry entry and group claims undone. Each step runs even if another raised; the first error
-        is raised after all of them. See [Note: exit always restores]."""
+        """Every slot gets back the exact object it held; then every group released (the last made first),
+        the forward refusal, registry entry and group claims undone, each even if another raised, the first
+        error raised after all of them (a failed ``to_sharded`` leaves them to the second pass,
+        ``_release_again``). See [Note: exit always restores]."""
         to_sharded(self.summoned)
-        first: BaseException | None = None
-        steps = [group.release for group in self.groups]
-        steps.reverse()
-        steps += (self._remove_hooks, self.conversions.release)
-        for step in steps:
-            try:
-                step()
-            except BaseException as error:  # noqa: BLE001  # the rest still run; the first is raised
-                first = first or error
+        first = run_each([*(group.release for group in reversed(self.groups)), self._remove_hooks,
+                          self.conversions.release])
         if first is None:
             self.groups = []
         registry.forget(self, self._claimed)  # dict and counter updates
@@ -400,6 +358,14 @@ class DTensorSummon:
             self._forward_refusal.remove()
             self._forward_refusal = None
 
+
+def _log_gathered(context: DTensorSummon, dtensors: list[DTensor], started: float) -> None:
+    nbytes = sum(d.numel() * d.element_size() for d in dtensors)
+    logger.debug(
+        "summon_full_params(%s): %d tensors, %.1f MiB gathered in %.1f ms (rank0_only=%s, full tensors "
+        "on this rank=%s)", module_label(context.module), len(dtensors), nbytes / 2**20,
+        (time.perf_counter() - started) * 1e3, context.rank0_only, context._holds_fulls,
+    )
 
 
 def _scope_of_call(

@@ -150,7 +150,7 @@ def rank_one_summon_runs_in():
 
 def test_one_summon_runs_in_the_rooms_the_layout_names(dist_run):
     rooms = [
-        "_compat.py", "_fsdp2.py", "_gather/engine.py", "_gather/layout.py", "_gather/staging.py", "_group.py",
+        "_compat.py", "_errors.py", "_fsdp2.py", "_gather/engine.py", "_gather/layout.py", "_gather/staging.py", "_group.py",
         "_param.py", "_patching.py", "_refusals.py", "_registry.py", "_scope.py", "_summon.py", "_units.py",
     ]
     assert dist_run(2, rank_one_summon_runs_in) == [(rooms, 1), (rooms, 1)]  # one all-gather: the unit
