@@ -161,7 +161,10 @@ def unit_summon_cache(module: nn.Module) -> dict[Any, Any] | None:
     if not isinstance(module, FSDPModule):
         return None
     state = _get_module_fsdp_state(module)
-    return None if state is None else summon_cache(state)
+    if state is None:
+        return None
+    cache = state.__dict__.get(_CACHE_ATTR)  # ``summon_cache``, inline: every summon of a unit asks
+    return state.__dict__.setdefault(_CACHE_ATTR, {}) if cache is None else cache
 
 
 def summon_cache(state: FSDPState) -> dict[Any, Any]:

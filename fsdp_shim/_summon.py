@@ -26,8 +26,8 @@ from torch.utils.hooks import RemovableHandle
 
 from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim import _registry as registry
-from fsdp_shim._gather.engine import Posted, gather_full_tensors
-from fsdp_shim._gather.layout import BucketCap, bucket_cap, mark_part_way, receivers_for_summon
+from fsdp_shim._gather.engine import Gathered, Posted, gather_full_tensors
+from fsdp_shim._gather.layout import BucketCap, Receiver, bucket_cap, mark_part_way, receivers_for_summon
 from fsdp_shim._grads import agreed_grads, gather_grads
 from fsdp_shim._group import Conversions, SummonedGroup, summon_groups
 from fsdp_shim._param import SummonedParam, carry_requires_grad, inspect_slots, to_full, to_sharded, write_back
@@ -99,14 +99,13 @@ def summon(
     if not isinstance(module, nn.Module):
         raise TypeError(f"summon_full_params expects an nn.Module, got {type(module).__name__}")
     served_by, modules = route(module, recurse, has_distributed_params)  # the walk, reused by the scope
+    if logger.isEnabledFor(logging.DEBUG):  # the label is worked out only when it is logged
+        logger.debug("summon_full_params(%s): route=%s", module_label(module), served_by)
     if served_by == "fsdp1":
-        logger.debug("summon_full_params(%s): route=fsdp1", module_label(module))
         original = fsdp1 if fsdp1 is not None else FullyShardedDataParallel.summon_full_params
         return original(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads)
     if served_by == "none":
-        logger.debug("summon_full_params(%s): route=none", module_label(module))
         return contextlib.nullcontext()
-    logger.debug("summon_full_params(%s): route=dtensor", module_label(module))
     # Checked at the call, which a with statement makes at once: FSDP1 checks at __enter__, one step later.
     validate_args(writeback, rank0_only, offload_to_cpu, with_grads)
     return DTensorSummon(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads, bucket_cap(bucket_mb),
@@ -242,35 +241,20 @@ class DTensorSummon:
 
     def _gather_and_install(self, dtensors: list[DTensor], cached: CachedSummon | None,
                             process_groups: list[dist.ProcessGroup]) -> None:
-        """3. gather (every value is in when it returns; left part way, it marks the ``process_groups``: see
-        [Note: a one-sided fault leaves its own mark] in ``_gather.engine``); 4. install: a ``SummonedParam``
-        for every tensor on every rank, put to full where this rank holds full tensors, the context
-        registered on every rank alike (a nested call or a stream decides from the registry: see [Note:
-        every rank decides alike]), then every FSDP2 group summoned."""
+        """3. gather (``_gather``); 4. install: a ``SummonedParam`` for every tensor on every rank, put to full
+        where this rank holds full tensors, the context registered on every rank alike (a nested call or a
+        stream decides from the registry: see [Note: every rank decides alike]), every FSDP2 group summoned."""
         scope, started = self.scope, time.perf_counter()
         receiver, holds_fulls = receivers_for_summon(self.rank0_only, scope.groups, scope.fsdp2_only)
         self._holds_fulls = holds_fulls
-        out_device = torch.device("cpu") if self.offload_to_cpu else None
-        collective_bytes = self.cap.collective_bytes(len(scope.groups) == 1 and scope.fsdp2_only)
         grad_inputs = None
         if self.with_grads:  # which exist anywhere, agreed by every rank; those on another mesh claimed
             grad_inputs, grad_groups = agreed_grads(self.module, scope, dtensors, self.writeback, self.thread)
             if grad_groups:
                 self._claimed = [*process_groups, *grad_groups]  # a new list: the cached summon holds the first
-        posted = Posted()
-        try:
-            gathered = gather_full_tensors(dtensors, holds_fulls=holds_fulls, out_device=out_device,
-                                           bucket_bytes=self.cap.bucket_bytes, receiver=receiver,
-                                           plan=None if cached is None else cached.bucket_plan,
-                                           collective_bytes=collective_bytes, meshes=scope.meshes, posted=posted)
-            if cached is not None:
-                cached.bucket_plan = gathered.plan
-            grads = (gather_grads(grad_inputs, holds_fulls, out_device, self.cap.bucket_bytes, receiver,
-                                  collective_bytes, posted, scope.meshes) if grad_inputs else {})
-        except BaseException as error:
-            if posted.any:  # the gradients' groups on another mesh too: they share ``posted``
-                mark_part_way(self._claimed or process_groups, error)
-            raise
+        gathered, grads = _gather(scope, dtensors, cached, self.cap, receiver, holds_fulls,
+                                  torch.device("cpu") if self.offload_to_cpu else None, grad_inputs,
+                                  self._claimed or process_groups)
         self.summoned += map(SummonedParam, scope.params, dtensors, gathered.layouts)  # see [Note: hot path]
         if holds_fulls:
             to_full(self.summoned, gathered.tensors, grads, self.writeback)
@@ -357,6 +341,32 @@ class DTensorSummon:
         if self._forward_refusal is not None:
             self._forward_refusal.remove()
             self._forward_refusal = None
+
+
+def _gather(
+    scope: Scope, dtensors: list[DTensor], cached: CachedSummon | None, cap: BucketCap, receiver: Receiver,
+    holds_fulls: bool, out_device: torch.device | None, grad_inputs: list[tuple[int, DTensor]] | None,
+    groups: list[dist.ProcessGroup],
+) -> tuple[Gathered, dict[int, torch.Tensor]]:
+    """Every collective of an entry but the gradients' agreement: the parameters, then the agreed gradients.
+    Every value is in when it returns; left part way, it marks ``groups`` out of step on this rank (see
+    [Note: a one-sided fault leaves its own mark] in ``_gather.engine``). The plan is kept on ``cached``."""
+    collective_bytes = cap.collective_bytes(len(scope.groups) == 1 and scope.fsdp2_only)
+    posted = Posted()
+    try:
+        gathered = gather_full_tensors(dtensors, holds_fulls=holds_fulls, out_device=out_device,
+                                       bucket_bytes=cap.bucket_bytes, receiver=receiver,
+                                       plan=None if cached is None else cached.bucket_plan,
+                                       collective_bytes=collective_bytes, meshes=scope.meshes, posted=posted)
+        if cached is not None:
+            cached.bucket_plan = gathered.plan
+        grads = (gather_grads(grad_inputs, holds_fulls, out_device, cap.bucket_bytes, receiver, collective_bytes,
+                              posted, scope.meshes) if grad_inputs else {})
+    except BaseException as error:
+        if posted.any:
+            mark_part_way(groups, error)
+        raise
+    return gathered, grads
 
 
 def _log_gathered(context: DTensorSummon, dtensors: list[DTensor], started: float) -> None:

@@ -156,6 +156,47 @@ def test_one_summon_runs_in_the_rooms_the_layout_names(dist_run):
     assert dist_run(2, rank_one_summon_runs_in) == [(rooms, 1), (rooms, 1)]  # one all-gather: the unit
 
 
+def rank_a_warm_per_unit_summon_runs():
+    """The distinct package functions (comprehensions aside: Python 3.12 inlines them) and modules one
+    warm per-unit ``rank0_only`` summon runs, on rank 0 of 2, the weight-sync loop's steady state."""
+    import torch.nn as nn
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    import fsdp_shim
+    from _helpers import build_lm, patched, shard_lm
+
+    model = shard_lm(build_lm())
+    unit: nn.Module = model.blocks[1]
+    package = os.path.dirname(fsdp_shim.__file__)
+    ran: set[tuple[str, str]] = set()
+
+    def summon() -> None:
+        with FSDP.summon_full_params(unit, recurse=False, writeback=False, rank0_only=True):
+            pass
+
+    def record(frame, event, arg):
+        code = frame.f_code
+        if event == "call" and code.co_filename.startswith(package) and not code.co_name.startswith("<"):
+            ran.add((os.path.relpath(code.co_filename, package), code.co_qualname))
+
+    with patched():
+        summon()
+        summon()
+        sys.setprofile(record)
+        try:
+            summon()
+        finally:
+            sys.setprofile(None)
+    return len(ran), len({module for module, _ in ran})
+
+
+def test_a_warm_per_unit_summon_stays_short(dist_run):
+    """A ratchet: 96 functions in 14 modules now (FSDP2's own ``unshard()`` + ``reshard()``: 58 in 6; issue
+    52 aims at 80 in 10). Lower the bounds when a change cuts them; never raise them."""
+    functions, modules = dist_run(2, rank_a_warm_per_unit_summon_runs)[0]
+    assert functions <= 96 and modules <= 14, (functions, modules)
+
+
 #: FSDP2's private fields and methods the probe lists (``_fsdp2._METHODS``, ``_FIELDS``), and the
 #: field of c10d's private world it reads: no module but ``_fsdp2`` may name one as an attribute.
 _FSDP2_PRIVATE = {
