@@ -7,41 +7,35 @@
     python scripts/fake_bench.py --model llama70b --quick # -D 64 --layers 4 --world 8 8x4 --reps 2: seconds
     python scripts/fake_bench.py --check --world 8 2x4 64 2x32 --device cuda   # every multi-rank path, checked
 
-One process joins a ``fake`` group of W ranks as rank 0 (``FakeStore``), so the shim takes the all-gather path
-of a W-rank NCCL job on one CPU or GPU. Fake collectives return at once and move no data across ranks (torch
-2.13's all-gather copies the input into each of the W output chunks), so what is measured is host cost: on
-NCCL, where a small unit's all-gather takes tens of microseconds, Python and copies decide a per-unit loop.
-Each configuration (a model and a world: ``W``, or ``RxS``, HSDP with R replicas of S shards) runs in a fresh
-process, ``--runs`` times. Models: ``bench`` (``fsdp-shim bench``'s: 12 blocks of width 256, a tied 1000-token
-embedding, 13 units); ``units96`` (96 units of ``Linear(64, 64)`` + ``LayerNorm(64)``, and the root);
-``llama70b``, Llama-3-70B's exact shapes (a block 3.42 GB fp32; the root an embedding, the final norm and an
-untied lm_head, 8.41 GB at 128256 tokens), built on the meta device, sharded, then ``to_empty``: ``--layers``
-(1), ``--vocab`` (32064, so that a unit held twice fits 24 GiB; full-vocabulary root peaks are extrapolated,
-and said to be), ``--structure-divisor D`` (every width and the vocabulary / D, 80 layers); a run whose
-estimated peak does not fit the memory available refuses (``--force``).
+One process joins a ``fake`` group of W ranks as rank 0 (``FakeStore``): the shim takes a W-rank NCCL job's
+all-gather path on one CPU or GPU, and collectives return at once, moving no data across ranks (torch 2.13's
+all-gather copies the input into each of the W output chunks). What is measured is host cost, which decides a
+per-unit loop on NCCL. Each configuration (a model; a world ``W``, or ``RxS``: HSDP, R replicas of S shards)
+runs in a fresh process, ``--runs`` times. Models: ``bench`` (``fsdp-shim bench``'s, 13 units); ``units96``
+(96 units of ``Linear(64, 64)`` + ``LayerNorm(64)``); ``llama70b``: Llama-3-70B's exact shapes (a block
+3.42 GB fp32; the root unit embedding, final norm and untied lm_head, 8.41 GB at 128256 tokens), built on the
+meta device, sharded, ``to_empty``; ``--layers`` (1), ``--vocab`` (32064: a unit held twice fits 24 GiB; root
+peaks at the full vocabulary extrapolated, and said to be), ``-D`` (every width and the vocabulary / D, 80
+layers); refused where the estimated peak does not fit the memory available (``--force``).
 
-Contenders, over the FSDP2 units (blocks, then the root): ``summon_unit``, ``summon_unit_rank0``:
-``FSDP.summon_full_params(unit, recurse=False, writeback=False, rank0_only=...)``; ``unshard``: FSDP2's
-``unit.unshard(); unit.reshard()``, the yardstick; ``summon_model``: one whole-model summon (on llama70b, peak
-only); ``stream_fp32``, ``stream_bf16``: ``iter_full_params`` at the stored dtype, and cast to bf16 before the
-gather (``vllm_weight_source``); ``full_tensor_loop``: ``p.full_tensor()`` a parameter; ``module_source``:
-vLLM's ``ModuleSource.iter_full()``, ``p.full_tensor().to(torch.bfloat16)``.
+Contenders over the units (blocks, then the root): ``summon_unit``, ``summon_unit_rank0`` (``summon_full_params
+(unit, recurse=False, writeback=False, rank0_only=...)``); ``unshard`` (FSDP2's ``unshard(); reshard()``, the
+yardstick); ``summon_model`` (whole model; on llama70b peak only); ``stream_fp32``, ``stream_bf16``
+(``iter_full_params``, stored dtype or cast before the gather as ``vllm_weight_source``); ``full_tensor_loop``
+and ``module_source`` (vLLM's ``ModuleSource``: ``p.full_tensor()``, ``.to(torch.bfloat16)``) a parameter.
 
-Figures: median ms a unit; the ratio to ``unshard``, median of per-repetition ratios with its IQR (--runs N:
-the median of the runs' medians, each listed), contenders interleaved in a new seeded shuffled order each
-repetition (so that none keeps a predecessor, whose allocator state it would pay for), each timed pass right
-after an untimed one of the same contender; calls a unit over one pass (``--calls``: cProfile's total, or
-``sys.setprofile``'s 'call' and 'c_call' events), what a GPU's host pays for, machine-independent; peak bytes
-beyond the shards, a pass of its own, per unit (x its full bytes) and per sync (x the largest unit's): on the
-CPU glibc's ``mallinfo2()`` (``uordblks + hblkhd``) read by a thread about every ms and at fixed points of each
-loop, on CUDA ``max_memory_allocated``. At llama70b sizes a CPU pass is memory traffic: ``--malloc heap`` keeps
-freed memory as CUDA's caching allocator does, with 2 MiB pages (room for a unit twice plus a quarter); ``thp``
-gives it back after each tensor; ``plain`` is glibc's default.
+Figures: median ms a unit; ratio to ``unshard`` (median of per-repetition ratios, IQR; --runs N: the median of
+the runs' medians, each listed), contenders interleaved in a new seeded shuffled order each repetition (none
+keeps a predecessor whose allocator state it would pay for), each timed pass right after an untimed one; calls
+a unit over one pass (``--calls``: cProfile's total, or ``sys.setprofile``'s call and c_call events; on a GPU,
+what the host pays); peak bytes beyond the shards in a pass of its own, per unit and per sync, from glibc's
+``mallinfo2()`` (``uordblks + hblkhd``, a thread sampling every ms and probes in each loop) or CUDA's
+``max_memory_allocated``. A llama70b CPU pass is memory traffic: ``--malloc heap`` keeps freed memory as
+CUDA's caching allocator does, with 2 MiB pages; ``thp`` gives it back after each tensor; ``plain``: glibc's.
 
-``--check`` drives the bench model through every path in ``PATHS`` once, checked (all-gathers posted, full
+``--check`` takes the bench model through every path in ``PATHS`` once, checked (all-gathers posted, full
 shapes, devices, not pinned, sharded after exit, rank 0's shard edited by ``writeback``), then times those that
-passed, and on CUDA reports their peak allocated and reserved bytes and pinned host bytes. Exit status 1 if any
-check or process failed.
+passed; on CUDA, their peak allocated and reserved bytes and pinned host bytes. Exit 1 if anything failed.
 """
 
 from __future__ import annotations
@@ -641,9 +635,10 @@ def _llama(args: argparse.Namespace, config: dict, malloc: str) -> int | None:
     except (OSError, StopIteration):
         available = None
     if args.device == "cpu" and available is not None and need > available and not args.force:
-        raise SystemExit(f"llama70b needs about {_size(need)} (a unit held twice, or the whole model, and "
-                         f"headroom), {_size(available)} available: a smaller --vocab or --layers, --malloc plain, "
-                         "or --force")
+        print(f"llama70b needs about {_size(need)} (a unit held twice, or the whole model, and headroom), "
+              f"{_size(available)} available: a smaller --vocab or --layers, --malloc plain, or --force",
+              file=sys.stderr)
+        raise SystemExit(2)
     return (2 * VOCAB * HIDDEN + HIDDEN) * 4 if divisor == 1 else None
 
 
