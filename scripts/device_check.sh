@@ -1,29 +1,16 @@
 #!/usr/bin/env bash
-# The GPU check, in at most $BUDGET seconds (default 290: under 5 minutes of
-# device time), run from the repository root on a machine whose python3
-# already has a CUDA torch:
-#   0. scripts/device_late.py (CUDA only): NCCL's completion contract emulated
-#      on the one GPU, 2 gloo processes, exact values;
-#   1. scripts/device_fake.py: the multi-rank code paths at W = 8, 64, 1024
-#      (flat and HSDP meshes) on the one GPU, through torch's fake process
-#      group in one process (paths, shapes, devices, pinning, memory, host
-#      time; fake collectives move no data, so no values);
+# The GPU check, in at most $BUDGET seconds (default 290), from the repository root, on a machine whose
+# python3 has a CUDA torch:
+#   0. scripts/device_late.py (CUDA only): NCCL's completion contract emulated on the one GPU (values);
+#   1. scripts/fake_bench.py --check: the multi-rank paths at W = 8, 64, 1024, flat and HSDP, through torch's
+#      fake process group in one process (paths, shapes, devices, pinning, memory, host time; no values);
+#      on CUDA, then --model llama70b at Llama-3-70B's full vocabulary (peak allocated per unit);
 #   2. `fsdp-shim check` on CUDA (NCCL), one rank per visible GPU (values);
-#   3. `fsdp-shim bench` at 37 MiB; on CUDA, scripts/scale_bench.py at
-#      Llama-3-70B's shapes (peak allocated per unit).
-# Each step's timeout is cut to what the budget has left; a step with under
-# 15 s left is skipped and says so. Nothing is installed from the network:
-# wheels under .whl/ (wrapt, when the machine's is older than we declare) are
-# installed into a private folder first. Logs go to $OUT (default ./device-out).
-# (scripts/host_cost.py --device cuda --world 1 and scripts/two_groups.py, which
-# needs 3 GPUs, are no longer run here: device_fake.py times the per-unit loop
-# at W >= 8; run them by hand on a bigger machine.)
-#
-#   bash scripts/device_check.sh            # device_fake, check, bench at 37 MiB
-#   BIG=1 bash scripts/device_check.sh      # and bench at 327 MiB, and 2.4 GB, if the budget has room
-#   bash scripts/device_check.sh --device cpu   # the same steps on the CPU: the fake backend at W = 8,
-#                                               # `check` and `bench` on 2 gloo processes (CI runs it,
-#                                               # so the script cannot rot while no GPU is lent)
+#   3. `fsdp-shim bench` at 37 MiB (BIG=1: and at 327 MiB and 2.4 GB, if the budget has room).
+# Each step's timeout is cut to what the budget has left; one with under 15 s left is skipped and says so.
+# Wheels under .whl/ (wrapt, where the machine's is older than we declare) are installed into a private
+# folder, nothing from the network. Logs go to $OUT (default ./device-out). `--device cpu` runs the same
+# steps on the CPU (the fake backend at W = 8; `check` and `bench` on 2 gloo processes): CI runs it.
 set -u
 DEVICE=cuda
 while [ $# -gt 0 ]; do
@@ -52,10 +39,10 @@ if [ "$DEVICE" = cuda ]; then
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
     ranks=$(python3 -c "import torch; print(torch.cuda.device_count())") || exit 2
     echo "GPUs: $ranks" | tee -a "$OUT/gpu.txt"
-    worlds="8 64 1024"
+    meshes="8 2x4 64 2x32 1024 2x512"
 else
     ranks=2  # two gloo processes on the host
-    worlds="8"
+    meshes="8 2x4"
     echo "device: cpu, 2 gloo ranks" | tee "$OUT/gpu.txt"
 fi
 
@@ -65,23 +52,7 @@ left() {  # left SECONDS: SECONDS, or what the budget has left (5 s kept for the
     rest=$(( $1 < rest ? $1 : rest ))
     echo $(( rest < 1 ? 1 : rest ))
 }
-run() {  # run NAME SECONDS ARGS...: one fsdp-shim command, its log in $OUT/NAME.txt
-    local name=$1 seconds
-    seconds=$(left "$2")
-    shift 2
-    if [ "$seconds" -lt 15 ]; then
-        echo "=== fsdp-shim $*: skipped, ${seconds} s of the ${BUDGET} s budget left" | tee "$OUT/$name.txt"
-        return
-    fi
-    echo "=== fsdp-shim $* ($(date -u +%T), ${seconds} s)"
-    timeout "$seconds" python3 -m fsdp_shim "$@" --device "$DEVICE" --ranks "$ranks" --timeout $((seconds - 10)) 2>&1 \
-        | tee "$OUT/$name.txt"
-    local rc=${PIPESTATUS[0]}
-    echo "=== $name: exit $rc"
-    [ "$rc" -eq 0 ] || status=1
-}
-
-script() {  # script NAME SECONDS ARGS...: one python3 script, its log in $OUT/NAME.txt
+step() {  # step NAME SECONDS COMMAND...: one step, its log in $OUT/NAME.txt
     local name=$1 seconds
     seconds=$(left "$2")
     shift 2
@@ -90,23 +61,30 @@ script() {  # script NAME SECONDS ARGS...: one python3 script, its log in $OUT/N
         return
     fi
     echo "=== $* ($(date -u +%T), ${seconds} s)"
-    timeout "$seconds" python3 "$@" 2>&1 | tee "$OUT/$name.txt"
+    timeout "$seconds" "$@" 2>&1 | tee "$OUT/$name.txt"
     local rc=${PIPESTATUS[0]}
     echo "=== $name: exit $rc"
     [ "$rc" -eq 0 ] || status=1
 }
+run() {  # run NAME SECONDS ARGS...: one fsdp-shim command on $DEVICE and $ranks ranks
+    local name=$1 seconds
+    seconds=$(left "$2")
+    shift 2
+    step "$name" "$seconds" python3 -m fsdp_shim "$@" --device "$DEVICE" --ranks "$ranks" --timeout $((seconds - 10))
+}
 
 if [ "$DEVICE" = cuda ]; then
     # NCCL's completion contract on this one GPU: 2 gloo processes, all-gathers that land late (values)
-    script device_late 120 scripts/device_late.py --timeout 110
+    step device_late 120 python3 scripts/device_late.py --timeout 110
 fi
-# The multi-rank paths on this one GPU (fake process group), 55 s per world size at most
-# shellcheck disable=SC2086  # $worlds: one argument a world size
-script device_fake 175 scripts/device_fake.py --device "$DEVICE" --world $worlds --reps 11 --timeout 55 \
-    --json "$OUT/device_fake.json"
+# The multi-rank paths on this one GPU (fake process group), 45 s per mesh at most
+# shellcheck disable=SC2086  # $meshes: one argument a mesh
+step fake_check 280 python3 scripts/fake_bench.py --check --device "$DEVICE" --world $meshes --reps 11 --timeout 45 \
+    --json "$OUT/fake_check.json"
 if [ "$DEVICE" = cuda ]; then
     # Llama-3-70B's shapes at the full vocabulary: peak allocated per unit, summon against unshard()
-    script scale70b 100 scripts/scale_bench.py --device cuda --world 64 1024 --vocab 128256 --reps 3
+    step scale70b 100 python3 scripts/fake_bench.py --model llama70b --device cuda --world 64 1024 --vocab 128256 \
+        --reps 3
 fi
 
 run check 65 check --verbose

@@ -22,13 +22,10 @@ chunk" message can only appear here), ``alternate`` switches between the two
 every chunk.
 
 Each mode runs in fresh ranks for ``--seconds`` and prints how many rounds
-every rank finished, or how it failed. This is how the heap corruption behind
-the note "no coalesced all-gather" in ``docs/gather-engine.md`` was found and
-bisected: a whole-model ``rank0_only=False`` summon loop died ("malloc():
-unaligned tcache chunk detected") in 5 of 8 runs of 80 s with gloo's
-coalesced all-gather, in 0 of 6 without. A crash that comes once a minute
-needs several runs of each mode to rule out. Exit status: 0 if every mode
-ran clean, 1 otherwise.
+every rank finished, or how it failed (how the heap corruption behind the note
+"no coalesced all-gather" in ``docs/gather-engine.md`` was found: CHANGELOG.md,
+0.4.1). A crash that comes once a minute needs several runs of each mode to
+rule out. Exit status: 0 if every mode ran clean, 1 otherwise.
 
 ``faults`` checks [Note: faults] in ``fsdp_shim/_summon.py`` the long way: each
 round, on a fresh process group (a fault leaves one out of step) with a 2 s
@@ -115,7 +112,7 @@ def _fault_rounds(width: int, seconds: float) -> tuple[int, int, int]:
                         pass
             except (InjectedFault, RuntimeError):
                 pass
-        for (name, param), (_, want) in zip(model.named_parameters(), twin.named_parameters()):
+        for (name, param), (_, want) in zip(model.named_parameters(), twin.named_parameters(), strict=True):
             mine = torch.chunk(want.detach(), world, dim=0)
             rows = mine[rank] if rank < len(mine) else want.detach()[:0]
             local = param._local_tensor

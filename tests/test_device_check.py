@@ -1,8 +1,8 @@
-"""``scripts/device_fake.py``, the first step of ``scripts/device_check.sh``, keeps running without a GPU.
+"""``scripts/fake_bench.py --check``, the first step of ``scripts/device_check.sh``, keeps running without a GPU.
 
-On the GPU machine it runs ``--device cuda --world 8 64 1024``; here the same
-script runs on the CPU at W = 8 (flat and HSDP 2x4 meshes), so that it cannot
-rot while no GPU is lent. Only the CUDA-only paths may say "skipped". No
+On the GPU machine it runs ``--check --device cuda --world 8 2x4 64 2x32 1024 2x512``;
+here the same mode runs on the CPU at W = 8 (flat and HSDP 2x4 meshes), so that
+it cannot rot while no GPU is lent. Only the CUDA-only paths may say "skipped". No
 timing or memory figure is asserted (noise here, "n/a" on the CPU); every
 path must pass its checks and name its world size and mesh.
 """
@@ -15,26 +15,27 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "device_fake.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fake_bench.py"
 
 
 def _paths():
     sys.path.insert(0, str(SCRIPT.parent))
     try:
-        from device_fake import CUDA_ONLY, PATHS
+        from fake_bench import CUDA_ONLY, PATHS
     finally:
         sys.path.remove(str(SCRIPT.parent))
     return PATHS, CUDA_ONLY
 
 
-def test_device_fake_runs_every_path_on_the_cpu(tmp_path):
+def test_fake_bench_check_runs_every_path_on_the_cpu(tmp_path):
     paths, cuda_only = _paths()
     out = tmp_path / "rows.json"
     env = {k: v for k, v in os.environ.items() if k != "TORCH_DISTRIBUTED_DEBUG"}
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--device", "cpu", "--world", "8", "--reps", "2", "--timeout", "150",
+        [sys.executable, str(SCRIPT), "--check", "--device", "cpu", "--world", "8", "2x4", "--reps", "2",
+         "--timeout", "150",
          "--json", str(out)],
-        capture_output=True, text=True, timeout=240, env=env, check=False,
+        capture_output=True, text=True, timeout=330, env=env, check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     rows = json.loads(out.read_text())
@@ -57,7 +58,7 @@ def test_device_fake_runs_every_path_on_the_cpu(tmp_path):
         for mesh in ("8", "2x4"):
             assert any(line.split()[:2] == ["8", mesh] and path in line for line in lines), (path, mesh)
     assert "cuda:gloo 2-process run" in proc.stdout and "skipped" in proc.stdout
-    assert "device_fake: 0 failed of 18 checks" in proc.stdout
+    assert "fake_bench --check: 0 failed of 18 checks" in proc.stdout
 
 
 def test_device_late_imports_against_this_package_and_refuses_the_cpu():
