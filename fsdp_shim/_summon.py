@@ -475,7 +475,7 @@ def _prepare(scope: Scope, resolved: list[DTensor], groups: list[SummonedGroup])
 # [Note: hot path]
 # The per-unit weight-sync loop enters one summon a unit, so on NCCL a warm
 # summon's host time is what users wait for (figures: ``docs/host-cost.md``;
-# ``scripts/host_cost.py`` measures it on the fake backend). The shortcuts
+# ``scripts/fake_bench.py`` measures it on the fake backend). The shortcuts
 # taken for it, each where it is made, each kept only while that script
 # shows it pays:
 # - an unchanged unit's scope and bucket plan are cached ([Note: summon
