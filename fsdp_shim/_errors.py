@@ -45,4 +45,3 @@ def run_each(steps: Iterable[Callable[[], object] | None]) -> BaseException | No
         except BaseException as error:  # noqa: BLE001  # the rest still run; the first is returned
             first = first or error
     return first
-

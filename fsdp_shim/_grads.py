@@ -16,9 +16,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from fsdp_shim import _registry as registry
 from fsdp_shim._gather.engine import Posted, agree_on_grads, gather_full_tensors
 from fsdp_shim._gather.layout import Receiver
-from fsdp_shim import _registry as registry
 from fsdp_shim._refusals import group_in_use, refuse_grad_layouts, refuse_placements
 from fsdp_shim._scope import Scope, module_label, slot_fqn
 
@@ -67,7 +67,7 @@ def agreed_grads(
         if grad is None:
             grad = torch.zeros_like(sharded)  # FSDP1's zeros, in the parameter's layout: no communication
         chosen.append((index, cast(DTensor, grad)))
-    # gradients on another mesh: their groups are checked (refused before any write), for the caller to claim
+    # gradients on another mesh: their groups are checked (refused before any write), then claimed
     groups = refuse_placements(foreign, writeback=writeback) if foreign else []
     if groups and not registry.claim(thread, groups):
         raise group_in_use(call)

@@ -26,12 +26,12 @@ from torch.utils.hooks import RemovableHandle
 
 from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim import _registry as registry
+from fsdp_shim._errors import run_each
 from fsdp_shim._gather.engine import Gathered, Posted, gather_full_tensors
 from fsdp_shim._gather.layout import BucketCap, Receiver, bucket_cap, mark_part_way, receivers_for_summon
 from fsdp_shim._grads import agreed_grads, gather_grads
 from fsdp_shim._group import Conversions, SummonedGroup, summon_groups
 from fsdp_shim._param import SummonedParam, carry_requires_grad, inspect_slots, to_full, to_sharded, write_back
-from fsdp_shim._errors import run_each
 from fsdp_shim._refusals import (
     group_in_use,
     refuse_before_anything,
