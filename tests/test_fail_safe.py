@@ -146,8 +146,14 @@ def rank_an_interrupt_anywhere_in_exit_restores_everything(writeback: bool):
         with _InterruptAt(None) as counting:
             summon.__exit__(None, None, None)
         assert counting.calls > 10, counting.calls
+        # Exit runs no collective, but each step of the loop enters a summon, which does: every rank runs as
+        # many steps. The counts can differ (a weakref callback the garbage collector runs inside exit on
+        # one rank is a call there), so the ranks agree on the largest; past its own count a rank is not
+        # interrupted, which changes nothing.
+        steps = torch.tensor([counting.calls])
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX)
         interrupted = 0
-        for at in range(1, counting.calls + 1):
+        for at in range(1, int(steps.item()) + 1):
             summon = FSDP.summon_full_params(model, writeback=writeback)
             summon.__enter__()
             try:
