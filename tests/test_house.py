@@ -177,7 +177,7 @@ def rank_a_warm_per_unit_summon_runs():
     def record(frame, event, arg):
         code = frame.f_code
         if event == "call" and code.co_filename.startswith(package) and not code.co_name.startswith("<"):
-            ran.add((os.path.relpath(code.co_filename, package), code.co_qualname))
+            ran.add((os.path.relpath(code.co_filename, package), getattr(code, "co_qualname", code.co_name)))
 
     with patched():
         summon()
