@@ -73,7 +73,6 @@ __all__ = [
     "sharded_behind",
     "sharded_param",
     "sharded_params",
-    "summon_cache",
     "suspend_hooks",
     "unit_summon_cache",
     "unsharded_param_if_any",
@@ -156,20 +155,14 @@ _CACHE_ATTR = "_fsdp_shim_summon_cache"
 
 
 def unit_summon_cache(module: nn.Module) -> dict[Any, Any] | None:
-    """``summon_cache`` of ``module``'s state if ``module`` is an FSDP2 unit, else None: one call, as
-    every summon of a unit asks."""
+    """The dict fsdp_shim keeps cached summons in, on the FSDP2 state of ``module`` (made on first use), if
+    ``module`` is an FSDP2 unit, else None. On the state it lives as long as the unit does, where a global
+    map would keep every model alive."""
     if not isinstance(module, FSDPModule):
         return None
     state = _get_module_fsdp_state(module)
     if state is None:
         return None
-    cache = state.__dict__.get(_CACHE_ATTR)  # ``summon_cache``, inline: every summon of a unit asks
-    return state.__dict__.setdefault(_CACHE_ATTR, {}) if cache is None else cache
-
-
-def summon_cache(state: FSDPState) -> dict[Any, Any]:
-    """The dict fsdp_shim keeps cached summons in, on ``state`` (made on first use): it lives as long as
-    the unit does, where a global map would keep every model alive."""
     cache = state.__dict__.get(_CACHE_ATTR)
     if cache is None:
         cache = state.__dict__[_CACHE_ATTR] = {}

@@ -332,7 +332,7 @@ class CachedSummon:
     scope, spec checks and bucket plan each time, and on NCCL that loop costs
     host time, not bandwidth. So a summon of a unit from outside any context
     keeps what it worked out in a ``CachedSummon``, on the unit's FSDP2 state
-    (``_fsdp2.summon_cache``: a cached summon holds its module, so a global map
+    (``_fsdp2.unit_summon_cache``: a cached summon holds its module, so a global map
     would keep every model alive; the state lives as long as the module), keyed
     by ``(id(module), recurse)``. A scope is a function of the modules in it
     (classes, children, parameter and buffer slots) and of FSDP2's

@@ -175,7 +175,7 @@ def test_a_destroyed_group_after_a_plan_fails_clearly(dist_run):
 def _kept(unit: nn.Module) -> dict:
     from fsdp_shim import _fsdp2 as fsdp2
 
-    return fsdp2.summon_cache(fsdp2.fsdp_state_of(unit))
+    return fsdp2.unit_summon_cache(unit)
 
 
 def rank_a_scope_owned_outside_evicts_the_stale_plan():
@@ -239,7 +239,8 @@ def rank_a_module_that_is_not_a_unit_gets_no_plan():
             with FSDP.summon_full_params(fc1, writeback=False):
                 assert_params_equal(fc1, ref.blocks[0].fc1)
     assert fresh == [fc1, fc1], fresh
-    assert not any(key[0] == id(fc1) for state in fsdp2.all_fsdp_states() for key in fsdp2.summon_cache(state))
+    assert not any(key[0] == id(fc1) for state in fsdp2.all_fsdp_states()
+                   for key in vars(state).get(fsdp2._CACHE_ATTR, {}))
 
 
 def test_a_module_that_is_not_a_unit_gets_no_plan(dist_run):
