@@ -436,7 +436,7 @@ def _prepare(scope: Scope, resolved: list[DTensor], groups: list[SummonedGroup])
 # tensors, in which buckets, whether it refuses) is computed from state every
 # rank shares: the call's arguments, the module tree, FSDP2's state and
 # DTensor specs, and the registry's record of enclosing contexts, which every
-# rank keeps alike, holder of full tensors or not (``DTensorSummon._to_full``).
+# rank keeps alike, holder of full tensors or not (``DTensorSummon._gather_and_install``).
 # Never from what one rank holds: full tensors under ``rank0_only``, the
 # contents of its slots, ``.grad``, a rank-local cache. The decisions, and
 # what each reads:
