@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     import torch
     import torch.nn as nn
 
-    from fsdp_shim._units import fsdp_units, is_fsdp_module, param_fqn
+    from fsdp_shim._common import fsdp_units, is_fsdp_module, param_fqn
 
 
 __version__ = _versions.__version__
@@ -73,24 +73,11 @@ _activation = "pending"  # "pending" -> "running" -> "done"
 _refusal: str | None = None  # set when the shim patches in refusing mode (see [Note: version policy])
 
 
-def _environment_problem() -> tuple[str | None, str | None]:
-    """``(inactive, refusing)``: why the shim cannot patch, or why it patches refusing; None each when fine.
+def _load_probe() -> Callable[[], list[str]]:
+    """The FSDP2 boundary imported, and its probe: ``_versions.verdict`` calls it (the internals may have moved)."""
+    from fsdp_shim import _fsdp2  # noqa: PLC0415  (the probe: the FSDP2 internals may have moved)
 
-    See [Note: version policy] in ``_versions``.
-    """
-    try:
-        import torch  # noqa: PLC0415  (the probe: torch may be missing)
-    except ImportError as exc:
-        return f"torch cannot be imported ({exc})", None
-    wrapt_version = getattr(wrapt, "__version__", "0")
-    if not _versions.at_least(wrapt_version, _versions.MIN_WRAPT):
-        return f"wrapt {wrapt_version} lacks unwrap_object (needs >= {_versions.MIN_WRAPT})", None
-    version = torch.__version__
-    try:
-        from fsdp_shim import _fsdp2  # noqa: PLC0415  (the probe: the FSDP2 internals may have moved)
-    except ImportError as exc:  # the FSDP2 internals we rely on moved
-        return None, f"torch {version} lacks the FSDP2 internals fsdp_shim uses ({exc})"
-    return None, _versions.served(version, _fsdp2.missing_internals)
+    return _fsdp2.missing_internals
 
 
 def _activate() -> str | None:
@@ -123,7 +110,7 @@ def _activate() -> str | None:
             return None
         _activation = "running"
         try:
-            inactive, refusal = _environment_problem()
+            inactive, refusal = _versions.verdict(_load_probe)
         finally:
             _activation = "pending"
         unsupported_reason, _refusal = inactive or refusal, refusal
@@ -139,15 +126,15 @@ def _activate() -> str | None:
 
 
 def _install(refusal: str | None) -> bool:
-    """``_patching.patch``, handed the DTensor summon unless refusing: the one place above both that
+    """``_patching.patch``, handed the DTensor summon's wrapper unless refusing: the one place above both that
     knows of both (``_patching`` never imports the summon; see [Note: refusing mode] there)."""
     from fsdp_shim import _patching  # noqa: PLC0415  (torch is imported by now, not at ours)
 
     if refusal is not None:
         return _patching.patch(refusal)
-    from fsdp_shim._summon import summon  # noqa: PLC0415  (needs the FSDP2 internals)
+    from fsdp_shim._summon import summon_full_params_wrapper  # noqa: PLC0415  (needs the FSDP2 internals)
 
-    return _patching.patch(summon=summon)
+    return _patching.patch(summon=summon_full_params_wrapper)
 
 
 def _submodule_importing(besides: str = "") -> bool:
@@ -194,9 +181,9 @@ def __getattr__(name: str) -> Any:
     if name == "unsupported_reason":
         return _activate()
     if name in _UNITS_API:
-        from fsdp_shim import _units  # noqa: PLC0415  (needs torch: on first use, PEP 562)
+        from fsdp_shim import _common  # noqa: PLC0415  (needs torch: on first use, PEP 562)
 
-        return getattr(_units, name)
+        return getattr(_common, name)
     raise AttributeError(f"module 'fsdp_shim' has no attribute {name!r}")
 
 

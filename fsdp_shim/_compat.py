@@ -17,7 +17,6 @@ placement it does not know, today's or a future subclass, always takes the ``ful
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,34 +31,6 @@ except ImportError:  # pragma: no cover - a future torch without it
     _StridedShard = None  # type: ignore[assignment,misc]  # a class where torch has one
 
 _TORCH = parse_version(torch.__version__)
-
-class grad_disabled:
-    """``torch.no_grad()`` for the summon's hot path: the same switch, as two C calls.
-
-    ``torch.no_grad`` is a decorator-capable Python object whose every use
-    costs more than the switch itself; the per-unit loop enters one per unit
-    (see [Note: hot path] in ``_summon``)."""
-
-    __slots__ = ("_previous",)
-
-    def __enter__(self) -> None:
-        self._previous = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
-
-    def __exit__(self, *exc: object) -> None:
-        torch._C._set_grad_enabled(self._previous)
-
-
-#: ``all_gather_into_tensor`` was renamed ``all_gather_single`` in 2.13.
-_ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
-
-
-def all_gather_single(*args: Any, **kwargs: Any) -> Any:
-    """``dist.all_gather_single`` (``all_gather_into_tensor`` before 2.13), looked up on ``torch.distributed``
-    at each call: whatever wraps the boundary (a tracer, the tests' fault injection) sees the shim's
-    collectives too."""
-    return getattr(dist, _ALL_GATHER)(*args, **kwargs)
-
 
 def is_dim0_shard(placement: Placement) -> bool:
     """Exactly ``Shard(0)``: no subclass (``_StridedShard`` is one on torch <= 2.9)."""

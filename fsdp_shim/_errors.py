@@ -1,4 +1,4 @@
-"""The errors a caller may catch by type, and the error paths' one loop (``run_each``).
+"""The errors a caller may catch by type; importing nothing (``import fsdp_shim`` imports no torch).
 
 Each subclasses the stdlib type the shim raised before it existed (``RuntimeError``),
 so existing ``except RuntimeError`` clauses keep working (wrapt's style). Misuse that
@@ -7,10 +7,7 @@ FSDP1 refuses keeps FSDP1's own types (``NotImplementedError``, ``ValueError``, 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-
-__all__ = ["DestroyedGroupError", "GroupOutOfStepError", "UnsupportedTorchError", "WritebackRefusedError",
-           "run_each"]
+__all__ = ["DestroyedGroupError", "GroupOutOfStepError", "UnsupportedTorchError", "WritebackRefusedError"]
 
 
 class GroupOutOfStepError(RuntimeError):
@@ -18,30 +15,24 @@ class GroupOutOfStepError(RuntimeError):
     here and any collective on it could hang or pair with the wrong one. Refused before any collective;
     the recovery is to destroy and recreate the group (and the model sharded on it), or restart the job."""
 
+    __module__ = "fsdp_shim"  # where callers import it from, and how tracebacks name it
+
 
 class DestroyedGroupError(RuntimeError):
     """A DTensor's device mesh uses a process group that was destroyed or belongs to another world."""
+
+    __module__ = "fsdp_shim"  # where callers import it from, and how tracebacks name it
 
 
 class UnsupportedTorchError(RuntimeError):
     """The shim cannot gather DTensor parameters here: a torch it does not serve (refusing mode), or it is
     inactive. Raised instead of FSDP1's silent no-op."""
 
+    __module__ = "fsdp_shim"  # where callers import it from, and how tracebacks name it
+
 
 class WritebackRefusedError(RuntimeError):
     """A ``writeback=True`` exit refused before writing anything (an edit in the shard and in the full
     tensor, a changed shape): every shard is as it was before the exit."""
 
-
-def run_each(steps: Iterable[Callable[[], object] | None]) -> BaseException | None:
-    """Call every step (``None``: skipped), each even if one before it raised, ``KeyboardInterrupt`` too; return
-    the first error, for the caller to raise once all have run. Every undo of an error path runs so."""
-    first: BaseException | None = None
-    for step in steps:
-        if step is None:
-            continue
-        try:
-            step()
-        except BaseException as error:  # noqa: BLE001  # the rest still run; the first is returned
-            first = first or error
-    return first
+    __module__ = "fsdp_shim"  # where callers import it from, and how tracebacks name it

@@ -2,14 +2,15 @@
 
 Which gradients exist is rank-local (``.grad``), and the collectives a call runs must not be
 (see [Note: every rank decides alike] in ``_summon``): the ranks agree first, in one small
-all-reduce a mesh (``_gather.engine.agree_on_grads``), then the agreed gradients are gathered
+all-reduce a mesh (``agree_on_grads``), then the agreed gradients are gathered
 like the parameters, into full gradients by scope position.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, cast
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -17,8 +18,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_shim import _registry as registry
-from fsdp_shim._gather.engine import Posted, agree_on_grads, gather_full_tensors
-from fsdp_shim._gather.layout import Receiver
+from fsdp_shim._gather.engine import Posted, comm_device_of, gather_full_tensors
+from fsdp_shim._gather.layout import Meshes, Receiver, mesh_dim_groups
 from fsdp_shim._refusals import group_in_use, refuse_grad_layouts, refuse_placements
 from fsdp_shim._scope import Scope, module_label, slot_fqn
 
@@ -91,3 +92,67 @@ def gather_grads(
         posted=posted,
     )
     return {i: g for (i, _), g in zip(grads, gathered.tensors, strict=True) if g is not None}
+
+
+class GradPresence(NamedTuple):
+    """What the ranks of a parameter's mesh hold as its gradient, agreed by all of them."""
+
+    missing: bool  # some rank has none
+    present: bool  # some rank has one
+    other_layout: bool  # some rank's is not a DTensor laid out as the parameter (mesh, placements, shape, dtype)
+    one_layout: bool  # every rank that has a gradient lays it out the same way
+
+
+def _laid_out_as(grad: torch.Tensor, param: DTensor) -> bool:
+    return (isinstance(grad, DTensor) and grad.device_mesh is param.device_mesh and grad.placements == param.placements
+            and grad.shape == param.shape and grad.dtype == param.dtype
+            and grad._local_tensor.shape == param._local_tensor.shape)
+
+
+def _layout_code(grad: torch.Tensor) -> int:
+    """A number for a gradient's global layout, the same on every rank that has the same one."""
+    if isinstance(grad, DTensor):
+        text = f"{grad.device_mesh.mesh.tolist()}:{grad.placements}:{tuple(grad.shape)}:{grad.dtype}"
+    else:
+        text = f"plain:{tuple(grad.shape)}:{grad.dtype}"
+    return zlib.crc32(text.encode())
+
+
+_NO_CODE = -(1 << 62)
+
+
+def agree_on_grads(
+    dtensors: Sequence[DTensor], by_mesh: dict[int, list[int]], meshes: Meshes = None,
+) -> dict[int, GradPresence]:
+    """Every rank's view of which of ``dtensors`` have gradients, made the same on every rank.
+
+    A collective: one ``all_reduce(MAX)`` of five numbers a parameter over
+    each dim of each mesh in ``by_mesh`` (positions in ``dtensors``, grouped
+    by mesh, in the caller's order), which reduces over the whole mesh:
+    missing somewhere, present somewhere, laid out otherwise than the
+    parameter somewhere, and the largest and (negated) smallest code of the
+    present gradients' layouts (equal: one layout on every rank). What a
+    rank holds decides nothing about the collectives that follow: only the
+    agreed answer does. As FSDP1's ``unshard_grad`` all-reduces its count of
+    missing gradients.
+    """
+    agreed: dict[int, GradPresence] = {}
+    for indices in by_mesh.values():
+        first = dtensors[indices[0]]
+        local: list[int] = []
+        for index in indices:
+            param = dtensors[index]
+            grad = param.grad
+            other = grad is not None and not _laid_out_as(grad, param)
+            code = None if grad is None else _layout_code(grad)  # every present one: are they all alike?
+            local += [grad is None, grad is not None, other,
+                      _NO_CODE if code is None else code, _NO_CODE if code is None else -code]
+        flags = torch.tensor(local, dtype=torch.int64).to(comm_device_of(first))
+        mesh = None if meshes is None else meshes[indices[0]]  # its owner's, where it says (see ``Meshes``)
+        for group in mesh_dim_groups(first.device_mesh if mesh is None else mesh):
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        values = flags.tolist()
+        for position, index in enumerate(indices):
+            missing, present, other, largest, negated_smallest = values[5 * position:5 * position + 5]
+            agreed[index] = GradPresence(bool(missing), bool(present), bool(other), largest == -negated_smallest)
+    return agreed

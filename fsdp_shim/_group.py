@@ -14,6 +14,7 @@ before FSDP2's pre-forward changes any state (``refuse_forwards``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -25,27 +26,12 @@ from torch.utils.hooks import RemovableHandle
 
 from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim import _versions
-from fsdp_shim._errors import run_each
+from fsdp_shim._common import run_each
 from fsdp_shim._param import SummonedParam, hide_slots, put_back_slots
 from fsdp_shim._scope import Scope, SlotOwner, module_label, slot_owners, states_of
 
 #: A conversion made inside a context through a unit's ``_apply``: the unit and the call's arguments.
 Conversion = tuple[nn.Module, tuple[Any, ...], dict[str, Any]]
-
-
-class _RaiseOnForward:
-    """A global forward pre-hook that refuses a forward through any of its modules (by identity);
-    its message is written when it does."""
-
-    __slots__ = ("_modules", "_message")
-
-    def __init__(self, modules: Iterable[nn.Module], message: Callable[[], str]) -> None:
-        self._modules = set(modules)  # identity hashes: no call a module
-        self._message = message
-
-    def __call__(self, module: nn.Module, args: Any) -> None:
-        if module in self._modules:
-            raise RuntimeError(self._message())
 
 
 def refuse_forwards(modules: Iterable[nn.Module], message: Callable[[], str]) -> RemovableHandle:
@@ -57,7 +43,13 @@ def refuse_forwards(modules: Iterable[nn.Module], message: Callable[[], str]) ->
     so a forward through the whole model is refused before the root's
     pre-forward changes any state.
     """
-    return register_module_forward_pre_hook(_RaiseOnForward(modules, message))
+    refused = set(modules)  # identity hashes: no call a module
+
+    def refuse(module: nn.Module, args: Any) -> None:  # the message is written when it raises
+        if module in refused:
+            raise RuntimeError(message())
+
+    return register_module_forward_pre_hook(refuse)
 
 
 class _RefuseBackward(torch.autograd.Function):
@@ -405,7 +397,8 @@ class SummonedGroup:
         forgets what it undid only once undone, so a second call (exit's, after an interrupt) finishes
         what the first did not reach (see [Note: exit always restores] in ``_summon``)."""
         settle = self._roots is not None and (self._cut_short or fsdp2.forward_cut_short(self.group))
-        first = run_each((None if self._mark is None else self._mark.unmark, self._resume if self._suspended else None,
+        first = run_each((None if self._mark is None else self._mark.unmark,
+                          functools.partial(fsdp2.resume_hooks, self._suspended) if self._suspended else None,
                           self.remove_hooks, self._settle if settle else None))
         if first is not None:
             raise first  # each step runs again in a second call: unmark and settle are idempotent
@@ -416,9 +409,6 @@ class SummonedGroup:
         roots = self._roots
         assert roots is not None
         fsdp2.settle_forward(self.group, [*self.units, *roots()])  # see fsdp2.settle_forward
-
-    def _resume(self) -> None:
-        fsdp2.resume_hooks(self._suspended)
 
     def remove_hooks(self) -> None:
         """Any cast a forward left put back, then the forward hooks off; one at a time, so that an
@@ -452,9 +442,7 @@ def summon_groups(
             if group is not None:
                 by_group.setdefault(group, []).append(param)
 
-    def roots() -> list[nn.Module]:  # worked out only where a forward is refused
-        return fsdp2.root_modules(states_of(scope))
-
+    roots = functools.partial(fsdp2.root_modules, states_of(scope))  # worked out only where a forward is refused
     units: list[nn.Module] = []
     for summoned_group in groups:
         summoned_group.summon(by_group.get(summoned_group.group, []), holds_fulls, not rank0_only, roots)

@@ -1,22 +1,22 @@
-"""The patch lifecycle, and which FSDP serves a module: FSDP1's, or the shim's DTensor summon.
+"""The patch lifecycle: which wrapper serves ``FullyShardedDataParallel.summon_full_params``, and its undo.
 
-Owns the wrapt wrapper on ``FullyShardedDataParallel.summon_full_params`` (one handle: [Note: one handle]
-at ``is_patched``), its instance form on ``FSDPModule`` ([Note: the instance form] at
-``_install_instance_form``) and, in active mode, the client instrumentations (``instrumentations``), the
-``fully_shard`` guard (``_refuse_fully_shard_inside``) and the guard on FSDP2's calls inside a context;
-``unpatch`` removes them all. Routing itself is ``_units.route``, which both modes ask (the active one
-through ``_summon.summon``). Its imports read public torch only (``_fsdp2``, ``_registry`` and the
-instrumentations are imported in active mode, deferred), and the summon is handed in by ``fsdp_shim.patch``,
-never imported, so refusing mode can import this module (see [Note: refusing mode] at ``_refusing_summon``).
+Owns the wrapt wrapper's handle ([Note: one handle] at ``is_patched``): in active mode the summon's own
+(``_summon.summon_full_params_wrapper``, handed in by ``fsdp_shim.patch``, never imported), with the client
+instrumentations, the ``fully_shard`` guard (``_refuse_fully_shard_inside``) and the guard on FSDP2's calls
+inside a context; in refusing mode ``_refusing_wrapper``. Also the instance form on ``FSDPModule``
+([Note: the instance form] at ``_install_instance_form``). ``unpatch`` removes them all. Both modes route
+by ``_common.route``. Its imports read public torch only (``_fsdp2`` and the instrumentations are imported
+in active mode, deferred), so refusing mode can import it (see [Note: refusing mode] at ``_refusing_wrapper``).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any, ContextManager
+from typing import Any
 
 import torch.nn as nn
 import wrapt
@@ -24,7 +24,7 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
 from fsdp_shim import _versions
 from fsdp_shim._errors import UnsupportedTorchError
-from fsdp_shim._units import route
+from fsdp_shim._common import route
 
 logger = logging.getLogger("fsdp_shim")
 
@@ -33,44 +33,36 @@ _NAME = "summon_full_params"
 
 _lock = threading.Lock()
 _handle: wrapt.FunctionWrapper | None = None
-_refusal: str | None = None  # see [Note: refusing mode]
-#: The DTensor summon (``_summon.summon``) the wrapper routes to, handed to ``patch()`` by the layer
-#: above (``fsdp_shim.patch``), so that this module never imports the summon: refusing mode must not.
-SummonFn = Callable[..., ContextManager[Any]]
-_summon: SummonFn | None = None
+_active = False  # whether ``_handle`` serves DTensor summons (else it refuses them): see [Note: refusing mode]
+#: A wrapt wrapper (``wrapped, instance, args, kwargs``): ``_summon.summon_full_params_wrapper``, handed
+#: to ``patch()`` by the layer above (``fsdp_shim.patch``), so that this module never imports the summon:
+#: refusing mode must not.
+Wrapper = Callable[[Any, Any, tuple[Any, ...], dict[str, Any]], Any]
 
 
 def _fsdp1_arguments(
     module: Any, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,
     offload_to_cpu: bool = False, with_grads: bool = False,
 ) -> tuple[Any, bool, bool, bool, bool, bool]:
-    """FSDP1's signature, bound by the interpreter rather than ``inspect.Signature.bind`` (which costs
-    more than a whole per-unit summon's refusal checks); the arguments in FSDP1's order.
-
-    ``test_patching`` checks that its parameters and defaults are FSDP1's exactly.
-    """
+    """FSDP1's signature, bound by the interpreter rather than ``inspect.Signature.bind``; the arguments
+    in FSDP1's order. ``test_patching`` checks that its parameters and defaults are FSDP1's exactly."""
     return module, recurse, writeback, rank0_only, offload_to_cpu, with_grads
 
 
-def _summon_full_params_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Route one ``FSDP.summon_full_params(...)`` call (see [Note: summon lifecycle] in ``_summon``)."""
-    bound = _fsdp1_arguments(*args, **kwargs)
-    if _refusal is not None or _summon is None:
-        return _refusing_summon(wrapped, _refusal or "fsdp_shim is not active", *bound)
-    return _summon(*bound, fsdp1=wrapped)
-
-
-def _refusing_summon(wrapped: Any, refusal: str, module: Any, recurse: bool, *rest: Any) -> Any:
+def _refusing_wrapper(refusal: str, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """FSDP1's own context, unless the call would take the DTensor route: then raise.
 
     [Note: refusing mode]
-    ``patch(refusal)`` with a reason installs the same wrapper, routing to
-    ``_refusing_summon`` instead of ``_summon.summon``: FSDP1 trees and plain modules
-    reach FSDP1's original, a module holding DTensors (or an FSDP2 unit) raises.
-    It reads only public torch (``FSDPModule``, ``DTensor``), so it works on a
-    torch whose FSDP2 internals moved; nothing of the package but ``_versions``
-    is imported (no instrumentations, no guard). See [Note: version policy] in ``_versions``.
+    ``patch(refusal)`` with a reason installs this wrapper, the reason bound to
+    it, instead of the summon's: FSDP1 trees and plain modules reach FSDP1's
+    original, a module holding DTensors (or an FSDP2 unit) raises. It reads
+    only public torch (``FSDPModule``, ``DTensor``, through ``_common.route``,
+    which the active mode's ``summon`` asks too), so it works on a torch whose
+    FSDP2 internals moved; nothing of the package but ``_versions`` is
+    imported (no instrumentations, no guard). See [Note: version policy] in
+    ``_versions``.
     """
+    module, recurse, *rest = _fsdp1_arguments(*args, **kwargs)
     if isinstance(module, nn.Module) and route(module, recurse)[0] == "dtensor":
         raise UnsupportedTorchError(
             f"summon_full_params({type(module).__name__}) holds DTensor parameters, which fsdp_shim cannot gather "
@@ -181,23 +173,24 @@ def is_patched() -> bool:
     return _handle is not None and wrapt.is_wrapped_by(current, _handle)
 
 
-def patch(refusal: str | None = None, summon: SummonFn | None = None) -> bool:
+def patch(refusal: str | None = None, summon: Wrapper | None = None) -> bool:
     """Install the wrapper; returns False (and changes nothing) if ours is already there.
 
     With ``refusal``, the wrapper refuses DTensor summons: see [Note: refusing mode]. Otherwise
-    ``summon`` (``_summon.summon``) serves them, and the instrumentations and the guard are installed.
+    ``summon`` (``_summon.summon_full_params_wrapper``) serves them, and the instrumentations and the
+    guards are installed.
     """
-    if refusal is None and summon is None:
-        raise TypeError("patch() needs the DTensor summon to route to, or a refusal")
-    global _handle, _refusal, _summon, _guard_handle
+    wrapper: Wrapper | None = summon if refusal is None else functools.partial(_refusing_wrapper, refusal)
+    if wrapper is None:
+        raise TypeError("patch() needs the DTensor summon's wrapper to install, or a refusal")
+    global _handle, _active, _guard_handle
     with _lock:
         if is_patched():
             return False
-        _refusal = refusal
-        _summon = summon
-        _handle = wrapt.wrap_function_wrapper(_TARGET, _NAME, _summon_full_params_wrapper)
+        _handle = wrapt.wrap_function_wrapper(_TARGET, _NAME, wrapper)
+        _active = refusal is None
         _install_instance_form()
-        if refusal is None:
+        if _active:
             from fsdp_shim import instrumentations  # noqa: PLC0415  (not in refusing mode)
             from fsdp_shim import _fsdp2  # noqa: PLC0415  (FSDP2's internals: not in refusing mode)
 
@@ -219,7 +212,7 @@ def unpatch() -> bool:
         removed = wrapt.unwrap_object(_TARGET, _NAME, _handle, missing_ok=True)
         _handle = None
         _remove_instance_form()
-        if _refusal is None:
+        if _active:
             from fsdp_shim import _fsdp2  # noqa: PLC0415  (not in refusing mode)
             from fsdp_shim.instrumentations import uninstrument_all  # noqa: PLC0415  (not in refusing mode)
 

@@ -193,7 +193,7 @@ def refuse_writeback_inside_no_writeback(module: nn.Module, enclosing: Iterable[
 
 
 def group_in_use(call: str) -> RuntimeError:
-    """The refusal when ``_registry.enter`` finds a process group in use by another thread's context or stream."""
+    """The refusal when ``_registry.claim`` finds a process group in use by another thread's context or stream."""
     return RuntimeError(
         f"{call} refused: another thread has a summon_full_params context or an iter_full_params stream "
         "open on the same process group, and two threads issuing collectives on "

@@ -14,7 +14,7 @@ or change.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -109,8 +109,8 @@ _groups: dict[int, tuple[int, int]] = {}
 _depth: dict[int, int] = {}
 
 
-def current_thread() -> int:
-    return threading.get_ident()
+#: This thread's identity (a C function: no Python frame on the hot path).
+current_thread = threading.get_ident
 
 
 def slots_of_thread(thread: int) -> dict[SlotKey, LiveContext]:
@@ -174,12 +174,12 @@ def register(context: LiveContext) -> None:
     _live[id(context)] = _Registered(context)
 
 
-def forget(context: LiveContext, claimed: Iterable[dist.ProcessGroup] | None) -> None:
+def forget(context: LiveContext, claimed: Sequence[dist.ProcessGroup] | None) -> None:
     """``context`` has ended: its slots hold their own objects again; with ``claimed``, the groups it
-    ``enter``-ed with are given back and its thread has one live context fewer."""
+    claimed are given back and its thread has one live context fewer."""
     _live.pop(id(context), None)
     if claimed is not None:
-        leave(context.thread, claimed)
+        release(claimed, context.thread)
 
 
 def record_of(param: torch.Tensor) -> Summoned | None:
@@ -195,58 +195,37 @@ def has_live_context(thread: int) -> bool:
     return _depth.get(thread, 0) > 0
 
 
-def claim(thread: int, groups: Iterable[dist.ProcessGroup]) -> bool:
-    """Claim ``groups`` for this thread (a context or a stream); False, claiming nothing, if another
-    thread uses one of them (``_refusals.group_in_use`` says why that is refused)."""
+def claim(thread: int, groups: Sequence[dist.ProcessGroup], *, context: bool = False) -> bool:
+    """Claim ``groups`` for this thread, for a stream or (``context``) a new context, which then counts
+    as one more live context of the thread; False, claiming nothing, if another thread uses one of them
+    (``_refusals.group_in_use`` says why that is refused)."""
     with _lock:
-        return _claim(thread, list(groups))
-
-
-def _claim(thread: int, groups: list[dist.ProcessGroup]) -> bool:
-    """``claim``, under ``_lock``."""
-    for group in groups:
-        owner = _groups.get(id(group))
-        if owner is not None and owner[0] != thread:
-            return False
-    for group in groups:
-        owner = _groups.get(id(group))
-        _groups[id(group)] = (thread, 1 if owner is None else owner[1] + 1)
+        for group in groups:
+            owner = _groups.get(id(group))
+            if owner is not None and owner[0] != thread:
+                return False
+        for group in groups:
+            owner = _groups.get(id(group))
+            _groups[id(group)] = (thread, 1 if owner is None else owner[1] + 1)
+        if context:
+            _depth[thread] = _depth.get(thread, 0) + 1
     return True
 
 
-def release(groups: Iterable[dist.ProcessGroup]) -> None:
-    """Give back one claim on each of ``groups``."""
+def release(groups: Sequence[dist.ProcessGroup], thread: int | None = None) -> None:
+    """Give back one claim on each of ``groups``; with ``thread``, undo a ``claim(context=True)`` of it."""
     with _lock:
-        _release(groups)
-
-
-def _release(groups: Iterable[dist.ProcessGroup]) -> None:
-    """``release``, under ``_lock``."""
-    for group in groups:
-        owner = _groups.get(id(group))
-        if owner is None:
-            continue
-        if owner[1] <= 1:
-            del _groups[id(group)]
-        else:
-            _groups[id(group)] = (owner[0], owner[1] - 1)
-
-
-def enter(thread: int, groups: Iterable[dist.ProcessGroup]) -> bool:
-    """``claim`` for a new context of this thread, which then has one more live context."""
-    with _lock:
-        if not _claim(thread, list(groups)):
-            return False
-        _depth[thread] = _depth.get(thread, 0) + 1
-    return True
-
-
-def leave(thread: int, groups: Iterable[dist.ProcessGroup]) -> None:
-    """Undo ``enter``."""
-    with _lock:
-        _release(groups)
-        remaining = _depth.get(thread, 0) - 1
-        if remaining > 0:
-            _depth[thread] = remaining
-        else:
-            _depth.pop(thread, None)
+        for group in groups:
+            owner = _groups.get(id(group))
+            if owner is None:
+                continue
+            if owner[1] <= 1:
+                del _groups[id(group)]
+            else:
+                _groups[id(group)] = (owner[0], owner[1] - 1)
+        if thread is not None:
+            remaining = _depth.get(thread, 0) - 1
+            if remaining > 0:
+                _depth[thread] = remaining
+            else:
+                _depth.pop(thread, None)

@@ -23,7 +23,7 @@ from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim import _registry as registry
 from fsdp_shim._param import ScopedParam
 from fsdp_shim._registry import SlotKey
-from fsdp_shim._units import holds_distributed, scope_modules
+from fsdp_shim._common import holds_distributed, scope_modules
 
 if TYPE_CHECKING:
     from fsdp_shim._gather.layout import BucketPlan
@@ -157,7 +157,7 @@ def first_untracked_slot(entries: Iterable[ScopedParam], shardeds: Iterable[Any]
 
 def has_distributed_params(modules: list[nn.Module]) -> bool:
     """Whether ``collect_scope`` over ``modules`` (a ``scope_modules`` list) could find anything to gather:
-    ``_units.holds_distributed``, or a slot a live summon holds, or one FSDP2 manages."""
+    ``_common.holds_distributed``, or a slot a live summon holds, or one FSDP2 manages."""
     if holds_distributed(modules):
         return True
     if registry.has_live_slots() and any(  # a live summon's slots, whatever this rank's hold: every rank alike
@@ -361,7 +361,7 @@ class CachedSummon:
     slots, the meta device, live groups. The spec checks (placements, meshes)
     are skipped only for the very spec objects that passed last time
     (``checked_groups``), and the bucket plan checks its own key
-    (``_gather.layout.bucket_plan_key``) against each call's tensors.
+    (``_gather.layout.bucket_plan``) against each call's tensors.
 
     ``scope`` is shared between the calls that reuse it: nothing writes to it
     after ``collect_scope`` but ``states_of``, which caches its answer there.

@@ -26,7 +26,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim import _registry as registry
-from fsdp_shim._errors import run_each
+from fsdp_shim._common import run_each
 from fsdp_shim._gather.engine import Gathered, Posted, gather_full_tensors
 from fsdp_shim._gather.layout import BucketCap, Receiver, bucket_cap, mark_part_way, receivers_for_summon
 from fsdp_shim._grads import agreed_grads, gather_grads
@@ -49,9 +49,22 @@ from fsdp_shim._scope import (
     slot_fqn,
     states_of,
 )
-from fsdp_shim._units import route
+from fsdp_shim._common import route
 
 logger = logging.getLogger("fsdp_shim")
+
+
+_FSDP1_KEYWORDS = frozenset(("module", "recurse", "writeback", "rank0_only", "offload_to_cpu", "with_grads"))
+
+
+def summon_full_params_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The wrapt wrapper on ``FullyShardedDataParallel.summon_full_params`` in active mode (``_patching``
+    installs it): FSDP1's arguments, bound by ``summon``'s signature, whose positional parameters are
+    FSDP1's (``test_patching`` checks); a keyword FSDP1 lacks is refused as FSDP1 refuses it."""
+    if kwargs and not _FSDP1_KEYWORDS.issuperset(kwargs):
+        unexpected = sorted(kwargs.keys() - _FSDP1_KEYWORDS)[0]
+        raise TypeError(f"summon_full_params() got an unexpected keyword argument {unexpected!r}")
+    return summon(*args, fsdp1=wrapped, **kwargs)
 
 
 def summon(
@@ -150,38 +163,22 @@ def summon(
 # Grad mode is put back too: an interrupt inside a ``no_grad`` block's
 # own exit (the writeback runs under one) would leave it off for the
 # thread. The release is idempotent (each step forgets what it undid
-# only once undone), and ``__exit__`` runs it a second time when the
-# first was cut short (``_release_again``), so an interrupt at any call
+# only once undone), and ``__exit__`` runs it again when the
+# first was cut short (``_release_after``), so an interrupt at any call
 # of the release is finished by the second pass. Python lets no library
 # shield the first bytecodes of ``__exit__`` itself; every call after
 # them is covered (``tests/test_interrupts.py`` injects at each).
 class DTensorSummon:
-    """The DTensor implementation of ``summon_full_params``: a single-use context manager, one object
-    from the call to the exit.
+    """``summon_full_params`` for DTensors: a single-use context manager, one object from the call to the exit
+    (to the registry, ``registry.LiveContext``). Entered, it holds ``summoned`` (a ``SummonedParam`` for each
+    parameter in scope, in scope order, on every rank), ``groups`` (a ``SummonedGroup`` each), ``conversions``
+    ([Note: conversions inside] in ``_group``) and its group claims. ``__enter__`` refuses, prepares, gathers,
+    installs ([Note: summon lifecycle]), or undoes what it did; ``__exit__`` restores, also when the body
+    raised ([Note: faults], [Note: exit always restores])."""
 
-    It holds the call's arguments, then, once entered, a ``SummonedParam`` for each parameter in scope,
-    a ``SummonedGroup`` for each FSDP2 group, the conversions made inside and its group claims; to the
-    registry it is ``registry.LiveContext``. ``__enter__`` refuses, prepares, gathers, installs (see
-    [Note: summon lifecycle]); a failed entry undoes what it did and writes nothing back. ``__exit__``
-    restores, also when the body raised. See [Note: faults] and [Note: exit always restores] above.
-    """
-
-    __slots__ = (
-        "module", "recurse", "writeback", "rank0_only", "offload_to_cpu", "with_grads", "cap", "_modules",
-        "_entered", "thread", "scope", "summoned", "groups", "conversions", "_forward_refusal", "_body_ran", "_claimed",
-        "_live", "_holds_fulls",
-    )
-
-    #: Every parameter in scope, in scope order, on every rank (the registry's record of the context).
-    summoned: list[SummonedParam]
-    #: Every FSDP2 group with a parameter in scope, made before the gather (``SummonedGroup.prepare``).
-    groups: list[SummonedGroup]
-    #: Conversions (``.to()``, ``.float()``, ...) made inside. See [Note: conversions inside] in ``_group``.
-    conversions: Conversions
-    _forward_refusal: RemovableHandle | None  # under ``rank0_only``: every forward refused while it lives
-    _body_ran: bool  # only then may a writeback happen: see [Note: faults]
-    _claimed: list[dist.ProcessGroup] | None  # the process groups it claimed: released on exit
-    _holds_fulls: bool  # whether this rank's slots hold full tensors (set once they are gathered)
+    __slots__ = ("module", "recurse", "writeback", "rank0_only", "offload_to_cpu", "with_grads", "cap", "_modules",
+                 "_entered", "thread", "scope", "summoned", "groups", "conversions", "_forward_refusal", "_body_ran",
+                 "_claimed", "_live", "_holds_fulls")
 
     def __init__(
         self, module: nn.Module, recurse: bool, writeback: bool, rank0_only: bool, offload_to_cpu: bool,
@@ -191,8 +188,13 @@ class DTensorSummon:
         self.rank0_only, self.offload_to_cpu, self.with_grads = rank0_only, offload_to_cpu, with_grads
         self.cap = cap
         self._modules = modules  # the scope's modules, if routing walked them; dropped at entry
-        self._entered = False
-        self._live = False  # whether ``__exit__`` has anything to restore
+        self._entered = self._live = False  # ``_live``: whether ``__exit__`` has anything to restore
+        self.summoned: list[SummonedParam] = []
+        self.groups: list[SummonedGroup] = []
+        self.conversions = Conversions()
+        self._forward_refusal: RemovableHandle | None = None  # under ``rank0_only``: every forward refused
+        self._claimed: list[dist.ProcessGroup] | None = None  # the process groups it claimed: released on exit
+        self._body_ran = self._holds_fulls = False  # a writeback only after the body ran: see [Note: faults]
 
     def __enter__(self) -> None:
         if self._entered:
@@ -206,9 +208,9 @@ class DTensorSummon:
         # 1. refuse: misuse raises here, alike on every rank, before any change or collective.
         process_groups, shardeds = refuse_before_anything(self.module, scope, self.writeback, thread, cached)
         grad_enabled = torch.is_grad_enabled()
-        self._begin(scope)
+        self.scope, self._live = scope, True  # from here on there is something to undo
         try:
-            if not registry.enter(thread, process_groups):
+            if not registry.claim(thread, process_groups, context=True):
                 raise group_in_use(f"summon_full_params({module_label(self.module)})")
             self._claimed = process_groups
             # 2. prepare: FSDP2's groups in a known state; the DTensors to gather, resolved once.
@@ -217,7 +219,7 @@ class DTensorSummon:
             self._body_ran = True  # See [Note: faults]
         except BaseException as error:
             self._live = False
-            self._abandon(grad_enabled, error)
+            self._release_after(error, grad_enabled)  # the body never ran: nothing inspected or written back
             raise
 
     def __exit__(self, exc_type: object, body_error: BaseException | None, traceback: object) -> None:
@@ -227,23 +229,15 @@ class DTensorSummon:
         try:
             self.restore()  # raising or not, everything is restored first: see [Note: exit always restores]
         except BaseException as error:
-            self._release_again(error)
+            self._release_after(error)
             if body_error is not None and error is not body_error and error.__context__ is None:
                 error.__context__ = body_error  # Python does not chain an error raised from inside torch's C++
             raise
 
-    # -- entry -------------------------------------------------------------
-    def _begin(self, scope: Scope) -> None:
-        """From here on ``restore`` has something to undo: the fields it reads, empty."""
-        self.scope, self.summoned, self.groups, self.conversions = scope, [], [], Conversions()
-        self._forward_refusal, self._body_ran, self._claimed, self._holds_fulls = None, False, None, False
-        self._live = True
-
     def _gather_and_install(self, dtensors: list[DTensor], cached: CachedSummon | None,
                             process_groups: list[dist.ProcessGroup]) -> None:
-        """3. gather (``_gather``); 4. install: a ``SummonedParam`` for every tensor on every rank, put to full
-        where this rank holds full tensors, the context registered on every rank alike (a nested call or a
-        stream decides from the registry: see [Note: every rank decides alike]), every FSDP2 group summoned."""
+        """3. gather (``_gather``); 4. install: a ``SummonedParam`` for each tensor, put to full where this rank
+        holds full tensors; the context registered on every rank alike ([Note: every rank decides alike])."""
         scope, started = self.scope, time.perf_counter()
         receiver, holds_fulls = receivers_for_summon(self.rank0_only, scope.groups, scope.fsdp2_only)
         self._holds_fulls = holds_fulls
@@ -265,14 +259,14 @@ class DTensorSummon:
         if logger.isEnabledFor(logging.DEBUG):
             _log_gathered(self, dtensors, started)
 
-    # -- exit --------------------------------------------------------------
     def restore(self) -> None:
-        """Undo the entry: hooks off, inspect (holders), release, then replay and writeback if the body ran.
-        See [Note: exit always restores]."""
+        """Undo the entry: casts and forward hooks off, inspect (holders), release, then replay and
+        writeback if the body ran. See [Note: exit always restores]."""
         inspected, released, grad_enabled = False, False, torch.is_grad_enabled()
         try:
             try:
-                self._remove_hooks()
+                for group in self.groups:  # one at a time: if a removal is interrupted, the release finishes
+                    group.remove_hooks()
                 if self._holds_fulls:  # elsewhere the slots kept their shards: nothing to inspect
                     inspect_slots(self.summoned, self.conversions.exit_dtype if self.writeback else None)
                 inspected = True
@@ -286,21 +280,8 @@ class DTensorSummon:
                     write_back(self.summoned, self._name, self.with_grads)
                     fsdp2.order_after_writeback(states_of(self.scope))
         finally:
-            if released:  # else exit's second release needs the records (``_release_again``)
+            if released:  # else exit's second release needs the records (``_release_after``)
                 self.summoned.clear()
-            if torch.is_grad_enabled() is not grad_enabled:
-                torch._C._set_grad_enabled(grad_enabled)
-
-    def _abandon(self, grad_enabled: bool, error: BaseException) -> None:
-        """Undo a failed entry: the body never ran, so nothing is inspected or written back (see
-        [Note: faults]); grad mode as it was at entry. A failure of the release itself is logged, so
-        that the caller sees its own ``error``."""
-        try:
-            self._release()
-        except BaseException:  # noqa: BLE001  # a second pass finishes it; ``error`` is the caller's to see
-            self._release_again(error)
-        finally:
-            self.summoned.clear()
             if torch.is_grad_enabled() is not grad_enabled:
                 torch._C._set_grad_enabled(grad_enabled)
 
@@ -309,12 +290,12 @@ class DTensorSummon:
 
     def _release(self) -> None:
         """Every slot gets back the exact object it held; then every group released (the last made first),
-        the forward refusal, registry entry and group claims undone, each even if another raised, the first
-        error raised after all of them (a failed ``to_sharded`` leaves them to the second pass,
-        ``_release_again``). See [Note: exit always restores]."""
+        the forward refusal, registry entry and claims undone, each even if another raised, the first error
+        raised after all (a failed ``to_sharded`` leaves them to the next pass): [Note: exit always restores]."""
         to_sharded(self.summoned)
-        first = run_each([*(group.release for group in reversed(self.groups)), self._remove_hooks,
-                          self.conversions.release])
+        refusal = self._forward_refusal
+        first = run_each([*(group.release for group in reversed(self.groups)),
+                          None if refusal is None else refusal.remove, self.conversions.release])
         if first is None:
             self.groups = []
         registry.forget(self, self._claimed)  # dict and counter updates
@@ -322,25 +303,20 @@ class DTensorSummon:
         if first is not None:
             raise first
 
-    def _release_again(self, error: BaseException) -> None:
-        """A second ``_release`` after a failed exit or entry: it finishes what an interrupt kept the first
-        from reaching, and changes nothing where the first completed. Its own failure is logged, so
-        that the caller sees ``error``."""
+    def _release_after(self, error: BaseException, grad_enabled: bool | None = None) -> None:
+        """``_release`` after a failed entry or exit, twice if cut short (each pass finishes what the one before
+        did not reach); a failure of the last is logged, so that the caller sees ``error``; grad mode put back."""
         try:
-            self._release()
+            try:
+                self._release()
+            except BaseException:  # noqa: BLE001  # the second pass finishes it
+                self._release()
+            self.summoned.clear()
         except BaseException:  # logged: ``error`` is the caller's to see
             logger.exception("summon_full_params: restoring after %r failed", error)
-        else:
-            self.summoned.clear()
-
-    def _remove_hooks(self) -> None:
-        """The forward hooks off, the groups' and the context's own (one at a time: if a removal is
-        interrupted, the release removes the rest)."""
-        for group in self.groups:
-            group.remove_hooks()
-        if self._forward_refusal is not None:
-            self._forward_refusal.remove()
-            self._forward_refusal = None
+        finally:
+            if grad_enabled is not None and torch.is_grad_enabled() is not grad_enabled:
+                torch._C._set_grad_enabled(grad_enabled)
 
 
 def _gather(
@@ -351,7 +327,7 @@ def _gather(
     """Every collective of an entry but the gradients' agreement: the parameters, then the agreed gradients.
     Every value is in when it returns; left part way, it marks ``groups`` out of step on this rank (see
     [Note: a one-sided fault leaves its own mark] in ``_gather.engine``). The plan is kept on ``cached``."""
-    collective_bytes = cap.collective_bytes(len(scope.groups) == 1 and scope.fsdp2_only)
+    collective_bytes = cap.one_unit_bytes if len(scope.groups) == 1 and scope.fsdp2_only else None
     posted = Posted()
     try:
         gathered = gather_full_tensors(dtensors, holds_fulls=holds_fulls, out_device=out_device,
@@ -440,7 +416,7 @@ def _prepare(scope: Scope, resolved: list[DTensor], groups: list[SummonedGroup])
 # Never from what one rank holds: full tensors under ``rank0_only``, the
 # contents of its slots, ``.grad``, a rank-local cache. The decisions, and
 # what each reads:
-# - *route* (``_units.route``, from ``summon``): the module tree (``is_fsdp1_tree``), FSDP2's units
+# - *route* (``_common.route``, from ``summon``): the module tree (``is_fsdp1_tree``), FSDP2's units
 #   and ownership, DTensor specs, and the registry (a slot a live summon holds,
 #   or one holding a live summon's full or sharded tensor, a tie made inside,
 #   counts as distributed on every rank, whatever this rank's slot holds);
@@ -483,7 +459,7 @@ def _prepare(scope: Scope, resolved: list[DTensor], groups: list[SummonedGroup])
 # - a unit is gathered in one collective a dtype, as ``unshard()`` does;
 # - ``DTensorSummon`` is a slotted class, not a generator and an
 #   ``ExitStack``; its ``SummonedParam``s are made by one ``map``;
-# - ``_compat.grad_disabled``: ``no_grad`` as two C calls;
+# - the engine's ``no_grad``: the C switch itself, twice a gather;
 # - a context's root state is found in O(1): FSDP2's lazy init lists it
 #   first (``_fsdp2``);
 # - ``Posted.any`` is a class attribute, the registry dicts and counters.

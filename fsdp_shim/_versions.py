@@ -3,8 +3,9 @@
 This module imports nothing heavier than the standard library, so that
 ``fsdp-shim check``, the import-time guard, the version matrix and the tests
 can all read the same facts without importing torch first, and so that the
-warning that torch cannot be imported can still be given. ``served`` is the
-one owner of whether a torch is served: [Note: version policy] is beside it.
+warning that torch cannot be imported can still be given. ``verdict`` (with
+``served``) is the one owner of whether a torch is served: [Note: version
+policy] is beside ``served``.
 """
 
 from __future__ import annotations
@@ -86,6 +87,28 @@ def is_newer_than_supported(version: str) -> bool:
 def is_verified_torch(version: str) -> bool:
     """One of the exact releases the matrix passed on (local labels such as ``+cpu`` ignored)."""
     return parse_version(version)[:3] in {parse_version(v) for v in VERIFIED_TORCH}
+
+
+def verdict(load_probe: Callable[[], Callable[[], list[str]]]) -> tuple[str | None, str | None]:
+    """``(inactive, refusing)``: why the shim cannot patch here, or why it patches refusing; None each
+    where it serves. The one owner of "which torch is served" (see [Note: version policy] at ``served``):
+    a torch that cannot be imported, or a wrapt below ``MIN_WRAPT``, leaves it inactive; FSDP2 internals
+    that fail to import (``load_probe`` imports them and returns the probe) or ``served``'s answer make
+    it refuse. Imports torch and wrapt here, on the call, never at this module's import."""
+    try:
+        import torch  # noqa: PLC0415  (the probe: torch may be missing)
+    except ImportError as exc:
+        return f"torch cannot be imported ({exc})", None
+    import wrapt  # noqa: PLC0415  (on the call, as torch)
+
+    wrapt_version = getattr(wrapt, "__version__", "0")
+    if not at_least(wrapt_version, MIN_WRAPT):
+        return f"wrapt {wrapt_version} lacks unwrap_object (needs >= {MIN_WRAPT})", None
+    try:
+        missing_internals = load_probe()
+    except ImportError as exc:  # the FSDP2 internals we rely on moved
+        return None, f"torch {torch.__version__} lacks the FSDP2 internals fsdp_shim uses ({exc})"
+    return None, served(torch.__version__, missing_internals)
 
 
 def served(torch_version: str, missing_internals: Callable[[], list[str]]) -> str | None:

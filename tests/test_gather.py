@@ -11,7 +11,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from _helpers import mesh1d
 from fsdp_shim._compat import STRIDED_SHARD_FULL_TENSOR_BROKEN
 from fsdp_shim._param import write_back_locals
-from fsdp_shim._gather.engine import gather_full_tensors, start_gather
+from fsdp_shim._gather.engine import AllGatherFlight, InPlace, gather_full_tensors, start_gather
 from fsdp_shim._gather.layout import (
     BUCKET_ENV,
     DEFAULT_BUCKET_MB,
@@ -19,7 +19,6 @@ from fsdp_shim._gather.layout import (
     dim0_layout,
     split_into_buckets,
 )
-from fsdp_shim._gather.staging import AllGatherFlight, InPlace
 from fsdp_shim._refusals import refuse_placements
 
 DEFAULT = bucket_cap().bucket_bytes
@@ -186,11 +185,11 @@ def test_offload_moves_results_to_cpu(dist_run):
 
 def test_bucket_size_from_keyword_env_and_default(monkeypatch):
     monkeypatch.delenv(BUCKET_ENV, raising=False)
-    assert bucket_cap() == (int(DEFAULT_BUCKET_MB * 2**20), False)
-    assert bucket_cap().collective_bytes(one_unit=True) is not None  # [Note: one unit, one collective]
+    assert bucket_cap().bucket_bytes == int(DEFAULT_BUCKET_MB * 2**20)
+    assert bucket_cap().one_unit_bytes is not None  # [Note: one unit, one collective]
     monkeypatch.setenv(BUCKET_ENV, "0.5")
-    assert bucket_cap() == (2**19, True)
-    assert bucket_cap().collective_bytes(one_unit=True) is None  # a chosen size holds for one unit too
+    assert bucket_cap().bucket_bytes == 2**19
+    assert bucket_cap().one_unit_bytes is None  # a chosen size holds for one unit too
     assert bucket_cap(2).bucket_bytes == 2 * 2**20  # the keyword wins
     monkeypatch.setenv(BUCKET_ENV, "lots")
     with pytest.raises(ValueError, match=BUCKET_ENV):

@@ -57,10 +57,10 @@ def test_stream_to_a_named_host_device(dist_run):
 # --------------------------------------------------------------------------- the stream's launch order
 def rank_the_stream_launches_the_next_batch_before_copying_out():
     """Batch k + 1's all-gathers are on the wire while batch k is copied out (and moved to the host)."""
-    from fsdp_shim._gather import engine, staging
+    from fsdp_shim._gather import engine
 
     events: list[str] = []
-    launched, finish_bucket = staging.AllGatherFlight.launched, engine._finish_bucket
+    launched, finish_bucket = engine.AllGatherFlight.launched, engine._finish_bucket
 
     def launch(self):
         if self.launch is not None:
@@ -72,11 +72,11 @@ def rank_the_stream_launches_the_next_batch_before_copying_out():
         return finish_bucket(flight, holds_fulls, out_device)
 
     ref, model = build_lm(), shard_lm(build_lm())
-    staging.AllGatherFlight.launched, engine._finish_bucket = launch, finish
+    engine.AllGatherFlight.launched, engine._finish_bucket = launch, finish
     try:
         got = dict(fsdp_shim.iter_full_params(model, rank0_only=False, bucket_mb=0.06))  # a bucket a unit
     finally:
-        staging.AllGatherFlight.launched, engine._finish_bucket = launched, finish_bucket
+        engine.AllGatherFlight.launched, engine._finish_bucket = launched, finish_bucket
     assert all(torch.equal(got[n], p) for n, p in ref.named_parameters())
     batches = events.count("launch")
     assert batches >= 2 and events.count("copy-out") == batches

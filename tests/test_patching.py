@@ -15,7 +15,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 import fsdp_shim
 from fsdp_shim import _versions
-from fsdp_shim._units import is_fsdp1_tree
+from fsdp_shim._common import is_fsdp1_tree
 from fsdp_shim._summon import summon
 
 ORIGINAL = inspect.getattr_static(FSDP, "summon_full_params")
@@ -273,6 +273,15 @@ def test_the_wrapper_binds_arguments_with_fsdp1s_exact_signature():
     def shape(function):
         return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
 
-    assert shape(_patching._fsdp1_arguments) == shape(ORIGINAL.__func__)
+    assert shape(_patching._fsdp1_arguments) == shape(ORIGINAL.__func__)  # refusing mode's
     with pytest.raises(TypeError):
         _patching._fsdp1_arguments(nn.Linear(1, 1), True, True, False, False, False, "one too many")
+    from fsdp_shim import _summon
+
+    positional = [p for p in shape(_summon.summon) if p[1] is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    assert positional == shape(ORIGINAL.__func__)  # the active mode's: ``summon`` binds them
+    for extra in ({"bucket_mb": 4}, {"fsdp1": None}, {"nonsense": 1}):  # FSDP1 refuses each: so do we
+        with pytest.raises(TypeError):
+            FSDP.summon_full_params(nn.Linear(1, 1), **extra)
+    with pytest.raises(TypeError):
+        FSDP.summon_full_params(nn.Linear(1, 1), True, True, False, False, False, "one too many")

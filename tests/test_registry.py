@@ -30,16 +30,16 @@ class _Context:
 def test_claims_are_per_thread_and_counted():
     group_a, group_b = object(), object()
     me = registry.current_thread()
-    assert registry.enter(me, [group_a])
-    assert registry.enter(me, [group_a, group_b])  # nested: the same thread claims again
+    assert registry.claim(me, [group_a], context=True)
+    assert registry.claim(me, [group_a, group_b], context=True)  # nested: the same thread claims again
     other: list[bool] = []
     thread = threading.Thread(target=lambda: other.append(registry.claim(registry.current_thread(), [group_b])))
     thread.start()
     thread.join()
     assert other == [False]  # another thread is refused, and claims nothing
-    registry.leave(me, [group_a, group_b])
+    registry.release([group_a, group_b], me)
     assert registry.has_live_context(me)
-    registry.leave(me, [group_a])
+    registry.release([group_a], me)
     assert not registry.has_live_context(me)
     thread = threading.Thread(target=lambda: other.append(registry.claim(registry.current_thread(), [group_b])))
     thread.start()

@@ -1,47 +1,214 @@
 """The gather engine: DTensors in, full tensors out, one bucket or one batch in flight.
 
-Owns launching the all-gathers of the buckets ``staging`` stages, the copy-out, the ``full_tensor()``
-fallback, the one driver (``BucketGather``) the summon (``gather_full_tensors``) and the stream
-(``start_gather``) use, and the gradient agreement (``agree_on_grads``). Nothing here knows about modules,
-FSDP state or swapping; ``_summon`` and ``_stream`` decide *what* to gather and where the results go.
+Owns a bucket's staging (``stage_bucket``: its output allocated, its copy-in, its all-gather held until
+launched), its record in flight (``InPlace``, ``AllGatherFlight``), the launch, the copy-out, the
+``full_tensor()`` fallback, and the one driver (``BucketGather``) the summon (``gather_full_tensors``) and
+the stream (``start_gather``) use: FSDP2's ``_fsdp_collectives``, for buckets. Nothing here knows about
+modules, FSDP state or swapping; ``_summon`` and ``_stream`` decide *what* to gather and where it goes.
 
 Invariants: every posted work is waited for, whatever raises (``_wait_all``); no rank runs more than two
 buckets or batches past the last one it saw complete (``completion``); whether a call posted anything is
 recorded (``Posted``), so that a call left part way marks its groups. Each mechanism is a note beside its
-code; ``docs/gather-engine.md`` maps them, with the measurements behind each and the history of removed
-mechanisms.
+code; ``docs/gather-engine.md`` maps them, with the measurements behind each.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import logging
-import zlib
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, cast
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol, cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from fsdp_shim._compat import grad_disabled
 from fsdp_shim._gather.layout import (
+    BucketEntry,
     BucketPlan,
+    BucketShape,
     Dim0Layout,
     Meshes,
     Receiver,
     bucket_plan,
+    delivers_over,
     gathered_dtype,
     mark_out_of_step,
-    mesh_dim_groups,
 )
-from fsdp_shim._gather.staging import AllGatherFlight, InFlight, InPlace, Waitable, comm_device_of, stage_bucket
 
 logger = logging.getLogger("fsdp_shim")
 
 
 _CPU = torch.device("cpu")
+
+#: ``all_gather_into_tensor`` was renamed ``all_gather_single`` in 2.13.
+_ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+
+
+def all_gather_single(*args: Any, **kwargs: Any) -> Any:
+    """``dist.all_gather_single`` (``all_gather_into_tensor`` before 2.13), looked up on ``torch.distributed``
+    at each call: whatever wraps the boundary (a tracer, the tests' fault injection) sees the shim's
+    collectives too."""
+    return getattr(dist, _ALL_GATHER)(*args, **kwargs)
+
+
+class Waitable(Protocol):
+    """A collective's ``dist.Work``."""
+
+    def wait(self) -> Any: ...
+
+    def is_completed(self) -> bool: ...
+
+
+@dataclass(eq=False)
+class InFlight:
+    """A staged bucket, in one of two shapes (``InPlace``, ``AllGatherFlight``); its collective until it is in.
+
+    ``work`` is its launched collective (``None`` where there is none, or
+    until it is launched); everything the collective reads or writes is
+    held here until ``work`` is waited for (see [Note: every posted work
+    is waited for] in ``_gather.engine``).
+    """
+
+    bucket: list[BucketEntry]
+    split_sizes: list[int]  # each tensor's padded shard, in elements
+    work: Waitable | None = None
+
+    def launched(self) -> None:
+        """Launch this flight's collective (a no-op for anything else)."""
+
+
+@dataclass(eq=False)
+class InPlace(InFlight):
+    """Full tensors already where they stay, with no collective: a shard group of one, or nothing to move.
+
+    ``padded_fulls`` are the padded full tensors; ``None`` where this rank
+    receives nothing (a group without the receiver).
+    """
+
+    padded_fulls: list[torch.Tensor] | None = None
+
+
+@dataclass(eq=False)
+class AllGatherFlight(InFlight):
+    """A bucket all-gathered into one flat output of ``W`` rank blocks, copied out afterwards.
+
+    ``launch`` holds the collective while the bucket is staged and not yet
+    launched (see [Note: staged, then launched]); ``gather_input`` is what
+    it sends (this rank's block of ``output``, or a shard sent as it is),
+    held until it is waited for.
+    """
+
+    output: torch.Tensor | None = None
+    blocks: int = 0  # the rank blocks of ``output`` that hold rows (``BucketShape.blocks``)
+    launch: Callable[[], Waitable] | None = None
+    gather_input: torch.Tensor | None = None
+
+    def launched(self) -> None:
+        if self.launch is not None:
+            self.work, self.launch = self.launch(), None
+
+
+def copy_in(
+    bucket: list[BucketEntry], split_sizes: list[int], dtype: torch.dtype, device: torch.device,
+    block: torch.Tensor, unpadded: bool, host_copies: list[Any] | None = None,
+) -> torch.Tensor:
+    """This rank's padded shards, back to back, in ``block`` (its block of the output): the all-gather's input.
+    ``unpadded``: the plan's word that every shard fills its padded size (``BucketShape.unpadded``).
+
+    A bucket of one whose shard needs no padding, cast or move is its own
+    input, and nothing is copied (see [Note: a bucket of one]).
+
+    [Note: copy-in from host memory]
+    Shards in host memory (FSDP2's ``CPUOffloadPolicy``, pinned) are moved to
+    the device by a ``non_blocking`` copy, which the device runs when its
+    stream reaches it: a host write to a shard before then (an optimizer step
+    on the CPU shards right after the summon returns) would tear the gathered
+    values. So each such copy records an event on ``host_copies``, and the
+    gather synchronises the last one before it returns
+    (``BucketGather.finish``): by then no copy still reads the shards. The
+    copies precede their all-gathers on the stream, so the wait is short and
+    the overlap of copy-in and all-gather is kept.
+    """
+    per_rank = sum(split_sizes)
+    local = bucket[0].dtensor._local_tensor
+    if (len(bucket) == 1 and local.numel() == per_rank and local.dtype == dtype and local.device == device
+            and local.is_contiguous()):
+        return local.view(-1)
+    sources = [b.dtensor._local_tensor.reshape(-1) for b in bucket]  # a view where it can be
+    if unpadded and sources[0].device == device:
+        # no padding, no move (a bucket holds one device): one cat, casting too
+        torch.cat(sources, out=block)
+        return block
+    destinations: list[torch.Tensor] = []
+    for local, padded, piece in zip(sources, split_sizes, torch.split_with_sizes(block, split_sizes), strict=True):
+        numel = local.numel()
+        destinations.append(piece[:numel])
+        if padded > numel:  # zeros: padding is never exposed, but stays deterministic
+            piece[numel:].zero_()
+    torch._foreach_copy_(destinations, sources, non_blocking=True)  # casts and moves in the same pass
+    if host_copies is not None and device.type != "cpu" and sources[0].device.type == "cpu":
+        event = getattr(torch, device.type).Event()  # see [Note: copy-in from host memory]
+        event.record()
+        host_copies.append(event)
+    return block
+
+
+def comm_device_of(dtensor: DTensor) -> torch.device:
+    """The device collectives on this mesh run on (CPU-offloaded shards are staged there)."""
+    device_type = dtensor.device_mesh.device_type
+    if device_type == "cpu":
+        return _CPU
+    handle = getattr(torch, device_type)
+    return torch.device(device_type, handle.current_device())
+
+
+def stage_bucket(bucket: list[BucketEntry], shape: BucketShape, receiver: Receiver = "all",
+                 host_copies: list[Any] | None = None) -> InFlight:
+    """Copy in this rank's padded shards; the bucket's collective is left for ``launched()``.
+
+    As FSDP2 does, the input is this rank's block of the output buffer, so the
+    copy-in needs no buffer of its own and the all-gather runs in place. A
+    bucket of one tensor whose shard needs no padding, cast or move is sent
+    as it is: no copy-in at all (see [Note: a bucket of one]).
+    Called under ``no_grad``.
+    """
+    first = bucket[0]
+    world_size, group, rank = first.layout.world_size, first.layout.group, first.layout.rank
+    split_sizes, dtype = shape.split_sizes, shape.dtype
+    comm_device = comm_device_of(first.dtensor)
+    if not delivers_over(receiver, group):
+        return InPlace(bucket, split_sizes)  # nobody on this group receives: nothing to move
+    if world_size == 1:
+        return _start_alone(bucket, split_sizes, dtype, comm_device)
+    per_rank = sum(split_sizes)
+    output = torch.empty(world_size * per_rank, dtype=dtype, device=comm_device)
+    gather_input = copy_in(bucket, split_sizes, dtype, comm_device, output[rank * per_rank:(rank + 1) * per_rank],
+                           shape.unpadded, host_copies)
+    launch = functools.partial(all_gather_single, output, gather_input, group=group, async_op=True)
+    return AllGatherFlight(bucket, split_sizes, output=output, blocks=shape.blocks, launch=launch,
+                           gather_input=gather_input)
+
+
+def _start_alone(
+    bucket: list[BucketEntry], split_sizes: list[int], dtype: torch.dtype, device: torch.device
+) -> InFlight:
+    """A shard group of one rank: each full tensor is its shard, copied once.
+
+    [Note: a group of one]
+    When the shard mesh dim has one rank (one GPU, or HSDP with one shard per
+    replica), nothing is exchanged: each full tensor is a fresh copy of its
+    shard (cast on the way where asked), made in one ``_foreach_copy_`` per
+    bucket. The copy is still needed: results never alias live shards, so
+    ``writeback=False`` edits are discarded as FSDP1's ``FULL_SHARD`` discards
+    them.
+    """
+    padded_fulls = [torch.empty(padded, dtype=dtype, device=device) for padded in split_sizes]
+    torch._foreach_copy_(padded_fulls, [b.dtensor._local_tensor.reshape(-1) for b in bucket])
+    return InPlace(bucket, split_sizes, padded_fulls=padded_fulls)
 
 
 class Posted:
@@ -230,14 +397,10 @@ def _finish_bucket(flight: InFlight, holds_fulls: bool, out_device: torch.device
         # copy that the host waits for; see [Note: offloaded memory].
         output = output.to(out_device)
     if len(flight.bucket) == 1:  # see [Note: a bucket of one]
-        return [_unpadded(output.view(flight.bucket[0].layout.padded_shape), flight.bucket[0].layout)]
+        layout = flight.bucket[0].layout
+        padded = output.view(layout.padded_shape)
+        return [padded if layout.padded_shape[0] == layout.shape[0] else padded[:layout.shape[0]]]
     return _copy_out(output, flight)
-
-
-def _unpadded(padded: torch.Tensor, layout: Dim0Layout) -> torch.Tensor:
-    """The full tensor in ``padded`` (its rows padded past ``n``): its first rows, itself if there is no padding."""
-    rows = layout.shape[0]
-    return padded if padded.shape[0] == rows else padded[:rows]  # a slice: cheaper than narrow() on the host
 
 
 def _copy_out(output: torch.Tensor, flight: AllGatherFlight) -> list[torch.Tensor]:
@@ -257,7 +420,9 @@ def _copy_out(output: torch.Tensor, flight: AllGatherFlight) -> list[torch.Tenso
     out = [buf.view(blocks, n) for buf, n in zip(padded, sizes, strict=True)]
     blocked = output.view(world_size, sum(sizes))
     torch.split_with_sizes_copy(blocked if blocks == world_size else blocked[:blocks], sizes, dim=1, out=out)
-    return [_unpadded(buf, b.layout) for buf, b in zip(padded, flight.bucket, strict=True)]
+    # each full tensor: its first rows, the buffer itself where nothing is padded (a slice: cheaper than narrow())
+    return [buf if buf.shape[0] == b.layout.shape[0] else buf[:b.layout.shape[0]]
+            for buf, b in zip(padded, flight.bucket, strict=True)]
 
 
 def _views(padded_fulls: list[torch.Tensor], flight: InFlight) -> list[torch.Tensor]:
@@ -343,12 +508,16 @@ class BucketGather:
         self._unstaged = collections.deque(zip(buckets, self.plan.shapes, strict=True))
         self._ahead = len(buckets) if ahead is None else ahead
         self._flights: collections.deque[InFlight] = collections.deque()
+        self._unlaunched = not launch  # staged buckets whose collectives ``launch`` (or ``finish``) posts
+        grad_enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)  # ``no_grad`` as one C call: see [Note: hot path] in ``_summon``
         try:
-            with grad_disabled():
-                self._stage_ahead(launch)
+            self._stage_ahead(launch)
         except BaseException:
             self._drop()
             raise
+        finally:
+            torch._C._set_grad_enabled(grad_enabled)
 
     def _stage_ahead(self, launch: bool, finishing: int = 0) -> None:
         """Stage (and launch) buckets until ``ahead`` are in flight beyond the ``finishing`` one."""
@@ -370,6 +539,7 @@ class BucketGather:
         except BaseException:
             self._drop()
             raise
+        self._unlaunched = False
 
     def wait(self) -> Callable[[], object] | None:
         """Wait for every launched collective, in bucket order: the values are in; ``finish`` copies out.
@@ -396,49 +566,50 @@ class BucketGather:
     def finish(self, *, holds_fulls: bool, out_device: torch.device | None = None) -> Gathered:
         """Wait and copy out, bucket by bucket (each output freed as soon as it is copied), then the fallbacks;
         with the layout each tensor was gathered by (writeback reuses it)."""
+        if self._unlaunched:
+            self.launch()
+        grad_enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
         try:
-            with grad_disabled():
-                return self._finish(holds_fulls, out_device)
+            results: list[torch.Tensor | None] = [None] * len(self._dtensors)
+            layouts: list[Dim0Layout | None] = [None] * len(self._dtensors)
+            flights = self._flights
+            fence: Callable[[], object] | None = None  # bucket k - 1's completion, once bucket k is being finished
+            while flights:
+                flight = flights[0]  # left in place until it is in: a fault below still waits for it
+                if self._unstaged:
+                    if fence is not None:  # see [Note: bounded run-ahead]
+                        fence()
+                        fence = None
+                    self._stage_ahead(launch=True, finishing=1)  # the next bucket moves while this one is copied out
+                for b in flight.bucket:
+                    layouts[b.position] = b.layout
+                work = flight.work
+                # strict=False: _finish_bucket returns nothing where this rank keeps nothing (rank0_only)
+                for b, full in zip(flight.bucket, _finish_bucket(flight, holds_fulls, out_device), strict=False):
+                    results[b.position] = full
+                if work is not None:
+                    device = flight.output.device  # type: ignore[attr-defined]  # an AllGatherFlight: it posted
+                    self.last_work = work, device
+                    if self._unstaged:  # a bucket k + 2 is still to be posted: it will wait for this
+                        fence = completion((work,), device)
+                flights.popleft()
+                del flight
+            if self._fallback:
+                self._posted.any = True  # full_tensor() posts collectives of its own (counted first: it may raise)
+            for index in self._fallback:
+                results[index] = _gather_fallback(self._dtensors[index], holds_fulls, out_device, self._cast_to,
+                                                  None if self._meshes is None else self._meshes[index])
+            self._fallback = []
+            if self._host_copies:  # no copy from host memory still reads a shard: [Note: copy-in from host memory]
+                self._host_copies[-1].synchronize()
+                self._host_copies.clear()
+            return Gathered(results, layouts, self.plan)
         except BaseException:
             self._drop()
             raise
-
-    def _finish(self, holds_fulls: bool, out_device: torch.device | None) -> Gathered:
-        self.launch()
-        results: list[torch.Tensor | None] = [None] * len(self._dtensors)
-        layouts: list[Dim0Layout | None] = [None] * len(self._dtensors)
-        flights = self._flights
-        fence: Callable[[], object] | None = None  # bucket k - 1's completion, once bucket k is being finished
-        while flights:
-            flight = flights[0]  # left in place until it is in: a fault below still waits for it
-            if self._unstaged:
-                if fence is not None:  # see [Note: bounded run-ahead]
-                    fence()
-                    fence = None
-                self._stage_ahead(launch=True, finishing=1)  # the next bucket moves while this one is copied out
-            for b in flight.bucket:
-                layouts[b.position] = b.layout
-            work = flight.work
-            # strict=False: _finish_bucket returns nothing where this rank keeps nothing (rank0_only)
-            for b, full in zip(flight.bucket, _finish_bucket(flight, holds_fulls, out_device), strict=False):
-                results[b.position] = full
-            if work is not None:
-                device = flight.output.device  # type: ignore[attr-defined]  # an AllGatherFlight: it posted
-                self.last_work = work, device
-                if self._unstaged:  # a bucket k + 2 is still to be posted: it will wait for this
-                    fence = completion((work,), device)
-            flights.popleft()
-            del flight
-        if self._fallback:
-            self._posted.any = True  # full_tensor() posts its own collectives (counted before: it may raise part way)
-        for index in self._fallback:
-            results[index] = _gather_fallback(self._dtensors[index], holds_fulls, out_device, self._cast_to,
-                                              None if self._meshes is None else self._meshes[index])
-        self._fallback = []
-        if self._host_copies:  # no copy from host memory still reads a shard: [Note: copy-in from host memory]
-            self._host_copies[-1].synchronize()
-            self._host_copies.clear()
-        return Gathered(results, layouts, self.plan)
+        finally:
+            torch._C._set_grad_enabled(grad_enabled)
 
     def _drop(self) -> BaseException | None:
         """Wait for every launched collective and drop everything: staged buckets and the fallbacks never
@@ -539,67 +710,3 @@ def start_gather(
     """
     return BucketGather(dtensors, cast_to=cast_to, bucket_bytes=bucket_bytes, receiver=receiver, launch=launch,
                         meshes=meshes, posted=posted)
-
-
-class GradPresence(NamedTuple):
-    """What the ranks of a parameter's mesh hold as its gradient, agreed by all of them."""
-
-    missing: bool  # some rank has none
-    present: bool  # some rank has one
-    other_layout: bool  # some rank's is not a DTensor laid out as the parameter (mesh, placements, shape, dtype)
-    one_layout: bool  # every rank that has a gradient lays it out the same way
-
-
-def _laid_out_as(grad: torch.Tensor, param: DTensor) -> bool:
-    return (isinstance(grad, DTensor) and grad.device_mesh is param.device_mesh and grad.placements == param.placements
-            and grad.shape == param.shape and grad.dtype == param.dtype
-            and grad._local_tensor.shape == param._local_tensor.shape)
-
-
-def _layout_code(grad: torch.Tensor) -> int:
-    """A number for a gradient's global layout, the same on every rank that has the same one."""
-    if isinstance(grad, DTensor):
-        text = f"{grad.device_mesh.mesh.tolist()}:{grad.placements}:{tuple(grad.shape)}:{grad.dtype}"
-    else:
-        text = f"plain:{tuple(grad.shape)}:{grad.dtype}"
-    return zlib.crc32(text.encode())
-
-
-_NO_CODE = -(1 << 62)
-
-
-def agree_on_grads(
-    dtensors: Sequence[DTensor], by_mesh: dict[int, list[int]], meshes: Meshes = None,
-) -> dict[int, GradPresence]:
-    """Every rank's view of which of ``dtensors`` have gradients, made the same on every rank.
-
-    A collective: one ``all_reduce(MAX)`` of five numbers a parameter over
-    each dim of each mesh in ``by_mesh`` (positions in ``dtensors``, grouped
-    by mesh, in the caller's order), which reduces over the whole mesh:
-    missing somewhere, present somewhere, laid out otherwise than the
-    parameter somewhere, and the largest and (negated) smallest code of the
-    present gradients' layouts (equal: one layout on every rank). What a
-    rank holds decides nothing about the collectives that follow: only the
-    agreed answer does. As FSDP1's ``unshard_grad`` all-reduces its count of
-    missing gradients.
-    """
-    agreed: dict[int, GradPresence] = {}
-    for indices in by_mesh.values():
-        first = dtensors[indices[0]]
-        local: list[int] = []
-        for index in indices:
-            param = dtensors[index]
-            grad = param.grad
-            other = grad is not None and not _laid_out_as(grad, param)
-            code = None if grad is None else _layout_code(grad)  # every present one: are they all alike?
-            local += [grad is None, grad is not None, other,
-                      _NO_CODE if code is None else code, _NO_CODE if code is None else -code]
-        flags = torch.tensor(local, dtype=torch.int64).to(comm_device_of(first))
-        mesh = None if meshes is None else meshes[indices[0]]  # its owner's, where it says (see ``Meshes``)
-        for group in mesh_dim_groups(first.device_mesh if mesh is None else mesh):
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-        values = flags.tolist()
-        for position, index in enumerate(indices):
-            missing, present, other, largest, negated_smallest = values[5 * position:5 * position + 5]
-            agreed[index] = GradPresence(bool(missing), bool(present), bool(other), largest == -negated_smallest)
-    return agreed

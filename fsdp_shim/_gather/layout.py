@@ -57,12 +57,9 @@ class BucketCap(NamedTuple):
     """One call's bucket cap, and whether the caller chose it: the one place the cap is decided."""
 
     bucket_bytes: int
-    chosen: bool  # by argument or environment, rather than defaulted
-
-    def collective_bytes(self, one_unit: bool) -> int | None:
-        """The cap where buckets move by a collective: ``UNCAPPED`` for one unit's summon with no chosen
-        size (see [Note: one unit, one collective]), else ``None`` (the bucket cap)."""
-        return UNCAPPED if one_unit and not self.chosen else None
+    #: The cap where one unit's summon moves its buckets by a collective: ``UNCAPPED`` where no size was
+    #: chosen, by argument or environment (see [Note: one unit, one collective]); else ``None``, the bucket cap.
+    one_unit_bytes: int | None
 
 
 def bucket_cap(explicit_mb: float | None = None, default_mb: float = DEFAULT_BUCKET_MB) -> BucketCap:
@@ -81,7 +78,7 @@ def bucket_cap(explicit_mb: float | None = None, default_mb: float = DEFAULT_BUC
     mib = default_mb if explicit is None else explicit
     if mib <= 0:
         raise ValueError(f"bucket size must be positive, got {mib} MiB")
-    return BucketCap(int(mib * 1024 * 1024), explicit is not None)
+    return BucketCap(int(mib * 1024 * 1024), UNCAPPED if explicit is None else None)
 
 
 class Dim0Layout(NamedTuple):
@@ -410,7 +407,7 @@ class BucketShape(NamedTuple):
 
 
 class BucketPlan(NamedTuple):
-    """``split_into_buckets``' answer by position, reusable for as long as ``key`` (``bucket_plan_key``) matches.
+    """``split_into_buckets``' answer by position, reusable for as long as ``key`` (see ``bucket_plan``) matches.
 
     A per-unit summon gathers the same parameters call after call, so the plan
     is kept with the unit's cached summon: see [Note: summon cache] in ``_scope``
@@ -436,25 +433,18 @@ class BucketPlan(NamedTuple):
         return buckets
 
 
-def bucket_plan_key(
-    dtensors: Sequence[DTensor], bucket_bytes: int, cast_to: torch.dtype | None, collective_bytes: int | None = None,
-) -> tuple[Any, ...]:
-    """Everything a plan depends on: each tensor's spec (by identity: equal meshes may hold other
-    groups) and local shape, dtype and device, the caps and the cast."""
-    return (bucket_bytes, collective_bytes, cast_to, *[
-        (id(d._spec), t.shape, t.dtype, t.device) for d in dtensors for t in (d._local_tensor,)
-    ])
-
-
 def bucket_plan(
     dtensors: Sequence[DTensor], bucket_bytes: int, cast_to: torch.dtype | None = None,
     reuse: BucketPlan | None = None, collective_bytes: int | None = None, meshes: Meshes = None,
 ) -> BucketPlan:
     """The plan for ``dtensors``: ``reuse`` if it was made for the same key, else a new one (``split_into_buckets``).
 
-    ``meshes``: see ``Meshes``; fixed for given tensors, so a plan reused for the same key was made with them.
+    The key is everything a plan depends on: each tensor's spec (by identity: equal meshes may hold
+    other groups) and local shape, dtype and device, the caps and the cast. ``meshes``: see ``Meshes``;
+    fixed for given tensors, so a plan reused for the same key was made with them.
     """
-    key = bucket_plan_key(dtensors, bucket_bytes, cast_to, collective_bytes)
+    key = (bucket_bytes, collective_bytes, cast_to,
+           *[(id(d._spec), t.shape, t.dtype, t.device) for d in dtensors for t in (d._local_tensor,)])
     if reuse is not None and reuse.key == key:
         return reuse
     buckets, fallback = split_into_buckets(dtensors, bucket_bytes, cast_to, collective_bytes, meshes)

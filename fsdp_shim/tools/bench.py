@@ -31,7 +31,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor
 
 import fsdp_shim
-from fsdp_shim._compat import all_gather_single
+from fsdp_shim._gather.engine import all_gather_single
 from fsdp_shim._gather.layout import bucket_cap
 from fsdp_shim.tools.launch import rank_device, report_progress
 from fsdp_shim.tools.models import LMConfig, build_lm, shard_lm, tokens_for, wrap_lm_fsdp1

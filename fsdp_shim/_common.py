@@ -1,23 +1,20 @@
-"""Units and routing, FSDP1 and FSDP2 alike, from public torch only: the leaf below the patch, the summon, the stream.
+"""What the rooms share, from public torch alone (refusing mode imports it too): FSDP2's
+``_fsdp_common``, for the shim.
 
-Owns two decisions: "is this an FSDP1 tree" (``is_fsdp1_tree``) and which
-implementation serves a call (``route``: FSDP1's, the DTensor summon, or a
-null context). The patch's wrapper asks ``route`` in both of its modes, the
-active one through ``_summon.summon`` (which adds FSDP2's ownership of
-unsharded slots and the registry's live summons to "holds anything
-distributed"), the refusing one directly, so the two modes route the same
-module the same way. Also the public unit helpers (``fsdp_units``,
-``is_fsdp_module``, ``param_fqn``): FSDP1-era code gates on
-``isinstance(m, FullyShardedDataParallel)``, never true for FSDP2 units (and
-it must stay so: FSDP1 code paths would reach for flat parameters); these
-are the one-line replacement. Nothing here reads FSDP2's private state, so
-refusing mode can use it on a torch whose internals moved (see [Note:
-refusing mode] in ``_patching``).
+- Units and routing: "is this an FSDP1 tree" (``is_fsdp1_tree``) and which implementation serves a
+  call (``route``: FSDP1's, the DTensor summon, or a null context), asked by both modes, the active
+  one through ``_summon.summon`` (which adds the registry's and FSDP2's records to "holds anything
+  distributed"); the public unit helpers (``fsdp_units``, ``is_fsdp_module``, ``param_fqn``), the
+  one-line replacement for FSDP1-era ``isinstance(m, FullyShardedDataParallel)``, never true of an
+  FSDP2 unit.
+- ``run_each``: the one loop of every error path's undo (each step runs; the first error is
+  raised after). The errors callers catch by type are ``_errors``' (torch-free, for ``import
+  fsdp_shim``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Literal
 
 import torch.nn as nn
@@ -119,3 +116,17 @@ def param_fqn(model: nn.Module, param: nn.Parameter) -> str:
         if candidate is param:
             return clean_fqn(name)
     raise KeyError("parameter is not reachable from this module right now")
+
+
+def run_each(steps: Iterable[Callable[[], object] | None]) -> BaseException | None:
+    """Call every step (``None``: skipped), each even if one before it raised, ``KeyboardInterrupt`` too; return
+    the first error, for the caller to raise once all have run. Every undo of an error path runs so."""
+    first: BaseException | None = None
+    for step in steps:
+        if step is None:
+            continue
+        try:
+            step()
+        except BaseException as error:  # noqa: BLE001  # the rest still run; the first is returned
+            first = first or error
+    return first
