@@ -1,16 +1,13 @@
 #!/usr/bin/env bash
-# The GPU check, in at most $BUDGET seconds (default 290), from the repository root, on a machine whose
-# python3 has a CUDA torch:
+# The GPU check, in at most $BUDGET seconds (default 290), from the repository root, with a CUDA torch:
 #   0. scripts/device_late.py (CUDA only): NCCL's completion contract emulated on the one GPU (values);
-#   1. scripts/fake_bench.py --check: the multi-rank paths at W = 8, 64, 1024, flat and HSDP, through torch's
-#      fake process group in one process (paths, shapes, devices, pinning, memory, host time; no values);
-#      on CUDA, then --model llama70b at Llama-3-70B's full vocabulary (peak allocated per unit);
+#   1. scripts/fake_bench.py --check: the multi-rank paths at W = 8, 64, 1024, flat and HSDP, on torch's fake
+#      process group (no values); on CUDA, then --model llama70b at the full vocabulary (peak per unit);
 #   2. `fsdp-shim check` on CUDA (NCCL), one rank per visible GPU (values);
 #   3. `fsdp-shim bench` at 37 MiB (BIG=1: and at 327 MiB and 2.4 GB, if the budget has room).
-# Each step's timeout is cut to what the budget has left; one with under 15 s left is skipped and says so.
-# Wheels under .whl/ (wrapt, where the machine's is older than we declare) are installed into a private
-# folder, nothing from the network. Logs go to $OUT (default ./device-out). `--device cpu` runs the same
-# steps on the CPU (the fake backend at W = 8; `check` and `bench` on 2 gloo processes): CI runs it.
+# Each step's timeout is cut to what the budget has left (under 15 s: skipped). Wheels under .whl/ go into a
+# private folder, nothing from the network. Logs go to $OUT (default ./device-out). `--device cpu` runs the
+# same steps on the CPU (the fake backend at W = 8; `check` and `bench` on 2 gloo processes): CI runs it.
 set -u
 DEVICE=cuda
 while [ $# -gt 0 ]; do

@@ -3,21 +3,12 @@
 
     python scripts/device_late.py                 # on a GPU machine (scripts/device_check.sh runs it)
 
-NCCL refuses two ranks on one GPU, so the two ranks here join a **gloo** group, both on
-``cuda:0``, and each collective on CUDA tensors goes through the host at the
-``torch.distributed`` boundary (the wire: gloo on host copies). All-gathers then land as
-NCCL's do: the output is filled with NaN on the current stream, the values are copied
-in on a side stream after a ``torch.cuda._sleep`` (late), and ``work.wait()`` returns at
-once on the host, only making the current stream wait on the landing. A read before
-arrival, on another stream, or of a block reused before the landing shows as NaN or as
-another bucket's values against an unsharded reference. Reduce-scatters and all-reduces
-(FSDP2's backward) go through the host in order (``AVG`` as ``SUM`` then a division).
-
-Under it, on each rank: every ``fsdp-shim check`` scenario (exact values); a
-``CPUOffloadPolicy`` model whose pinned host shards are overwritten right after the
-summon returns (the copy-in must have finished); and the run-ahead of a rank that
-receives nothing (landings not yet complete at each of its posts, per-unit
-``rank0_only`` loop and stream, rank 0 consuming slowly). Exit status 1 if any failed.
+NCCL refuses two ranks on one GPU, so two ranks join a **gloo** group on ``cuda:0``, and all-gathers on CUDA
+tensors land as NCCL's do: the output NaN-filled, the values copied in late on a side stream, ``work.wait()``
+only making the current stream wait (``LateWire``); a read too early, on another stream or of a reused block shows
+as NaN or another bucket's values. Reduce-scatters and all-reduces go through the host in order. Under it, on each
+rank: every ``fsdp-shim check`` scenario (exact values); ``CPUOffloadPolicy`` pinned shards overwritten right after
+the summon returns; the run-ahead of a rank that receives nothing. Exit status 1 if any failed (2: no CUDA).
 """
 
 from __future__ import annotations
@@ -43,8 +34,7 @@ _LATE_CYCLES = 2_000_000  # ~1 ms at the H200's clock: every all-gather lands af
 
 
 class _Landing(dist.distributed_c10d.Work):
-    """NCCL's work on the host: ``wait()`` orders the current stream after the landing and returns at once.
-    A ``Work``: FSDP2 waits only on what is one."""
+    """NCCL's work: ``wait()`` orders the current stream after the landing, at once (a ``Work``: FSDP2 waits on one)."""
 
     def __init__(self, event: torch.cuda.Event) -> None:
         super().__init__()

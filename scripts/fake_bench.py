@@ -7,31 +7,15 @@
     python scripts/fake_bench.py --model llama70b --quick # -D 64 --layers 4 --world 8 8x4 --reps 2: seconds
     python scripts/fake_bench.py --check --world 8 2x4 64 2x32 --device cuda   # every multi-rank path, checked
 
-One process joins a ``fake`` group of W ranks as rank 0 (``FakeStore``): the shim takes a W-rank NCCL job's
-all-gather path on one CPU or GPU, and collectives return at once, moving no data across ranks (torch 2.13's
-all-gather copies the input into each of the W output chunks). What is measured is host cost, which decides a
-per-unit loop on NCCL. Each configuration (a model; a world ``W``, or ``RxS``: HSDP, R replicas of S shards)
-runs in a fresh process, ``--runs`` times. Models: ``bench`` (``fsdp-shim bench``'s, 13 units); ``units96``
-(96 units of ``Linear(64, 64)`` + ``LayerNorm(64)``); ``llama70b``: Llama-3-70B's exact shapes (a block
-3.42 GB fp32; the root unit embedding, final norm and untied lm_head, 8.41 GB at 128256 tokens), built on the
-meta device, sharded, ``to_empty``; ``--layers`` (1), ``--vocab`` (32064: a unit held twice fits 24 GiB; root
-peaks at the full vocabulary extrapolated, and said to be), ``-D`` (every width and the vocabulary / D, 80
-layers); refused where the estimated peak does not fit the memory available (``--force``).
-
-Contenders over the units (blocks, then the root): ``summon_unit``, ``summon_unit_rank0`` (``summon_full_params
-(unit, recurse=False, writeback=False, rank0_only=...)``); ``unshard`` (FSDP2's ``unshard(); reshard()``, the
-yardstick); ``summon_model`` (whole model; on llama70b peak only); ``stream_fp32``, ``stream_bf16``
-(``iter_full_params``, stored dtype or cast before the gather as ``vllm_weight_source``); ``full_tensor_loop``
-and ``module_source`` (vLLM's ``ModuleSource``: ``p.full_tensor()``, ``.to(torch.bfloat16)``) a parameter.
-
-Figures: median ms a unit; ratio to ``unshard`` (median of per-repetition ratios, IQR; --runs N: the median of
-the runs' medians, each listed), contenders interleaved in a new seeded shuffled order each repetition (none
-keeps a predecessor whose allocator state it would pay for), each timed pass right after an untimed one; calls
-a unit over one pass (``--calls``: cProfile's total, or ``sys.setprofile``'s call and c_call events; on a GPU,
-what the host pays); peak bytes beyond the shards in a pass of its own, per unit and per sync, from glibc's
-``mallinfo2()`` (``uordblks + hblkhd``, a thread sampling every ms and probes in each loop) or CUDA's
-``max_memory_allocated``. A llama70b CPU pass is memory traffic: ``--malloc heap`` keeps freed memory as
-CUDA's caching allocator does, with 2 MiB pages; ``thp`` gives it back after each tensor; ``plain``: glibc's.
+One process joins a ``fake`` group of W ranks as rank 0 (``FakeStore``): the shim takes a W-rank job's all-gather
+path, collectives move no data, and what is measured is host cost. Each configuration (a model; a world ``W``, or
+``RxS``: HSDP, R replicas of S shards) runs in a fresh process, ``--runs`` times. Models: ``bench`` (``fsdp-shim
+bench``'s, 13 units), ``units96`` (96 units of ``Linear(64, 64)`` + ``LayerNorm(64)``), ``llama70b`` (Llama-3-70B's
+shapes on the meta device, ``--layers``, ``--vocab``, ``-D``; refused where the estimated peak does not fit the
+memory available, unless ``--force``). Contenders (``MODELS``): per-unit summons, FSDP2's ``unshard`` (the
+yardstick), the whole-model summon, ``iter_full_params`` streams, ``full_tensor()`` loops. Figures: median ms and
+calls a unit, the ratio to ``unshard`` (interleaved in a seeded shuffle), peak bytes beyond the shards (glibc's
+``mallinfo2()`` or CUDA's); the method is in docs/host-cost.md and docs/performance.md ("Scale").
 
 ``--check`` takes the bench model through every path in ``PATHS`` once, checked (all-gathers posted, full
 shapes, devices, not pinned, sharded after exit, rank 0's shard edited by ``writeback``), then times those that
@@ -87,11 +71,8 @@ class _MallInfo2(ctypes.Structure):
 
 
 class _Peaks:
-    """Bytes in use, and the peak of each window (from one ``window(key)`` to the next).
-
-    On the CPU a thread samples during a pass; it reads which window is open *before* it reads the bytes, so
-    a reading taken just before the main thread moved on counts for the window it was taken in.
-    """
+    """Bytes in use, and the peak of each window (from one ``window(key)`` to the next). On the CPU a thread
+    samples too, reading which window is open *before* the bytes: a reading counts for the window it began in."""
 
     def __init__(self, cuda: bool) -> None:
         import torch
@@ -116,13 +97,12 @@ class _Peaks:
 
     def probe(self) -> None:
         if self._cuda is None:  # max_memory_allocated sees every allocation
-            key = self._open
+            key = self._open  # before the reading: see the class docstring
             self._note(key, self.in_use())
 
     def _sample(self) -> None:
         while not self._stop.is_set():
-            key = self._open  # before the reading: see the class docstring
-            self._note(key, self.in_use())
+            self.probe()
             time.sleep(0.001)
 
     def start(self) -> int:
@@ -169,9 +149,8 @@ def _quantiles(values: list[float]) -> tuple[float, float, float]:
 
 
 def _interleaved(runs: dict[str, Callable], reps: int, sync: Callable, deadline: float) -> dict[str, list[float]]:
-    """Seconds of each timed pass: each repetition in a new seeded shuffled order (every run shuffles alike),
-    an untimed pass before each timed one (what the last contender left in the allocator is not this one's
-    cost). Past ``deadline`` no new repetition starts."""
+    """Seconds of each timed pass, each repetition in a new seeded shuffled order, an untimed pass before each
+    timed one (the allocator state the last contender left is not this one's cost); none started past ``deadline``."""
     samples: dict[str, list[float]] = {name: [] for name in runs}
     shuffle = random.Random(0)
     for rep in range(reps):
@@ -287,12 +266,12 @@ def _one(config: dict) -> list[dict]:
     for name, p in params:
         unit_bytes[unit_of[name]] += p.numel() * p.element_size()  # the full (global) shape
 
-    def summon_unit(rank0_only: bool) -> Callable:
+    def summon(windows: list[tuple[object, torch.nn.Module]], **kwargs: bool) -> Callable:
         def run(m: _Peaks | None) -> None:
-            for index, unit in enumerate(units):
+            for key, unit in windows:
                 if m is not None:
-                    m.window(index)
-                with FSDP.summon_full_params(unit, recurse=False, writeback=False, rank0_only=rank0_only):
+                    m.window(key)
+                with FSDP.summon_full_params(unit, writeback=False, **kwargs):
                     if m is not None:
                         m.probe()
         return run
@@ -306,16 +285,9 @@ def _one(config: dict) -> list[dict]:
                 m.probe()
             unit.reshard()
 
-    def summon_model(m: _Peaks | None) -> None:
-        if m is not None:
-            m.window("model")
-        with FSDP.summon_full_params(model, writeback=False):
-            if m is not None:
-                m.probe()
-
     def each_tensor(pairs: Callable[[], Iterable], gather: bool, dtype: torch.dtype | None = None) -> Callable:
-        """A loop over (name, x) holding one full tensor at a time: ``x`` (a stream's), or ``x.full_tensor()``
-        made after its unit's window opens, cast to ``dtype`` if given; a window a unit, a probe a tensor."""
+        """One full tensor at a time: a stream's, or ``x.full_tensor()`` after its unit's window opens, cast to
+        ``dtype`` if given; a window a unit, a probe a tensor."""
         def run(m: _Peaks | None) -> None:
             last = None
             for name, x in pairs():
@@ -330,8 +302,9 @@ def _one(config: dict) -> list[dict]:
                 del tensor, x
         return run
 
-    runs = {"summon_unit": summon_unit(False), "summon_unit_rank0": summon_unit(True), "unshard": unshard,
-            "summon_model": summon_model,
+    each = list(enumerate(units))
+    runs = {"summon_unit": summon(each, recurse=False, rank0_only=False), "summon_model": summon([("model", model)]),
+            "summon_unit_rank0": summon(each, recurse=False, rank0_only=True), "unshard": unshard,
             "stream_fp32": each_tensor(lambda: fsdp_shim.iter_full_params(model), False),
             "stream_bf16": each_tensor(lambda: fsdp_shim.iter_full_params(model, dtype=torch.bfloat16), False),
             "full_tensor_loop": each_tensor(lambda: params, True),
@@ -365,15 +338,13 @@ def _one(config: dict) -> list[dict]:
 
 
 def _check(config: dict, model, units: list, sync: Callable, deadline: float) -> list[dict]:
-    """``--check``: each path once, checked, its all-gathers counted; on CUDA its memory; then the paths that
-    passed, timed as the contenders are. A row a path."""
+    """``--check``'s rows, one a path: each checked once (all-gathers counted; on CUDA its memory), then timed."""
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.tensor import DTensor
 
     import fsdp_shim
-    from fsdp_shim._compat import _ALL_GATHER
     from fsdp_shim.tools.models import LMConfig, tokens_for
 
     cuda, cpu = config["device"] == "cuda", torch.device("cpu")
@@ -453,7 +424,8 @@ def _check(config: dict, model, units: list, sync: Callable, deadline: float) ->
         summon(here, with_grads=True), summon(here, writeback=True)), strict=True))
     if cuda:
         paths.update(zip(CUDA_ONLY, (stream("cuda", here), stream(f"cuda:{here.index}", here)), strict=True))
-    gathers, real_gather = [0], getattr(dist, _ALL_GATHER)
+    gather_name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"  # 2.13
+    gathers, real_gather = [0], getattr(dist, gather_name)
 
     def counting_gather(*args, **kwargs):
         gathers[0] += 1
@@ -468,13 +440,13 @@ def _check(config: dict, model, units: list, sync: Callable, deadline: float) ->
             if path == PATHS[9]:  # gradients to gather first
                 how = _make_grads(model, tokens_for(LMConfig(vocab=1000, width=256, layers=12, heads=4)).to(here),
                                   hsdp="x" in config["world"])
-            setattr(dist, _ALL_GATHER, counting_gather)
+            setattr(dist, gather_name, counting_gather)
             gathers[0] = 0
             try:
                 run(True)
                 sync()
             finally:
-                setattr(dist, _ALL_GATHER, real_gather)
+                setattr(dist, gather_name, real_gather)
             if path != PATHS[1] and gathers[0] == 0:
                 raise AssertionError(f"{path}: no all-gather was posted (the group-of-one path?)")
             rows[path].update(status="ok", all_gathers=gathers[0], detail=f"{gathers[0]} all-gathers"
@@ -503,8 +475,8 @@ def _check(config: dict, model, units: list, sync: Callable, deadline: float) ->
 
 
 def _make_grads(model, tokens, hsdp: bool) -> str:
-    """Sharded gradients on every parameter from a forward and backward; where this torch's HSDP backward
-    asserts on the CPU (2.7: a CPU stream records no all-reduce event), a clone of each shard. Says which."""
+    """Gradients from a forward and backward, or (torch 2.7's HSDP backward asserts on the CPU) clones of the shards;
+    says which."""
     import inspect
 
     import torch
@@ -525,8 +497,8 @@ def _make_grads(model, tokens, hsdp: bool) -> str:
 
 
 def _cuda_memory(run: Callable[[], None]) -> dict[str, int | None]:
-    """Device bytes allocated and reserved at ``run``'s peak above those before (on a fresh cache); pinned host
-    bytes (``torch.cuda.host_memory_stats``, where this torch has it): peak, still held, still checked out."""
+    """``run``'s peak device bytes allocated and reserved (on a fresh cache), and pinned host bytes where this torch
+    counts them: peak, still held, still checked out."""
     import torch
 
     gc.collect()
@@ -651,7 +623,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--contenders", nargs="+", choices=CONTENDERS, help="(default: the model's)")
     parser.add_argument("--calls", choices=["cprofile", "events"], help="how calls are counted (default: the model's)")
-    parser.add_argument("--malloc", choices=sorted(_MALLOC_ENV), help="glibc's setting (default: the model's)")
+    parser.add_argument("--malloc", choices=sorted(_MALLOC_ENV), help="glibc's setting on the CPU: heap keeps freed "
+                        "memory (as CUDA's allocator), thp gives it back, plain (default: the model's)")
     parser.add_argument("--threads", type=int, help="torch's intra-op threads (default: the model's)")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--check", action="store_true", help="every multi-rank path of the bench model, checked")

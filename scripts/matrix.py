@@ -8,30 +8,13 @@
     python scripts/matrix.py --newest        # the newest torch pip can see: the canary for a new release
     python scripts/matrix.py --vllm          # add the vLLM row: tests/test_vllm_source.py on vLLM 0.33.0
 
-One virtual environment per release under ``--cache`` (default
-``~/.cache/fsdp-shim-matrix``), reused while it holds that exact release; the
-project is reinstalled (editable, with its test extras and the release's
-``CLIENT_PINS``: the real Composer on compose-rl's torch) into it every run.
-The oldest verified torch's row is also the floor row: it installs every other
-lower bound of setup.cfg's ``install_requires`` exactly (``wrapt==2.5.0`` for
-``wrapt>=2.5.0``), so the declared floor is tested at no extra row's cost; each
-row reports the wrapt it ran with.
-Torch wheels are downloaded once into ``CACHE/wheels`` and installed from
-there, so a second run on the same machine downloads nothing. Registry builds
-of torch are CUDA builds: they import and run on the CPU once their
-``nvidia-*`` wheels are installed, a few GB per release. Torch is resolved
-with any pip constraint lifted (``PIP_CONSTRAINT=/dev/null``): a machine
-whose pip config caps torch must still be able to test the release above
-the cap, which is the point of ``--newest``.
-
-The vLLM row (``--vllm``, ``VLLM_ROW``) is narrower: vLLM 0.33.0 installed ``--no-deps`` beside
-its torch line (2.14.1), plus the few pure-Python packages its weight-transfer modules import, in a
-venv of its own (``torch-2.14.1-vllm``); it runs ``tests/test_vllm_source.py`` alone, with
-``FSDP_SHIM_REQUIRE_VLLM=1`` so that a vLLM that fails to import fails the row instead of skipping,
-and no ``fsdp-shim check`` (the full rows run it).
-
-Standard library only: it runs from any Python 3.10+, outside the venvs it builds.
-Exit status: 0 if every row passed, 1 otherwise.
+One venv per release under ``--cache``, reused while it holds that exact release; the project (editable, its
+test extras, the release's ``CLIENT_PINS``) is reinstalled into it every run. The oldest verified torch's row is
+also the floor row: setup.cfg's other lower bounds installed exactly (``floor_pins``); each row reports its wrapt.
+Torch wheels are downloaded once into ``CACHE/wheels``, with any pip constraint lifted (``PIP_CONSTRAINT=/dev/null``:
+``--newest`` must see past a cap). The vLLM row (``VLLM_ROW``) installs vLLM ``--no-deps`` in a venv of its own and
+runs its tests alone, with ``FSDP_SHIM_REQUIRE_VLLM=1`` (no skipping) and no ``fsdp-shim check``.
+Standard library only (any Python 3.10+). Exit status: 0 if every row passed, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -87,10 +70,8 @@ class ClientRow:
     env: tuple[tuple[str, str], ...] = ()
 
 
-#: vLLM's native weight-transfer API against ``fsdp_shim.vllm_weight_source`` (issue 53): vLLM 0.33.0
-#: pins torch 2.14.0, and its weight-transfer modules import on the CPU beside torch 2.14.x from the
-#: wheel installed ``--no-deps`` plus these pure-Python packages (pinned: a release of one lands in a
-#: change of its own).
+#: vLLM's weight-transfer API against ``fsdp_shim.vllm_weight_source``: its modules import on the CPU beside
+#: torch 2.14.x with vLLM ``--no-deps`` and these pure-Python packages (pinned).
 VLLM_ROW = ClientRow(
     name="vllm", torch="2.14.1", no_deps=("vllm==0.33.0",),
     deps=("pyzmq==27.3.0", "urllib3==2.8.0", "cbor2==6.3.0", "aiohttp==3.14.5", "requests==2.34.2",
@@ -156,10 +137,8 @@ def _check_summary(output: str) -> str:
 def _venv_version(python: Path, distribution: str = "torch") -> str:
     if not python.exists():
         return ""
-    proc = subprocess.run(
-        [str(python), "-c", f"import importlib.metadata as m; print(m.version({distribution!r}))"],
-        capture_output=True, text=True,
-    )
+    proc = subprocess.run([str(python), "-c", f"import importlib.metadata as m; print(m.version({distribution!r}))"],
+                          capture_output=True, text=True)
     return proc.stdout.strip() if proc.returncode == 0 else ""
 
 
@@ -181,7 +160,7 @@ def _venv_name(version: str, python_version: str, client: str = "") -> str:
 #: compose-rl's torch, the releases compose-rl pins (tests/test_composer_real.py runs the real Composer).
 CLIENT_PINS: dict[str, tuple[str, ...]] = {"2.7.0": ("mosaicml==0.32.1", "transformers==4.51.3")}
 
-#: pip's global constraint file, if any, lifted for the torch steps (see the module docstring).
+#: pip's global constraint file, if any, lifted for the install steps (see the module docstring).
 _UNCAPPED = {"PIP_CONSTRAINT": os.devnull}
 
 
@@ -282,24 +261,18 @@ def print_table(rows: list[Row]) -> None:
 def main(argv: list[str] | None = None) -> int:
     versions = _versions_module()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("torch", nargs="*",
-                        help="torch releases to run (default: every verified release; with --newest alone, none)")
-    parser.add_argument("--newest", action="store_true",
-                        help="add the newest torch pip can see (any pip cap lifted): a new release shows up here "
-                             "as a row before a user reports it")
+    parser.add_argument("torch", nargs="*", help="releases (default: every verified one; with --newest alone, none)")
+    parser.add_argument("--newest", action="store_true", help="add the newest torch pip can see (any pip cap lifted)")
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "fsdp-shim-matrix",
                         help="venvs and downloaded wheels (default: ~/.cache/fsdp-shim-matrix)")
-    parser.add_argument("--logs", type=Path, default=ROOT / ".matrix-logs",
-                        help="one full log per release (default: .matrix-logs)")
-    parser.add_argument("--vllm", action="store_true",
-                        help=f"add the vLLM row: {', '.join(VLLM_ROW.tests)} on torch {VLLM_ROW.torch} with "
-                             f"{', '.join(VLLM_ROW.no_deps)} (see the module docstring)")
+    parser.add_argument("--logs", type=Path, default=ROOT / ".matrix-logs", help="a log per row (default .matrix-logs)")
+    parser.add_argument("--vllm", action="store_true", help=f"add the vLLM row: {', '.join(VLLM_ROW.tests)} on torch "
+                        f"{VLLM_ROW.torch} with {', '.join(VLLM_ROW.no_deps)}")
     parser.add_argument("--remove-venvs", action="store_true", help="delete each venv once its row is done")
     parser.add_argument("--json", type=Path, help="also write the rows to this file")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds for each pytest or check run")
     parser.add_argument("--pytest-args", default="", help="extra pytest arguments, one string")
-    parser.add_argument("--python", default=sys.executable,
-                        help="interpreter the venvs are built on (default: the one running this script)")
+    parser.add_argument("--python", default=sys.executable, help="the venvs' interpreter (default: this one)")
     args = parser.parse_args(argv)
     python_version = _python_version(args.python)
     releases = list(args.torch) or ([] if args.newest or args.vllm else list(versions.VERIFIED_TORCH))
@@ -312,27 +285,21 @@ def main(argv: list[str] | None = None) -> int:
     # The floor row: the oldest verified torch, its own venv, so the exact pins never reach another row's.
     floor_torch = min(versions.VERIFIED_TORCH, key=versions.parse_version)
     rows: list[Row] = []
-    for version in releases:
-        floor = version == floor_torch
-        print(f"matrix: torch {version}{' (floor row: ' + ', '.join(floor_pins()) + ')' if floor else ''} ...",
-              flush=True)
+    for version, client in [(v, None) for v in releases] + ([(VLLM_ROW.torch, VLLM_ROW)] if args.vllm else []):
+        floor = client is None and version == floor_torch
+        what = (f" with {', '.join(client.no_deps)} (--no-deps): {', '.join(client.tests)}" if client is not None
+                else f" (floor row: {', '.join(floor_pins())})" if floor else "")
+        print(f"matrix: torch {version}{what} ...", flush=True)
         row = run_release(version, args.cache, args.logs, args.pytest_args.split(), args.timeout, args.python,
-                          floor=floor)
+                          floor=floor, client=client)
         rows.append(row)
-        print(f"matrix: torch {version}: wrapt {_wrapt_cell(row) or '(not installed)'}; pytest {row.pytest}; "
-              f"check {row.check}; log {row.log}", flush=True)
+        if client is not None:
+            print(f"matrix: torch {version}+{client.name}: pytest {row.pytest}; log {row.log}", flush=True)
+        else:
+            print(f"matrix: torch {version}: wrapt {_wrapt_cell(row) or '(not installed)'}; pytest {row.pytest}; "
+                  f"check {row.check}; log {row.log}", flush=True)
         if args.remove_venvs:
-            shutil.rmtree(args.cache / "venvs" / _venv_name(version, python_version), ignore_errors=True)
-    if args.vllm:
-        print(f"matrix: torch {VLLM_ROW.torch} with {', '.join(VLLM_ROW.no_deps)} (--no-deps): "
-              f"{', '.join(VLLM_ROW.tests)} ...", flush=True)
-        row = run_release(VLLM_ROW.torch, args.cache, args.logs, args.pytest_args.split(), args.timeout,
-                          args.python, client=VLLM_ROW)
-        rows.append(row)
-        print(f"matrix: torch {VLLM_ROW.torch}+{VLLM_ROW.name}: pytest {row.pytest}; log {row.log}", flush=True)
-        if args.remove_venvs:
-            shutil.rmtree(args.cache / "venvs" / _venv_name(VLLM_ROW.torch, python_version, VLLM_ROW.name),
-                          ignore_errors=True)
+            shutil.rmtree(args.cache / "venvs" / _venv_name(version, python_version, row.client), ignore_errors=True)
     print(f"\nfsdp_shim version matrix, {time.strftime('%Y-%m-%d')}, Python {python_version}\n")
     print_table(rows)
     if args.json:

@@ -8,43 +8,24 @@
     python scripts/stress.py --minutes 10 --chunk 60 --malloc alternate summon_all per_unit_rank0 \
         stream_all stream_rank0 unshard fsdp1      # each bench contender alone, under glibc's checks
 
-Besides the shim's own modes, ``unshard`` (FSDP2's ``unshard()``/``reshard()``
-of every unit) and ``fsdp1`` (FSDP1's own ``summon_full_params``) run the
-same loop without the shim's gather, so an abort can be pinned on a
-contender. ``--minutes`` runs each mode for that long in fresh ranks of
-``--chunk`` seconds each and counts aborts per mode. ``--malloc`` sets
-glibc's checks in the ranks: ``debug`` preloads ``libc_malloc_debug.so.0``
-with ``MALLOC_CHECK_=3`` (glibc 2.34 and later ignore ``MALLOC_CHECK_``
-without it; it also turns the tcache off), ``perturb`` sets
-``MALLOC_PERTURB_`` on plain malloc (freed memory filled, so a use after free
-reads a pattern, and the tcache stays on: the original "unaligned tcache
-chunk" message can only appear here), ``alternate`` switches between the two
-every chunk.
-
-Each mode runs in fresh ranks for ``--seconds`` and prints how many rounds
-every rank finished, or how it failed (how the heap corruption behind the note
-"no coalesced all-gather" in ``docs/gather-engine.md`` was found: CHANGELOG.md,
-0.4.1). A crash that comes once a minute needs several runs of each mode to
-rule out. Exit status: 0 if every mode ran clean, 1 otherwise.
-
-``faults`` checks [Note: faults] in ``fsdp_shim/_summon.py`` the long way: each
-round, on a fresh process group (a fault leaves one out of step) with a 2 s
-timeout, it shards a copy of an unsharded twin and summons it, with
-``writeback`` on or off and either no fault (then a random edit, made on the
-twin too) or one drawn from: an exception in an all-gather, on rank 0, rank 1
-or both, at a random call; a peer that never enters. After every round each
-rank compares its local shards, bit for bit, with its rows of the twin. It
-prints rounds, faults injected and mismatches (which must be 0). It uses the
-tests' fault harness (``tests/_faults.py``).
+Each mode runs in fresh ranks and prints how many rounds every rank finished, or how it failed. ``unshard``
+(FSDP2's ``unshard()``/``reshard()``) and ``fsdp1`` (FSDP1's own summon) run the loop without the shim's gather,
+to pin an abort on a contender; ``--minutes`` counts aborts over fresh ranks every ``--chunk`` seconds.
+``faults`` checks [Note: faults] in ``fsdp_shim/_summon.py`` with the tests' harness (``tests/_faults.py``): each
+round, on a fresh group with a 2 s timeout, a summon with ``writeback`` on or off and either a random edit or a
+fault (an all-gather raising on rank 0, 1 or both; a peer that never enters); then each rank compares its shards
+bit for bit with its rows of an unsharded twin (mismatches must be 0). Exit status 1 if any mode failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
 from collections.abc import Callable
+from unittest import mock
 
 from fsdp_shim.tools.launch import RankError, run_on_ranks
 
@@ -96,22 +77,14 @@ def _fault_rounds(width: int, seconds: float) -> tuple[int, int, int]:
                     param.mul_(factor)
         elif fault == "stall":
             faults += 1
-            if faulty and where != "every rank":
-                pass  # this rank never enters; the other one times out
-            else:
-                try:
-                    with fsdp_shim.summon_full_params(model, writeback=writeback):
-                        pass
-                except RuntimeError:
+            if not faulty or where == "every rank":  # else this rank never enters; the other one times out
+                with contextlib.suppress(RuntimeError), fsdp_shim.summon_full_params(model, writeback=writeback):
                     pass
         else:
             faults += faulty
-            try:
-                with inject(fault, after=after if faulty else 10**9):
-                    with fsdp_shim.summon_full_params(model, writeback=writeback, bucket_mb=0.002):
-                        pass
-            except (InjectedFault, RuntimeError):
-                pass
+            with contextlib.suppress(InjectedFault, RuntimeError), inject(fault, after=after if faulty else 10**9):
+                with fsdp_shim.summon_full_params(model, writeback=writeback, bucket_mb=0.002):
+                    pass
         for (name, param), (_, want) in zip(model.named_parameters(), twin.named_parameters(), strict=True):
             mine = torch.chunk(want.detach(), world, dim=0)
             rows = mine[rank] if rank < len(mine) else want.detach()[:0]
@@ -166,14 +139,9 @@ def _rounds(mode: str, width: int, seconds: float) -> int:
                 del full
 
     one_round: Callable[[], None] = {
-        "summon_all": lambda: summon(False),
-        "summon_rank0": lambda: summon(True),
-        "per_unit_all": lambda: per_unit(False),
-        "per_unit_rank0": lambda: per_unit(True),
-        "unshard": unshard,
-        "fsdp1": fsdp1,
-        "stream_all": lambda: stream(False),
-        "stream_rank0": lambda: stream(True),
+        "summon_all": lambda: summon(False), "summon_rank0": lambda: summon(True),
+        "per_unit_all": lambda: per_unit(False), "per_unit_rank0": lambda: per_unit(True),
+        "stream_all": lambda: stream(False), "stream_rank0": lambda: stream(True), "unshard": unshard, "fsdp1": fsdp1,
     }[mode]
     end = time.monotonic() + seconds
     rounds = 0
@@ -187,7 +155,7 @@ def _rounds(mode: str, width: int, seconds: float) -> int:
 
 
 def _malloc_env(kind: str, chunk: int) -> dict[str, str]:
-    """glibc's checks for the ranks of one chunk (see the module docstring)."""
+    """glibc's checks for the ranks of one chunk (see --malloc's help)."""
     if kind == "alternate":
         kind = "debug" if chunk % 2 == 0 else "perturb"
     if kind == "debug":
@@ -199,19 +167,12 @@ def _malloc_env(kind: str, chunk: int) -> dict[str, str]:
 
 def _run_mode(mode: str, args: argparse.Namespace, seconds: float, env: dict[str, str]) -> tuple[bool, str]:
     """One run of ``mode`` in fresh ranks with ``env`` set for them: (clean, what to print)."""
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)  # the spawned ranks inherit it
     try:
-        rounds = run_on_ranks(_rounds, args.ranks, (mode, args.width, seconds), on_progress=None,
-                              timeout_s=seconds + 300)
+        with mock.patch.dict(os.environ, env):  # the spawned ranks inherit it
+            rounds = run_on_ranks(_rounds, args.ranks, (mode, args.width, seconds), on_progress=None,
+                                  timeout_s=seconds + 300)
     except RankError as exc:
         return False, f"FAILED\n{exc}"
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
     if mode == "faults":
         done, injected = rounds[0][0], sum(r[1] for r in rounds)
         bad = sum(r[2] for r in rounds)
@@ -229,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="run each mode this long, in fresh ranks every --chunk seconds, counting aborts")
     parser.add_argument("--chunk", type=float, default=60.0, help="seconds per run with --minutes (default 60)")
     parser.add_argument("--malloc", choices=["plain", "debug", "perturb", "alternate"], default="plain",
-                        help="glibc's checks in the ranks (default plain)")
+                        help="glibc's checks in the ranks: debug preloads libc_malloc_debug with MALLOC_CHECK_=3 "
+                             "(tcache off), perturb sets MALLOC_PERTURB_ (tcache on), alternate switches each chunk")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--width", type=int, default=256, help="hidden size of the 12-layer model (default 256)")
     args = parser.parse_args(argv)

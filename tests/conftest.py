@@ -4,11 +4,14 @@
 test module) on every rank and returns the per-rank results (within the
 pool's 120 s, or ``timeout_s=`` seconds). Pools live for
 the session; a pool whose ranks failed or hung is torn down and the next test
-gets a fresh one.
+gets a fresh one. ``FSDP_SHIM_TEST_BACKEND=nccl`` runs the pools on NCCL, one GPU a rank, for the
+tests written for any backend: the two-group weight sync on 3 GPUs is
+``FSDP_SHIM_TEST_BACKEND=nccl python -m pytest tests/test_weight_sync.py -k "receives or stream"``.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,12 +24,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fsdp_shim.tools.launch import RankPool  # noqa: E402
 
 _pools: dict[int, RankPool] = {}
+_BACKEND = os.environ.get("FSDP_SHIM_TEST_BACKEND", "gloo")
 
 
 def _pool(world_size: int) -> RankPool:
     pool = _pools.get(world_size)
     if pool is None or not pool.alive:
-        pool = _pools[world_size] = RankPool(world_size, timeout_s=120)
+        pool = _pools[world_size] = RankPool(world_size, backend=_BACKEND, timeout_s=120)
     return pool
 
 

@@ -46,7 +46,7 @@ def _groups(timeout_s: float = TIMEOUT_S) -> tuple[dist.ProcessGroup, dist.Proce
 
 
 def _device() -> torch.device:
-    """This rank's device: the CPU on gloo; its GPU on NCCL (``scripts/two_groups.py``)."""
+    """This rank's device: the CPU on gloo; its GPU on NCCL (``FSDP_SHIM_TEST_BACKEND``: ``conftest``)."""
     return rank_device("cpu" if dist.get_backend() == "gloo" else "cuda")
 
 
