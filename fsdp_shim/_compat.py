@@ -9,7 +9,6 @@ Everything here was read from each release's wheel and is exercised by the versi
 | placements are Python classes; ``_StridedShard`` subclasses ``Shard``, so ``is_shard(0)`` is True       | <= 2.9     |
 | placements are C++ objects; ``_StridedShard`` is not a ``Shard``                                        | >= 2.10    |
 | ``full_tensor()`` fails for a standalone ``_StridedShard`` (no plain ``Shard`` of its dim completes it) | 2.10, 2.11 |
-| ``dist.all_gather_single`` (the old name warns)                                                         | >= 2.13    |
 The fast path therefore tests placement *types* exactly (``type(p) is Shard``), never ``is_shard()``: a
 placement it does not know, today's or a future subclass, always takes the ``full_tensor()`` fallback.
 """

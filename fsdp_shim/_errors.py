@@ -15,24 +15,16 @@ class GroupOutOfStepError(RuntimeError):
     here and any collective on it could hang or pair with the wrong one. Refused before any collective;
     the recovery is to destroy and recreate the group (and the model sharded on it), or restart the job."""
 
-    __module__ = "fsdp_shim"  # where callers import it from, and how tracebacks name it
-
 
 class DestroyedGroupError(RuntimeError):
     """A DTensor's device mesh uses a process group that was destroyed or belongs to another world."""
-
-    __module__ = "fsdp_shim"  # where callers import it from, and how tracebacks name it
 
 
 class UnsupportedTorchError(RuntimeError):
     """The shim cannot gather DTensor parameters here: a torch it does not serve (refusing mode), or it is
     inactive. Raised instead of FSDP1's silent no-op."""
 
-    __module__ = "fsdp_shim"  # where callers import it from, and how tracebacks name it
-
 
 class WritebackRefusedError(RuntimeError):
     """A ``writeback=True`` exit refused before writing anything (an edit in the shard and in the full
     tensor, a changed shape): every shard is as it was before the exit."""
-
-    __module__ = "fsdp_shim"  # where callers import it from, and how tracebacks name it

@@ -442,7 +442,7 @@ def summon_groups(
             if group is not None:
                 by_group.setdefault(group, []).append(param)
 
-    roots = functools.partial(fsdp2.root_modules, states_of(scope))  # worked out only where a forward is refused
+    roots = functools.partial(fsdp2.root_modules, states_of(scope))  # the roots found only where a forward is refused
     units: list[nn.Module] = []
     for summoned_group in groups:
         summoned_group.summon(by_group.get(summoned_group.group, []), holds_fulls, not rank0_only, roots)

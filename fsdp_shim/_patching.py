@@ -58,8 +58,8 @@ def _refusing_wrapper(refusal: str, wrapped: Any, instance: Any, args: tuple[Any
     original, a module holding DTensors (or an FSDP2 unit) raises. It reads
     only public torch (``FSDPModule``, ``DTensor``, through ``_common.route``,
     which the active mode's ``summon`` asks too), so it works on a torch whose
-    FSDP2 internals moved; nothing of the package but ``_versions`` is
-    imported (no instrumentations, no guard). See [Note: version policy] in
+    FSDP2 internals moved; nothing of the package but ``_versions``,
+    ``_errors`` and ``_common`` is imported (no instrumentations, no guard). See [Note: version policy] in
     ``_versions``.
     """
     module, recurse, *rest = _fsdp1_arguments(*args, **kwargs)

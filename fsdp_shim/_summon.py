@@ -260,8 +260,8 @@ class DTensorSummon:
             _log_gathered(self, dtensors, started)
 
     def restore(self) -> None:
-        """Undo the entry: casts and forward hooks off, inspect (holders), release, then replay and
-        writeback if the body ran. See [Note: exit always restores]."""
+        """Undo the entry: the groups' casts and forward hooks off, inspect (holders), release, then replay
+        and writeback if the body ran. See [Note: exit always restores]."""
         inspected, released, grad_enabled = False, False, torch.is_grad_enabled()
         try:
             try:
@@ -315,7 +315,8 @@ class DTensorSummon:
         except BaseException:  # logged: ``error`` is the caller's to see
             logger.exception("summon_full_params: restoring after %r failed", error)
         finally:
-            if grad_enabled is not None and torch.is_grad_enabled() is not grad_enabled:
+            if grad_enabled is not None:  # entry: nothing releases again, so no record is kept
+                self.summoned.clear()
                 torch._C._set_grad_enabled(grad_enabled)
 
 
@@ -441,7 +442,7 @@ def _prepare(scope: Scope, resolved: list[DTensor], groups: list[SummonedGroup])
 #   dtypes, devices and caps;
 # - *gradients* (``_grads.agreed_grads``): the one input that is
 #   rank-local, made shared by one small all-reduce before anything is
-#   gathered (``_gather.engine.agree_on_grads``), as FSDP1 does;
+#   gathered (``_grads.agree_on_grads``), as FSDP1 does;
 # - *the stream's batches* (``_stream.batch_params``): the tree, FSDP2's
 #   owners, and the registry for slots a live summon holds.
 # Exit and writeback run no collective: they may, and do, judge by what this

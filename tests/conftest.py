@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -28,6 +29,8 @@ _BACKEND = os.environ.get("FSDP_SHIM_TEST_BACKEND", "gloo")
 
 
 def _pool(world_size: int) -> RankPool:
+    if _BACKEND == "nccl" and world_size > torch.cuda.device_count():
+        pytest.skip(f"{world_size} ranks on NCCL need {world_size} GPUs, {torch.cuda.device_count()} visible")
     pool = _pools.get(world_size)
     if pool is None or not pool.alive:
         pool = _pools[world_size] = RankPool(world_size, backend=_BACKEND, timeout_s=120)

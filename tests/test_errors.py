@@ -15,5 +15,5 @@ TYPED = ("DestroyedGroupError", "GroupOutOfStepError", "UnsupportedTorchError", 
 def test_each_typed_error_is_public_and_a_runtime_error(name):
     assert name in fsdp_shim.__all__
     error = getattr(fsdp_shim, name)
-    assert issubclass(error, RuntimeError) and error.__module__ == "fsdp_shim"
+    assert issubclass(error, RuntimeError) and error.__module__ == "fsdp_shim._errors"
     assert error.__doc__

@@ -44,7 +44,7 @@ logger = logging.getLogger("fsdp_shim")
 
 _CPU = torch.device("cpu")
 
-#: ``all_gather_into_tensor`` was renamed ``all_gather_single`` in 2.13.
+#: ``all_gather_into_tensor`` was renamed ``all_gather_single`` in 2.13 (the old name warns).
 _ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 
 
@@ -497,7 +497,7 @@ class BucketGather:
     ) -> None:
         self._posted = posted
         self.last_work: tuple[Waitable, torch.device] | None = None  # its last collective: ``gather_full_tensors``
-        self._host_copies: list[Any] = []  # see [Note: copy-in from host memory] in ``staging``
+        self._host_copies: list[Any] = []  # see [Note: copy-in from host memory]
         self.plan = bucket_plan(dtensors, bucket_bytes, cast_to, reuse=plan, collective_bytes=collective_bytes,
                                 meshes=meshes)
         buckets, self._fallback = self.plan.bind(dtensors), list(self.plan.fallback)
