@@ -23,8 +23,8 @@ import wrapt
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
 from fsdp_shim import _versions
-from fsdp_shim._errors import UnsupportedTorchError
 from fsdp_shim._common import route
+from fsdp_shim._errors import UnsupportedTorchError
 
 logger = logging.getLogger("fsdp_shim")
 

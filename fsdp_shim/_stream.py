@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim import _registry as registry
+from fsdp_shim._common import is_fsdp1_tree, run_each
 from fsdp_shim._gather.engine import BucketGather, Posted, resolve_device, start_gather
 from fsdp_shim._gather.layout import (
     Receiver,
@@ -31,7 +32,6 @@ from fsdp_shim._gather.layout import (
     receivers_for_stream,
     require_live_groups,
 )
-from fsdp_shim._common import is_fsdp1_tree, run_each
 from fsdp_shim._refusals import group_in_use, on_meta_device, refuse_busy, refuse_placements, untracked_parameter
 from fsdp_shim._scope import fsdp_slot_owners, module_label, slot_key, tracked_sharded
 

@@ -26,7 +26,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim import _registry as registry
-from fsdp_shim._common import run_each
+from fsdp_shim._common import route, run_each
 from fsdp_shim._gather.engine import Gathered, Posted, gather_full_tensors
 from fsdp_shim._gather.layout import BucketCap, Receiver, bucket_cap, mark_part_way, receivers_for_summon
 from fsdp_shim._grads import agreed_grads, gather_grads
@@ -49,7 +49,6 @@ from fsdp_shim._scope import (
     slot_fqn,
     states_of,
 )
-from fsdp_shim._common import route
 
 logger = logging.getLogger("fsdp_shim")
 
