@@ -5,8 +5,8 @@ Owns the wrapt wrapper's handle ([Note: one handle] at ``is_patched``): in activ
 instrumentations, the ``fully_shard`` guard (``_refuse_fully_shard_inside``) and the guard on FSDP2's calls
 inside a context; in refusing mode ``_refusing_wrapper``. Also the instance form on ``FSDPModule``
 ([Note: the instance form] at ``_install_instance_form``). ``unpatch`` removes them all. Both modes route
-by ``_common.route``. Its imports read public torch only (``_fsdp2`` and the instrumentations are imported
-in active mode, deferred), so refusing mode can import it (see [Note: refusing mode] at ``_refusing_wrapper``).
+by ``_common.route``. Its imports read public torch only (``_fsdp2``, ``_registry`` and the instrumentations
+are imported in active mode, deferred), so refusing mode can import it ([Note: refusing mode] at ``_refusing_wrapper``).
 """
 
 from __future__ import annotations
