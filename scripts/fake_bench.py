@@ -345,6 +345,7 @@ def _check(config: dict, model, units: list, sync: Callable, deadline: float) ->
     from torch.distributed.tensor import DTensor
 
     import fsdp_shim
+    from fsdp_shim._gather.engine import _ALL_GATHER
     from fsdp_shim.tools.models import LMConfig, tokens_for
 
     cuda, cpu = config["device"] == "cuda", torch.device("cpu")
@@ -424,8 +425,7 @@ def _check(config: dict, model, units: list, sync: Callable, deadline: float) ->
         summon(here, with_grads=True), summon(here, writeback=True)), strict=True))
     if cuda:
         paths.update(zip(CUDA_ONLY, (stream("cuda", here), stream(f"cuda:{here.index}", here)), strict=True))
-    gather_name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"  # 2.13
-    gathers, real_gather = [0], getattr(dist, gather_name)
+    gathers, real_gather = [0], getattr(dist, _ALL_GATHER)  # the name the engine posts by
 
     def counting_gather(*args, **kwargs):
         gathers[0] += 1
@@ -440,13 +440,13 @@ def _check(config: dict, model, units: list, sync: Callable, deadline: float) ->
             if path == PATHS[9]:  # gradients to gather first
                 how = _make_grads(model, tokens_for(LMConfig(vocab=1000, width=256, layers=12, heads=4)).to(here),
                                   hsdp="x" in config["world"])
-            setattr(dist, gather_name, counting_gather)
+            setattr(dist, _ALL_GATHER, counting_gather)
             gathers[0] = 0
             try:
                 run(True)
                 sync()
             finally:
-                setattr(dist, gather_name, real_gather)
+                setattr(dist, _ALL_GATHER, real_gather)
             if path != PATHS[1] and gathers[0] == 0:
                 raise AssertionError(f"{path}: no all-gather was posted (the group-of-one path?)")
             rows[path].update(status="ok", all_gathers=gathers[0], detail=f"{gathers[0]} all-gathers"

@@ -15,6 +15,7 @@ from fsdp_shim._gather.engine import AllGatherFlight, InPlace, gather_full_tenso
 from fsdp_shim._gather.layout import (
     BUCKET_ENV,
     DEFAULT_BUCKET_MB,
+    UNCAPPED,
     bucket_cap,
     dim0_layout,
     split_into_buckets,
@@ -185,11 +186,9 @@ def test_offload_moves_results_to_cpu(dist_run):
 
 def test_bucket_size_from_keyword_env_and_default(monkeypatch):
     monkeypatch.delenv(BUCKET_ENV, raising=False)
-    assert bucket_cap().bucket_bytes == int(DEFAULT_BUCKET_MB * 2**20)
-    assert bucket_cap().one_unit_bytes is not None  # [Note: one unit, one collective]
+    assert bucket_cap() == (int(DEFAULT_BUCKET_MB * 2**20), UNCAPPED)  # [Note: one unit, one collective]
     monkeypatch.setenv(BUCKET_ENV, "0.5")
-    assert bucket_cap().bucket_bytes == 2**19
-    assert bucket_cap().one_unit_bytes is None  # a chosen size holds for one unit too
+    assert bucket_cap() == (2**19, None)  # a chosen size holds for one unit too
     assert bucket_cap(2).bucket_bytes == 2 * 2**20  # the keyword wins
     monkeypatch.setenv(BUCKET_ENV, "lots")
     with pytest.raises(ValueError, match=BUCKET_ENV):

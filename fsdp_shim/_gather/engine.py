@@ -70,7 +70,7 @@ class InFlight:
     ``work`` is its launched collective (``None`` where there is none, or
     until it is launched); everything the collective reads or writes is
     held here until ``work`` is waited for (see [Note: every posted work
-    is waited for] in ``_gather.engine``).
+    is waited for]).
     """
 
     bucket: list[BucketEntry]

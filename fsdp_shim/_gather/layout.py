@@ -54,7 +54,8 @@ UNCAPPED = 1 << 62
 
 
 class BucketCap(NamedTuple):
-    """One call's bucket cap, and whether the caller chose it: the one place the cap is decided."""
+    """One call's bucket cap, and what a single unit's summon may move in one collective: the one place the
+    cap is decided."""
 
     bucket_bytes: int
     #: The cap where one unit's summon moves its buckets by a collective: ``UNCAPPED`` where no size was
