@@ -59,8 +59,8 @@ def cuda_backend_of(spelling: str) -> str:
     tensors to NCCL; or a device map, ``"cuda:nccl,cpu:gloo"`` (torchtune) or
     ``"cpu:gloo,cuda:nccl"`` (verl), either order. Comparing the string with
     ``"nccl"`` misses all but the first. A pure function of the string, so
-    every spelling is testable without a GPU; ``serves_cuda_with_nccl`` asks
-    a live group first.
+    every spelling is testable without a GPU; ``_registry.serves_cuda_with_nccl``
+    asks a live group first.
     """
     spelling = spelling.strip().lower()
     if ":" in spelling:
@@ -72,20 +72,6 @@ def cuda_backend_of(spelling: str) -> str:
     if spelling in ("", "undefined"):
         return str(getattr(dist.Backend, "default_device_backend_map", {}).get("cuda", "nccl"))
     return spelling
-
-
-def serves_cuda_with_nccl(group: dist.ProcessGroup) -> tuple[bool, str]:
-    """Whether NCCL serves ``group``'s CUDA tensors, and the group's backend as its creator spelled it.
-
-    Asks the group for the backend object that serves CUDA tensors (``_get_backend``, private, present on
-    every supported release); where it cannot answer, resolves the spelling (``cuda_backend_of``).
-    """
-    spelling = str(dist.get_backend(group))
-    try:
-        backend = group._get_backend(torch.device("cuda"))
-    except (RuntimeError, ValueError, AttributeError, TypeError):
-        return cuda_backend_of(spelling) == "nccl", spelling
-    return "nccl" in type(backend).__name__.lower(), spelling
 
 
 #: ``Partial`` reduce ops whose full value a writeback can represent locally: the

@@ -48,6 +48,7 @@ __all__ = [
     "all_fsdp_states",
     "busy_training_state",
     "cast_fn",
+    "cuda_backend_name",
     "forward_cut_short",
     "fsdp_state_of",
     "gather_mesh",
@@ -642,6 +643,18 @@ def group_modules(group: FSDPParamGroup) -> tuple[nn.Module, ...]:
 def is_live_group(group: dist.ProcessGroup) -> bool:
     """Whether ``group`` is still registered with c10d (not destroyed, and from this process's world)."""
     return dist.is_initialized() and group in distributed_c10d._world.pg_map
+
+
+def cuda_backend_name(group: dist.ProcessGroup) -> str | None:
+    """The class name of the backend that serves ``group``'s CUDA tensors (c10d's ``_get_backend``, read
+    with a default: optional), or None where the group cannot say."""
+    get_backend = getattr(group, "_get_backend", None)
+    if get_backend is None:
+        return None
+    try:
+        return type(get_backend(torch.device("cuda"))).__name__
+    except (RuntimeError, ValueError, AttributeError, TypeError):
+        return None
 
 
 # -- the probe: what this module reads, and whether this torch has it all ----------------------

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_shim import _registry as registry
 from fsdp_shim._gather.engine import Posted, comm_device_of, gather_full_tensors
 from fsdp_shim._gather.layout import Meshes, Receiver, mesh_dim_groups
-from fsdp_shim._refusals import group_in_use, refuse_grad_layouts, refuse_placements
+from fsdp_shim._refusals import refuse_grad_layouts, refuse_placements
 from fsdp_shim._scope import Scope, module_label, slot_fqn
 
 __all__ = ["agreed_grads", "gather_grads"]
@@ -70,8 +70,8 @@ def agreed_grads(
         chosen.append((index, cast(DTensor, grad)))
     # gradients on another mesh: their groups are checked (refused before any write), then claimed
     groups = refuse_placements(foreign, writeback=writeback) if foreign else []
-    if groups and not registry.claim(thread, groups):
-        raise group_in_use(call)
+    if groups:
+        registry.claim(thread, groups, lambda: call)
     return chosen, groups
 
 

@@ -3,9 +3,11 @@ change or collective, alike on every rank (see [Note: every rank decides alike] 
 
 FSDP1's misuse gets FSDP1's exception types (``validate_args``,
 ``refuse_busy``); what only FSDP2 and DTensor can get wrong (placements,
-dead or out-of-step groups, the meta device, untracked parameters, threads)
-gets a ``RuntimeError`` or ``NotImplementedError`` that names the parameter
-and says what to do. A refusal leaves everything as it was.
+the meta device, untracked parameters, another thread's slots) gets a
+``RuntimeError`` or ``NotImplementedError`` that names the parameter and
+says what to do. Process groups that cannot be used (destroyed, out of step,
+another thread's) are refused by ``_registry``, the room of group health,
+which these checks ask. A refusal leaves everything as it was.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim import _registry as registry
 from fsdp_shim._compat import ungatherable_reason, writeback_refusal
-from fsdp_shim._gather.layout import Meshes, live_mesh_dim_groups, require_live_groups
+from fsdp_shim._gather.layout import Meshes, live_mesh_dim_groups
 from fsdp_shim._scope import (
     CachedSummon,
     Scope,
@@ -100,7 +102,7 @@ def refuse_before_anything(
         specs.append(sharded._spec)
     groups = None if cached is None else cached.checked_groups(specs, writeback)
     if groups is not None:
-        require_live_groups(groups, lambda: f"the scope of summon_full_params({module_label(module)})")
+        registry.require_live_groups(groups, lambda: f"the scope of summon_full_params({module_label(module)})")
     else:
         named = ((lambda e=entry: slot_fqn(module, e.slots[0]), sharded)
                  for entry, sharded in zip(scope.params, shardeds, strict=True))
@@ -190,15 +192,6 @@ def refuse_writeback_inside_no_writeback(module: nn.Module, enclosing: Iterable[
             "writeback=False context that already holds some of its parameters: their edits would "
             "be discarded by the outer context. Use writeback=True outside, or summon after it."
         )
-
-
-def group_in_use(call: str) -> RuntimeError:
-    """The refusal when ``_registry.claim`` finds a process group in use by another thread's context or stream."""
-    return RuntimeError(
-        f"{call} refused: another thread has a summon_full_params context or an iter_full_params stream "
-        "open on the same process group, and two threads issuing collectives on "
-        "one group corrupt each other. Use one thread per rank for collectives."
-    )
 
 
 def refuse_grad_layouts(call: str, name: str, plain: type | None = None) -> RuntimeError:

@@ -28,11 +28,9 @@ from fsdp_shim._gather.layout import (
     Receiver,
     bucket_cap,
     gathered_dtype,
-    mark_part_way,
     receivers_for_stream,
-    require_live_groups,
 )
-from fsdp_shim._refusals import group_in_use, on_meta_device, refuse_busy, refuse_placements, untracked_parameter
+from fsdp_shim._refusals import on_meta_device, refuse_busy, refuse_placements, untracked_parameter
 from fsdp_shim._scope import fsdp_slot_owners, module_label, slot_key, tracked_sharded
 
 logger = logging.getLogger("fsdp_shim")
@@ -357,8 +355,7 @@ def stream_full_params(
     named = ((lambda n=name: n, t) for name, t, _ in distributed)
     process_groups = refuse_placements(named, writeback=False, gather_meshes=[mesh for _, _, mesh in distributed])
     receiver, holds_fulls = receivers_for_stream(rank0_only)
-    if not registry.claim(registry.current_thread(), process_groups):
-        raise group_in_use(call)
+    registry.claim(registry.current_thread(), process_groups, lambda: call)
     started = time.perf_counter()
     in_flight: list[_InFlightBatch] = []
     sent_bytes = 0
@@ -377,7 +374,7 @@ def stream_full_params(
             in_flight.pop(0)
             if in_flight:
                 # the caller's loop body ran since the last launch: a summon there may have failed one-sidedly
-                require_live_groups(process_groups, lambda: call)
+                registry.require_live_groups(process_groups, lambda: call)
                 for fence in completed_before:  # batch k - 1 complete before k + 1 is posted: [Note: bounded run-ahead]
                     fence()
                 in_flight[0].launch()  # batch k + 1 on the wire while batch k is copied out
@@ -392,7 +389,7 @@ def stream_full_params(
                 fulls[position] = None  # valid until the next step: see [Note: streaming]
     except BaseException as error:
         if posted.any and not all_in:  # marked first: an interrupt in the drop below cannot skip it
-            mark_part_way(process_groups, error)
+            registry.mark_part_way(process_groups, error)
         _drop_all(in_flight, process_groups)  # failed, or the caller stopped early (GeneratorExit)
         raise
     _drop_all(in_flight, process_groups, raising=True)

@@ -28,12 +28,11 @@ from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim import _registry as registry
 from fsdp_shim._common import route, run_each
 from fsdp_shim._gather.engine import Gathered, Posted, gather_full_tensors
-from fsdp_shim._gather.layout import BucketCap, Receiver, bucket_cap, mark_part_way, receivers_for_summon
+from fsdp_shim._gather.layout import BucketCap, Receiver, bucket_cap, receivers_for_summon
 from fsdp_shim._grads import agreed_grads, gather_grads
 from fsdp_shim._group import Conversions, SummonedGroup, summon_groups
 from fsdp_shim._param import SummonedParam, carry_requires_grad, inspect_slots, to_full, to_sharded, write_back
 from fsdp_shim._refusals import (
-    group_in_use,
     refuse_before_anything,
     refuse_writeback_inside_no_writeback,
     validate_args,
@@ -144,7 +143,7 @@ def summon(
 # wait failed records it, and so does a rank that left the gather part way
 # (see [Note: a one-sided fault leaves its own mark] in ``_gather.engine``);
 # its later summons and streams over that group refuse at once (see
-# [Note: out of step] in ``_gather.layout``); ``docs/troubleshooting.md`` says
+# [Note: out of step] in ``_registry``); ``docs/troubleshooting.md`` says
 # what to do.
 #
 # [Note: exit always restores]
@@ -209,8 +208,8 @@ class DTensorSummon:
         grad_enabled = torch.is_grad_enabled()
         self.scope, self._live = scope, True  # from here on there is something to undo
         try:
-            if not registry.claim(thread, process_groups, context=True):
-                raise group_in_use(f"summon_full_params({module_label(self.module)})")
+            registry.claim(thread, process_groups, lambda: f"summon_full_params({module_label(self.module)})",
+                           context=True)
             self._claimed = process_groups
             # 2. prepare: FSDP2's groups in a known state; the DTensors to gather, resolved once.
             self.groups = [SummonedGroup(group, fully) for group, fully in scope.groups.items()]
@@ -340,7 +339,7 @@ def _gather(
                               posted, scope.meshes) if grad_inputs else {})
     except BaseException as error:
         if posted.any:
-            mark_part_way(groups, error)
+            registry.mark_part_way(groups, error)
         raise
     return gathered, grads
 

@@ -361,7 +361,7 @@ def rank_out_of_step_groups_are_refused_for_gradients_and_between_batches():
     from torch.distributed.tensor import Shard
 
     from fsdp_shim import _registry
-    from fsdp_shim._gather.layout import mark_out_of_step
+    from fsdp_shim._registry import mark_out_of_step
 
     model, ref = shard_lm(build_lm(CONFIG)), build_lm(CONFIG)
     before = local_shards(model)

@@ -62,7 +62,6 @@ from _faults import local_shards, short_timeout_mesh
 from _helpers import LMConfig, build_lm, rank, shard_lm, snapshot, tokens_for
 from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim import _registry
-from fsdp_shim._gather import layout
 from fsdp_shim.tools.launch import report_progress
 
 CONFIG = LMConfig(layers=1)  # two FSDP2 units (the root and a block): every "second" a sweep needs, at half the cost
@@ -390,7 +389,7 @@ def _left_part_way(mesh: Any) -> bool:
     """Whether a fault left a gather over the model's group part way on this rank: then the group is
     refused at once, by design (issue 51: its peers' collectives could pair with the next call's), and
     the sweep goes on on a new group. Every rank faulted alike here, so every rank knows alike."""
-    return mesh.get_group() in layout._out_of_step
+    return mesh.get_group() in _registry._out_of_step
 
 
 # --------------------------------------------------------------------------- one phase, one case

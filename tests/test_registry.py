@@ -1,5 +1,6 @@
-"""``_registry``: live contexts and the process groups they claim, per thread. Pure data: no process
-group is needed (groups are keys by identity), and a context is anything with its three fields."""
+"""``_registry``: live contexts and the process groups they claim, per thread (no process group is
+needed: claims key groups by identity, and a context is anything with its three fields); group health
+(out of step, destroyed) on real groups."""
 
 from __future__ import annotations
 
@@ -27,25 +28,39 @@ class _Context:
     summoned: list[_Record] = field(default_factory=list)
 
 
+def _claims_in_another_thread(group: object) -> str | None:
+    """What claiming ``group`` in a new thread raises (None: claimed, and given back)."""
+    said: list[str | None] = []
+
+    def claim() -> None:
+        try:
+            registry.claim(registry.current_thread(), [group], lambda: "the call")  # type: ignore[list-item]
+        except RuntimeError as error:
+            said.append(str(error))
+        else:
+            said.append(None)
+            registry.release([group])  # type: ignore[list-item]
+
+    thread = threading.Thread(target=claim)
+    thread.start()
+    thread.join()
+    return said[0]
+
+
 def test_claims_are_per_thread_and_counted():
     group_a, group_b = object(), object()
     me = registry.current_thread()
-    assert registry.claim(me, [group_a], context=True)
-    assert registry.claim(me, [group_a, group_b], context=True)  # nested: the same thread claims again
-    other: list[bool] = []
-    thread = threading.Thread(target=lambda: other.append(registry.claim(registry.current_thread(), [group_b])))
-    thread.start()
-    thread.join()
-    assert other == [False]  # another thread is refused, and claims nothing
-    registry.release([group_a, group_b], me)
+    registry.claim(me, [group_a], lambda: "outer", context=True)  # type: ignore[list-item]
+    registry.claim(me, [group_a, group_b], lambda: "nested", context=True)  # type: ignore[list-item]  # same thread
+    refused = _claims_in_another_thread(group_b)
+    assert refused is not None and refused.startswith("the call refused: another thread"), refused
+    assert registry._groups[id(group_b)] == (me, 1)  # the refused claim took nothing
+    registry.release([group_a, group_b], me)  # type: ignore[list-item]
     assert registry.has_live_context(me)
-    registry.release([group_a], me)
+    registry.release([group_a], me)  # type: ignore[list-item]
     assert not registry.has_live_context(me)
-    thread = threading.Thread(target=lambda: other.append(registry.claim(registry.current_thread(), [group_b])))
-    thread.start()
-    thread.join()
-    assert other == [False, True]  # free again once every claim is given back
-    registry.release([group_b])
+    assert _claims_in_another_thread(group_b) is None  # free again once every claim is given back
+    assert registry._groups == {}
 
 
 def test_a_registered_context_answers_for_its_slots_and_full_parameters_until_forgotten():

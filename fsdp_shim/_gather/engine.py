@@ -36,8 +36,8 @@ from fsdp_shim._gather.layout import (
     bucket_plan,
     delivers_over,
     gathered_dtype,
-    mark_out_of_step,
 )
+from fsdp_shim._registry import mark_out_of_step
 
 logger = logging.getLogger("fsdp_shim")
 
@@ -229,7 +229,7 @@ class Posted:
     (any ``BaseException``: an out-of-memory error, a ``KeyboardInterrupt``, an
     early close of the stream) after it posted a collective, and before it
     posted the last one it planned, marks every group of the call out of step
-    on this rank (``layout.mark_part_way``), on every transport; its next
+    on this rank (``_registry.mark_part_way``), on every transport; its next
     summon or stream there is refused at once, before any collective. The
     engine records whether a call posted anything (``Posted``); the call
     (``_summon``, ``_stream``) knows when its last collective is posted and
@@ -344,7 +344,7 @@ def _wait_all(flights: Sequence[InFlight]) -> BaseException | None:
     first collective, and is marked out of step otherwise, as a one-sided
     fault must be (see [Note: a one-sided fault leaves its own mark]). A wait that fails (a
     timeout, a dead peer) records the group as out of step (see
-    [Note: out of step] in ``layout``). A work is never waited for twice.
+    [Note: out of step] in ``_registry``). A work is never waited for twice.
     """
     first: BaseException | None = None
     for flight in flights:
