@@ -5,19 +5,12 @@
 #      process group (no values); on CUDA, then --model llama70b at the full vocabulary (peak per unit);
 #   2. `fsdp-shim check` on CUDA (NCCL), one rank per visible GPU (values);
 #   3. `fsdp-shim bench` at 37 MiB (BIG=1: and at 327 MiB and 2.4 GB, if the budget has room).
-# Each step's timeout is cut to what the budget has left (under 15 s: skipped). Wheels under .whl/ go into a
-# private folder, nothing from the network. Logs go to $OUT (default ./device-out). `--device cpu` runs the
-# same steps on the CPU (the fake backend at W = 8; `check` and `bench` on 2 gloo processes): CI runs it.
+# A step gets what the budget has left (under 15 s: skipped); wheels under .whl/ are installed offline; logs go
+# to $OUT (default ./device-out). `--device cpu`: the same steps on the CPU, 2 gloo processes (CI runs it).
 set -u
 DEVICE=cuda
-while [ $# -gt 0 ]; do
-    case "$1" in
-        --device) DEVICE=${2:-}; shift 2 ;;
-        --device=*) DEVICE=${1#--device=}; shift ;;
-        *) echo "device_check.sh: unknown argument $1 (usage: device_check.sh [--device cuda|cpu])" >&2; exit 2 ;;
-    esac
-done
-case "$DEVICE" in cuda|cpu) ;; *) echo "device_check.sh: --device is cuda or cpu, not '$DEVICE'" >&2; exit 2 ;; esac
+if [ $# -eq 2 ] && [ "$1" = --device ]; then DEVICE=$2; elif [ $# -ne 0 ]; then DEVICE="$*"; fi
+case "$DEVICE" in cuda|cpu) ;; *) echo "usage: device_check.sh [--device cuda|cpu] (not: $DEVICE)" >&2; exit 2 ;; esac
 BUDGET=${BUDGET:-290}
 OUT=${OUT:-./device-out}
 mkdir -p "$OUT"

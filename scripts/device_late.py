@@ -1,14 +1,13 @@
 #!/usr/bin/env python3
 """NCCL's completion contract on one GPU: two processes, real values, all-gathers that land late.
 
-    python scripts/device_late.py                 # on a GPU machine (scripts/device_check.sh runs it)
-
 NCCL refuses two ranks on one GPU, so two ranks join a **gloo** group on ``cuda:0``, and all-gathers on CUDA
 tensors land as NCCL's do: the output NaN-filled, the values copied in late on a side stream, ``work.wait()``
 only making the current stream wait (``LateWire``); a read too early, on another stream or of a reused block shows
 as NaN or another bucket's values. Reduce-scatters and all-reduces go through the host in order. Under it, on each
 rank: every ``fsdp-shim check`` scenario (exact values); ``CPUOffloadPolicy`` pinned shards overwritten right after
 the summon returns; the run-ahead of a rank that receives nothing. Exit status 1 if any failed (2: no CUDA).
+``scripts/device_check.sh`` runs it first.
 """
 
 from __future__ import annotations
@@ -59,12 +58,10 @@ class LateWire:
         self.originals: dict[str, Any] = {}
 
     def __enter__(self) -> LateWire:
-        for name in ("all_gather_into_tensor", "all_gather_single"):
+        late = ("all_gather_into_tensor", "all_gather_single")
+        for name in (*late, "reduce_scatter_tensor", "reduce_scatter_single", "all_reduce", "broadcast"):
             if hasattr(dist, name):
-                self._wrap(name, self._late)
-        for name in ("reduce_scatter_tensor", "reduce_scatter_single", "all_reduce", "broadcast"):
-            if hasattr(dist, name):
-                self._wrap(name, self._via_host)
+                self._wrap(name, self._late if name in late else self._via_host)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -117,15 +114,9 @@ class LateWire:
         original(*bound.args, **bound.kwargs)
         for k, v in cuda.items():
             v.copy_(host[k].div_(dist.get_world_size(bound.arguments.get("group"))) if average else host[k])
-        return _Done() if async_op else None
-
-
-class _Done(dist.distributed_c10d.Work):
-    def wait(self, timeout: Any = None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
+        done = torch.cuda.Event()
+        done.record()
+        return _Landing(done) if async_op else None
 
 
 def _control() -> str:

@@ -2,20 +2,16 @@
 """Weight sync on torch's ``fake`` process group: host time, Python calls and peak memory a unit, any W.
 
     python scripts/fake_bench.py                          # bench and units96 at W = 8 64 1024 and HSDP 8x128
-    python scripts/fake_bench.py --model units96 --world 8 --reps 15 --runs 3
     python scripts/fake_bench.py --model llama70b         # 1 block + root, vocab 32064, W = 64 256 1024 8x8 8x32 8x128
-    python scripts/fake_bench.py --model llama70b --quick # -D 64 --layers 4 --world 8 8x4 --reps 2: seconds
     python scripts/fake_bench.py --check --world 8 2x4 64 2x32 --device cuda   # every multi-rank path, checked
 
 One process joins a ``fake`` group of W ranks as rank 0 (``FakeStore``): the shim takes a W-rank job's all-gather
 path, collectives move no data, and what is measured is host cost. Each configuration (a model; a world ``W``, or
-``RxS``: HSDP, R replicas of S shards) runs in a fresh process, ``--runs`` times. Models: ``bench`` (``fsdp-shim
-bench``'s, 13 units), ``units96`` (96 units of ``Linear(64, 64)`` + ``LayerNorm(64)``), ``llama70b`` (Llama-3-70B's
-shapes on the meta device, ``--layers``, ``--vocab``, ``-D``; refused where the estimated peak does not fit the
-memory available, unless ``--force``). Contenders (``MODELS``): per-unit summons, FSDP2's ``unshard`` (the
-yardstick), the whole-model summon, ``iter_full_params`` streams, ``full_tensor()`` loops. Figures: median ms and
-calls a unit, the ratio to ``unshard`` (interleaved in a seeded shuffle), peak bytes beyond the shards (glibc's
-``mallinfo2()`` or CUDA's); the method is in docs/host-cost.md and docs/performance.md ("Scale").
+``RxS``: HSDP) runs in a fresh process, ``--runs`` times. Models: ``bench`` (``fsdp-shim bench``'s, 13 units),
+``units96`` (96 units of ``Linear(64, 64)`` + ``LayerNorm(64)``), ``llama70b`` (``tools.models.llama_shapes``;
+refused where the estimated peak does not fit the memory available, unless ``--force``). Contenders: ``MODELS``.
+Figures: median ms and calls a unit, the ratio to ``unshard`` (interleaved in a seeded shuffle), peak bytes beyond
+the shards (glibc's ``mallinfo2()`` or CUDA's); the method: docs/host-cost.md, docs/performance.md ("Scale").
 
 ``--check`` takes the bench model through every path in ``PATHS`` once, checked (all-gathers posted, full
 shapes, devices, not pinned, sharded after exit, rank 0's shard edited by ``writeback``), then times those that
@@ -101,9 +97,8 @@ class _Peaks:
             self._note(key, self.in_use())
 
     def _sample(self) -> None:
-        while not self._stop.is_set():
+        while not self._stop.wait(0.001):
             self.probe()
-            time.sleep(0.001)
 
     def start(self) -> int:
         """Open no window, and return the bytes in use, the base of every peak."""
@@ -140,12 +135,10 @@ class _Peaks:
         return {key: peak for key, peak in self.peaks.items() if key is not None}
 
 
-def _quantiles(values: list[float]) -> tuple[float, float, float]:
+def _quantiles(values: list[float]) -> tuple[float, ...]:
     """(first quartile, median, third quartile); (min, median, max) under four values."""
-    if len(values) < 4:
-        return min(values), statistics.median(values), max(values)
-    q1, median, q3 = statistics.quantiles(values, n=4)
-    return q1, median, q3
+    few = len(values) < 4
+    return (min(values), statistics.median(values), max(values)) if few else tuple(statistics.quantiles(values, n=4))
 
 
 def _interleaved(runs: dict[str, Callable], reps: int, sync: Callable, deadline: float) -> dict[str, list[float]]:
@@ -190,11 +183,10 @@ def _calls(run: Callable, how: str) -> int:
 
 def _build(config: dict, mesh, device: str) -> tuple:
     """The model on ``device``, ``fully_shard``ed unit by unit, then at the root; and its units, blocks first."""
-    import torch
     import torch.nn as nn
     from torch.distributed.fsdp import fully_shard
 
-    from fsdp_shim.tools.models import LMConfig, build_lm, shard_lm
+    from fsdp_shim.tools.models import LMConfig, build_lm, llama_shapes, shard_lm
 
     if config["model"] == "bench":
         model = build_lm(LMConfig(vocab=1000, width=256, layers=12, heads=4)).to(device)
@@ -205,23 +197,7 @@ def _build(config: dict, mesh, device: str) -> tuple:
         model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64)) for _ in range(96)]).to(device)
         blocks = list(model)
     else:
-        h, f, kv, v = (config["shapes"][k] for k in ("hidden", "ffn", "kv", "vocab"))
-
-        class Tree(nn.Module):  # shapes only: nothing runs a forward (fully_shard refuses a ModuleDict)
-            def __init__(self, **children: nn.Module) -> None:
-                super().__init__()
-                for key, child in children.items():
-                    setattr(self, key, child)
-
-        linear = lambda i, o: nn.Linear(i, o, bias=False)  # noqa: E731
-        layer = lambda: Tree(  # noqa: E731  (64 query heads of 128, 8 KV heads of 128, SwiGLU)
-            input_layernorm=nn.RMSNorm(h),
-            self_attn=Tree(q_proj=linear(h, h), k_proj=linear(h, kv), v_proj=linear(h, kv), o_proj=linear(h, h)),
-            post_attention_layernorm=nn.RMSNorm(h),
-            mlp=Tree(gate_proj=linear(h, f), up_proj=linear(h, f), down_proj=linear(f, h)))
-        with torch.device("meta"):
-            layers = nn.ModuleList([layer() for _ in range(config["layers"])])
-            model = Tree(embed_tokens=nn.Embedding(v, h), layers=layers, norm=nn.RMSNorm(h), lm_head=linear(h, v))
+        model = llama_shapes(layers=config["layers"], **config["shapes"])
         blocks = list(model.layers)
     for block in blocks:
         fully_shard(block, mesh=mesh)
@@ -531,7 +507,7 @@ def _size(n: float | None, full: int = 0, what: str = "") -> str:
     return f"{text} (x{n / full:.2f}{what})" if full else text
 
 
-def _print_runs(runs: list[dict], full_root: int | None) -> None:
+def _print_runs(runs: list[dict]) -> None:
     """One configuration's table: a row a contender, the first run's IQR and each run's median ratio."""
     row, unit_bytes = runs[0], runs[0]["unit_bytes"]
     block, root = unit_bytes[0], unit_bytes[-1]
@@ -563,12 +539,6 @@ def _print_runs(runs: list[dict], full_root: int | None) -> None:
         print(f"\nAll-gathered per bf16 sync: stream_bf16 {_size(wire['stream_bf16'])} (cast before the gather), "
               f"module_source {_size(wire['module_source'])} (gathered as stored, then cast): "
               f"x{wire['module_source'] / wire['stream_bf16']:.2f}.")
-    held = [n for n in ("summon_unit", "summon_unit_rank0", "unshard", "full_tensor_loop") if n in row["peaks"]]
-    if full_root and full_root != root and held:
-        print(f"\nAt the full vocabulary the root unit is {_size(full_root)}; **extrapolated** from the ratios "
-              f"measured here ({_size(root)}), its peak would be: " + ", ".join(
-                  f"{n} {_size(row['peaks'][n]['per_unit'][-1] / root * full_root)}" for n in held)
-              + ". (Not the streams': their root window also holds the next unit's gather.)")
 
 
 def _print_checks(rows: list[dict]) -> None:
@@ -587,9 +557,9 @@ def _print_checks(rows: list[dict]) -> None:
               f"{mem[0]:>10} {mem[1]:>9} {mem[2]:>9} {mem[3]:>7} {mem[4]:>7}  {row.get('detail', '')}", flush=True)
 
 
-def _llama(args: argparse.Namespace, config: dict, malloc: str) -> int | None:
+def _llama(args: argparse.Namespace, config: dict, malloc: str) -> None:
     """Set llama70b's shapes and layers in ``config``; refuse (exit 2) where its estimated peak does not fit the
-    memory available. Returns the root unit's bytes at the full vocabulary where this run's vocabulary is less."""
+    memory available. (Its peaks at the full vocabulary are measured with ``--vocab 128256``, never scaled.)"""
     divisor = args.structure_divisor
     for name, size in (("hidden", HIDDEN), ("ffn", FFN), ("kv", KV), ("vocab", VOCAB)):
         if size % divisor:
@@ -611,7 +581,6 @@ def _llama(args: argparse.Namespace, config: dict, malloc: str) -> int | None:
               f"{_size(available)} available: a smaller --vocab or --layers, --malloc plain, or --force",
               file=sys.stderr)
         raise SystemExit(2)
-    return (2 * VOCAB * HIDDEN + HIDDEN) * 4 if divisor == 1 else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -663,7 +632,8 @@ def main(argv: list[str] | None = None) -> int:
                   "threads": args.threads or spec["threads"], "time_limit": 0.7 * args.timeout if args.timeout else 0}
         if "unshard" not in config["contenders"]:
             config["contenders"].append("unshard")  # the yardstick of every ratio
-        full_root = _llama(args, config, malloc) if model == "llama70b" else None
+        if model == "llama70b":
+            _llama(args, config, malloc)
         env = {**_BASE_ENV, **(_MALLOC_ENV[malloc] if args.device == "cpu" else {})}
         for world in args.world or (["8", "8x4"] if args.check else spec["world"]):
             runs: list[dict] = []
@@ -686,7 +656,7 @@ def main(argv: list[str] | None = None) -> int:
                 _print_checks(runs)
                 failed += sum(row["status"] == "FAILED" for row in runs)
             elif runs:
-                _print_runs(runs, full_root)
+                _print_runs(runs)
     if args.check:
         bad = [r for r in rows if r["status"] == "FAILED"]
         print(f"\nfake_bench --check: {len(bad)} failed of {sum(r['status'] != 'skipped' for r in rows)} checks"

@@ -10,11 +10,10 @@
 
 One venv per release under ``--cache``, reused while it holds that exact release; the project (editable, its
 test extras, the release's ``CLIENT_PINS``) is reinstalled into it every run. The oldest verified torch's row is
-also the floor row: setup.cfg's other lower bounds installed exactly (``floor_pins``); each row reports its wrapt.
-Torch wheels are downloaded once into ``CACHE/wheels``, with any pip constraint lifted (``PIP_CONSTRAINT=/dev/null``:
-``--newest`` must see past a cap). The vLLM row (``VLLM_ROW``) installs vLLM ``--no-deps`` in a venv of its own and
-runs its tests alone, with ``FSDP_SHIM_REQUIRE_VLLM=1`` (no skipping) and no ``fsdp-shim check``.
-Standard library only (any Python 3.10+). Exit status: 0 if every row passed, 1 otherwise.
+also the floor row: setup.cfg's other lower bounds installed exactly (``floor_pins``). Torch wheels are downloaded
+once into ``CACHE/wheels``, with any pip constraint lifted (``--newest`` must see past a cap). The vLLM row
+(``VLLM_ROW``): vLLM ``--no-deps`` in a venv of its own, its tests alone, never skipped. Standard library only.
+Exit status: 0 if every row passed, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -116,21 +115,16 @@ def _run(cmd: list[str], log, env: dict[str, str] | None = None, timeout: float 
     return proc.returncode, proc.stdout + proc.stderr
 
 
-_SUMMARY = re.compile(r"^=*\s*(\d+ (passed|failed|error|errors|skipped)[^=]*?)\s*(in [\d.]+s.*?)?=*\s*$")
+_PYTEST = re.compile(r"^=*\s*(\d+ (passed|failed|error|errors|skipped)[^=]*?)\s*(in [\d.]+s.*?)?=*\s*$")
+_CHECK = re.compile(r"^(\d+ passed, \d+ failed(, \d+ skipped)?)$")
 
 
-def _pytest_summary(output: str) -> str:
+def _summary(output: str, pattern: re.Pattern[str]) -> str:
+    """The last line of ``output`` that ``pattern`` matches, as its first group says it."""
     for line in reversed(output.splitlines()):
-        match = _SUMMARY.match(line.strip())
+        match = pattern.match(line.strip())
         if match:
             return match.group(1).strip().rstrip(",")
-    return "no summary"
-
-
-def _check_summary(output: str) -> str:
-    for line in reversed(output.splitlines()):
-        if re.match(r"^\d+ passed, \d+ failed(, \d+ skipped)?$", line.strip()):
-            return line.strip()
     return "no summary"
 
 
@@ -229,7 +223,7 @@ def run_release(version: str, cache: Path, logs: Path, pytest_args: list[str], t
         code, out = _run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests, *pytest_args], log,
                          env, timeout)
         row.pytest_s = time.perf_counter() - start
-        row.pytest, row.pytest_ok = _pytest_summary(out), code == 0
+        row.pytest, row.pytest_ok = _summary(out, _PYTEST), code == 0
 
         if client is not None:
             row.check, row.check_ok = "not run (client row)", True
@@ -237,7 +231,7 @@ def run_release(version: str, cache: Path, logs: Path, pytest_args: list[str], t
         start = time.perf_counter()
         code, out = _run([str(python), "-m", "fsdp_shim", "check"], log, env, timeout)
         row.check_s = time.perf_counter() - start
-        row.check, row.check_ok = _check_summary(out), code == 0
+        row.check, row.check_ok = _summary(out, _CHECK), code == 0
     return row
 
 
@@ -293,11 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         row = run_release(version, args.cache, args.logs, args.pytest_args.split(), args.timeout, args.python,
                           floor=floor, client=client)
         rows.append(row)
-        if client is not None:
-            print(f"matrix: torch {version}+{client.name}: pytest {row.pytest}; log {row.log}", flush=True)
-        else:
-            print(f"matrix: torch {version}: wrapt {_wrapt_cell(row) or '(not installed)'}; pytest {row.pytest}; "
-                  f"check {row.check}; log {row.log}", flush=True)
+        print(f"matrix: torch {version}{'+' + row.client if row.client else ''}: wrapt {_wrapt_cell(row) or '?'}; "
+              f"pytest {row.pytest}; check {row.check}; log {row.log}", flush=True)
         if args.remove_venvs:
             shutil.rmtree(args.cache / "venvs" / _venv_name(version, python_version, row.client), ignore_errors=True)
     print(f"\nfsdp_shim version matrix, {time.strftime('%Y-%m-%d')}, Python {python_version}\n")

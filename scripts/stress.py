@@ -3,18 +3,16 @@
 
     python scripts/stress.py                       # every mode, 60 s each, 2 ranks, width 256
     python scripts/stress.py --seconds 80 summon_all stream_all
-    python scripts/stress.py --width 768 stream_rank0
     python scripts/stress.py --seconds 120 faults  # random faults; shards checked against a twin each round
-    python scripts/stress.py --minutes 10 --chunk 60 --malloc alternate summon_all per_unit_rank0 \
+    python scripts/stress.py --repeat 10 --malloc alternate summon_all per_unit_rank0 \
         stream_all stream_rank0 unshard fsdp1      # each bench contender alone, under glibc's checks
 
 Each mode runs in fresh ranks and prints how many rounds every rank finished, or how it failed. ``unshard``
 (FSDP2's ``unshard()``/``reshard()``) and ``fsdp1`` (FSDP1's own summon) run the loop without the shim's gather,
-to pin an abort on a contender; ``--minutes`` counts aborts over fresh ranks every ``--chunk`` seconds.
-``faults`` checks [Note: faults] in ``fsdp_shim/_summon.py`` with the tests' harness (``tests/_faults.py``): each
-round, on a fresh group with a 2 s timeout, a summon with ``writeback`` on or off and either a random edit or a
-fault (an all-gather raising on rank 0, 1 or both; a peer that never enters); then each rank compares its shards
-bit for bit with its rows of an unsharded twin (mismatches must be 0). Exit status 1 if any mode failed.
+to pin an abort on a contender. ``faults`` checks [Note: faults] in ``fsdp_shim/_summon.py`` with the tests'
+harness (``tests/_faults.py``): each round, on a fresh group, a summon with a random edit or fault (an all-gather
+raising on one rank or both; a peer that never enters), then every shard compared bit for bit with an unsharded
+twin's rows. Exit status 1 if any mode failed.
 """
 
 from __future__ import annotations
@@ -51,13 +49,9 @@ def _fault_rounds(width: int, seconds: float) -> tuple[int, int, int]:
 
     twin = build_lm(LMConfig(vocab=97, width=width, layers=3, heads=4))
     rank, world = dist.get_rank(), dist.get_world_size()
-    end = time.monotonic() + seconds
-    rounds = faults = mismatches = 0
-    while True:
-        go = torch.tensor([int(time.monotonic() < end)])
-        dist.broadcast(go, 0)  # every rank stops after the same round
-        if not go.item():
-            return rounds, faults, mismatches
+    counts = {"faults": 0, "mismatches": 0}
+
+    def one_round(rounds: int) -> None:
         draw = random.Random(rounds)  # the same draw on every rank
         fault = draw.choice(["none", "stall", "all_gather"])
         where = draw.choice(["rank 0", "rank 1", "every rank"])
@@ -76,12 +70,12 @@ def _fault_rounds(width: int, seconds: float) -> tuple[int, int, int]:
                 with torch.no_grad():
                     param.mul_(factor)
         elif fault == "stall":
-            faults += 1
+            counts["faults"] += 1
             if not faulty or where == "every rank":  # else this rank never enters; the other one times out
                 with contextlib.suppress(RuntimeError), fsdp_shim.summon_full_params(model, writeback=writeback):
                     pass
         else:
-            faults += faulty
+            counts["faults"] += faulty
             with contextlib.suppress(InjectedFault, RuntimeError), inject(fault, after=after if faulty else 10**9):
                 with fsdp_shim.summon_full_params(model, writeback=writeback, bucket_mb=0.002):
                     pass
@@ -90,9 +84,25 @@ def _fault_rounds(width: int, seconds: float) -> tuple[int, int, int]:
             rows = mine[rank] if rank < len(mine) else want.detach()[:0]
             local = param._local_tensor
             if not torch.equal(local[: rows.shape[0]], rows):
-                mismatches += 1
+                counts["mismatches"] += 1
                 print(f"rank {rank} round {rounds}: {name} differs ({fault}, {where}, wb={writeback})",
                       file=sys.stderr, flush=True)
+
+    return _each_round(seconds, one_round), counts["faults"], counts["mismatches"]
+
+
+def _each_round(seconds: float, one_round: Callable[[int], None]) -> int:
+    """``one_round(n)`` for n = 0, 1, ... until rank 0 has run ``seconds``: every rank stops after the same one."""
+    import torch
+    import torch.distributed as dist
+
+    end, rounds = time.monotonic() + seconds, 0
+    while True:
+        go = torch.tensor([int(time.monotonic() < end)])
+        dist.broadcast(go, 0)
+        if not go.item():
+            return rounds
+        one_round(rounds)
         rounds += 1
 
 
@@ -101,7 +111,6 @@ def _rounds(mode: str, width: int, seconds: float) -> int:
 
     faulthandler.enable(all_threads=True)  # a native crash prints every thread's Python stack
     import torch
-    import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     import fsdp_shim
@@ -114,13 +123,9 @@ def _rounds(mode: str, width: int, seconds: float) -> int:
     units = [unit for _, unit in fsdp_shim.fsdp_units(model)]
     fsdp1_model = wrap_lm_fsdp1(build_lm(config), torch.device("cpu")) if mode == "fsdp1" else None
 
-    def summon(rank0_only: bool) -> None:
-        with FSDP.summon_full_params(model, writeback=False, rank0_only=rank0_only):
-            pass
-
-    def per_unit(rank0_only: bool) -> None:
-        for unit in units:
-            with FSDP.summon_full_params(unit, recurse=False, writeback=False, rank0_only=rank0_only):
+    def summon_each(rank0_only: bool, modules: list = units, recurse: bool = False) -> None:
+        for module in modules:
+            with FSDP.summon_full_params(module, recurse=recurse, writeback=False, rank0_only=rank0_only):
                 pass
 
     def unshard() -> None:
@@ -129,39 +134,29 @@ def _rounds(mode: str, width: int, seconds: float) -> int:
         for unit in units:
             unit.reshard()  # type: ignore[operator]
 
-    def fsdp1() -> None:
-        with FSDP.summon_full_params(fsdp1_model, writeback=False):
-            pass
-
     def stream(rank0_only: bool) -> None:
         for dtype in (None, torch.bfloat16):
             for _name, full in fsdp_shim.iter_full_params(model, dtype=dtype, rank0_only=rank0_only):
                 del full
 
     one_round: Callable[[], None] = {
-        "summon_all": lambda: summon(False), "summon_rank0": lambda: summon(True),
-        "per_unit_all": lambda: per_unit(False), "per_unit_rank0": lambda: per_unit(True),
-        "stream_all": lambda: stream(False), "stream_rank0": lambda: stream(True), "unshard": unshard, "fsdp1": fsdp1,
+        "summon_all": lambda: summon_each(False, [model], True),
+        "summon_rank0": lambda: summon_each(True, [model], True),
+        "per_unit_all": lambda: summon_each(False), "per_unit_rank0": lambda: summon_each(True),
+        "stream_all": lambda: stream(False), "stream_rank0": lambda: stream(True), "unshard": unshard,
+        "fsdp1": lambda: summon_each(False, [fsdp1_model], True),
     }[mode]
-    end = time.monotonic() + seconds
-    rounds = 0
-    while True:
-        go = torch.tensor([int(time.monotonic() < end)])
-        dist.broadcast(go, 0)  # every rank stops after the same round
-        if not go.item():
-            return rounds
-        one_round()
-        rounds += 1
+    return _each_round(seconds, lambda _: one_round())
 
 
-def _malloc_env(kind: str, chunk: int) -> dict[str, str]:
-    """glibc's checks for the ranks of one chunk (see --malloc's help)."""
+def _malloc_env(kind: str, run: int) -> dict[str, str]:
+    """glibc's checks for the ranks of one run (see --malloc's help)."""
     if kind == "alternate":
-        kind = "debug" if chunk % 2 == 0 else "perturb"
+        kind = "debug" if run % 2 == 0 else "perturb"
     if kind == "debug":
         return {"LD_PRELOAD": MALLOC_DEBUG, "MALLOC_CHECK_": "3"}
     if kind == "perturb":
-        return {"MALLOC_PERTURB_": str(0x5A + chunk % 7)}
+        return {"MALLOC_PERTURB_": str(0x5A + run % 7)}
     return {}
 
 
@@ -174,8 +169,7 @@ def _run_mode(mode: str, args: argparse.Namespace, seconds: float, env: dict[str
     except RankError as exc:
         return False, f"FAILED\n{exc}"
     if mode == "faults":
-        done, injected = rounds[0][0], sum(r[1] for r in rounds)
-        bad = sum(r[2] for r in rounds)
+        done, injected, bad = rounds[0][0], sum(r[1] for r in rounds), sum(r[2] for r in rounds)
         return not bad, (f"{'clean' if not bad else 'MISMATCHES'}, {done} rounds, {injected} faults injected "
                          f"(rank-faults, stalls counted once), {bad} shard mismatches")
     return True, f"clean, {rounds[0]} rounds"
@@ -185,13 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("modes", nargs="*", choices=MODES, default=MODES, metavar="MODE",
                         help=f"any of {', '.join(MODES)} (default: all)")
-    parser.add_argument("--seconds", type=float, default=60.0, help="per mode, without --minutes (default 60)")
-    parser.add_argument("--minutes", type=float, default=None,
-                        help="run each mode this long, in fresh ranks every --chunk seconds, counting aborts")
-    parser.add_argument("--chunk", type=float, default=60.0, help="seconds per run with --minutes (default 60)")
+    parser.add_argument("--seconds", type=float, default=60.0, help="per run of a mode (default 60)")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each mode, each in fresh ranks (default 1)")
     parser.add_argument("--malloc", choices=["plain", "debug", "perturb", "alternate"], default="plain",
                         help="glibc's checks in the ranks: debug preloads libc_malloc_debug with MALLOC_CHECK_=3 "
-                             "(tcache off), perturb sets MALLOC_PERTURB_ (tcache on), alternate switches each chunk")
+                             "(tcache off), perturb sets MALLOC_PERTURB_ (tcache on), alternate switches each run")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--width", type=int, default=256, help="hidden size of the 12-layer model (default 256)")
     args = parser.parse_args(argv)
@@ -200,19 +192,16 @@ def main(argv: list[str] | None = None) -> int:
     failed = 0
     summary = []
     for mode in args.modes:
-        chunks = 1 if args.minutes is None else max(1, round(args.minutes * 60 / args.chunk))
-        seconds = args.seconds if args.minutes is None else args.chunk
-        runs = aborts = 0
-        started = time.monotonic()
-        for chunk in range(chunks):
-            env = _malloc_env(args.malloc, chunk)
-            clean, said = _run_mode(mode, args, seconds, env)
-            runs, aborts = runs + 1, aborts + (not clean)
+        aborts, started = 0, time.monotonic()
+        for run in range(args.repeat):
+            env = _malloc_env(args.malloc, run)
+            clean, said = _run_mode(mode, args, args.seconds, env)
+            aborts += not clean
             label = " ".join(f"{k}={v}" for k, v in env.items()) or "plain malloc"
-            print(f"{mode} [{chunk + 1}/{chunks}, {label}]: {said}", flush=True)
+            print(f"{mode} [{run + 1}/{args.repeat}, {label}]: {said}", flush=True)
         failed += aborts > 0
-        summary.append((mode, runs, aborts, (time.monotonic() - started) / 60))
-    if args.minutes is not None:
+        summary.append((mode, args.repeat, aborts, (time.monotonic() - started) / 60))
+    if args.repeat > 1:
         print("\nmode              runs  aborts  minutes")
         for mode, runs, aborts, minutes in summary:
             print(f"{mode:<16} {runs:>5} {aborts:>7} {minutes:>8.1f}")
