@@ -397,18 +397,19 @@ def _finish_bucket(flight: InFlight, holds_fulls: bool, out_device: torch.device
         # copy that the host waits for; see [Note: offloaded memory].
         output = output.to(out_device)
     if len(flight.bucket) == 1:  # see [Note: a bucket of one]
-        layout = flight.bucket[0].layout
-        padded = output.view(layout.padded_shape)
-        return [padded if layout.padded_shape[0] == layout.shape[0] else padded[:layout.shape[0]]]
-    return _copy_out(output, flight)
+        padded = [output.view(flight.bucket[0].layout.padded_shape)]
+    else:
+        padded = _copy_out(output, flight)
+    # each full tensor: its first rows, the buffer itself where nothing is padded (a slice: cheaper than narrow())
+    return [buf if buf.shape[0] == b.layout.shape[0] else buf[:b.layout.shape[0]]
+            for buf, b in zip(padded, flight.bucket, strict=True)]
 
 
 def _copy_out(output: torch.Tensor, flight: AllGatherFlight) -> list[torch.Tensor]:
-    """Scatter a multi-tensor bucket's output into fresh padded full tensors; each one's full tensor.
+    """Scatter a multi-tensor bucket's output into fresh padded buffers, one a tensor.
 
     See [Note: bucket layout] in ``layout``: only the first ``R`` rank blocks hold rows,
-    so only they are copied, into buffers of ``R * c_i`` rows. The full
-    tensor is the buffer itself, or its first rows where it is padded.
+    so only they are copied, into buffers of ``R * c_i`` rows.
     """
     world_size = flight.bucket[0].layout.world_size
     blocks = flight.blocks
@@ -420,9 +421,7 @@ def _copy_out(output: torch.Tensor, flight: AllGatherFlight) -> list[torch.Tenso
     out = [buf.view(blocks, n) for buf, n in zip(padded, sizes, strict=True)]
     blocked = output.view(world_size, sum(sizes))
     torch.split_with_sizes_copy(blocked if blocks == world_size else blocked[:blocks], sizes, dim=1, out=out)
-    # each full tensor: its first rows, the buffer itself where nothing is padded (a slice: cheaper than narrow())
-    return [buf if buf.shape[0] == b.layout.shape[0] else buf[:b.layout.shape[0]]
-            for buf, b in zip(padded, flight.bucket, strict=True)]
+    return padded
 
 
 def _views(padded_fulls: list[torch.Tensor], flight: InFlight) -> list[torch.Tensor]:
