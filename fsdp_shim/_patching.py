@@ -62,7 +62,10 @@ def _refusing_wrapper(refusal: str, wrapped: Any, instance: Any, args: tuple[Any
     ``_errors`` and ``_common`` is imported (no instrumentations, no guard). See [Note: version policy] in
     ``_versions``.
     """
-    module, recurse, *rest = _fsdp1_arguments(*args, **kwargs)
+    try:
+        module, recurse, *rest = _fsdp1_arguments(*args, **kwargs)
+    except TypeError:  # arguments FSDP1's signature does not take: its binding raises, in its own words
+        return wrapped(*args, **kwargs)
     if isinstance(module, nn.Module) and route(module, recurse)[0] == "dtensor":
         raise UnsupportedTorchError(
             f"summon_full_params({type(module).__name__}) holds DTensor parameters, which fsdp_shim cannot gather "

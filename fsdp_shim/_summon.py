@@ -52,16 +52,20 @@ from fsdp_shim._scope import (
 logger = logging.getLogger("fsdp_shim")
 
 
-_FSDP1_KEYWORDS = frozenset(("module", "recurse", "writeback", "rank0_only", "offload_to_cpu", "with_grads"))
+#: FSDP1's parameters, in its order.
+_FSDP1_PARAMETERS = ("module", "recurse", "writeback", "rank0_only", "offload_to_cpu", "with_grads")
+_FSDP1_KEYWORDS = frozenset(_FSDP1_PARAMETERS)
 
 
 def summon_full_params_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The wrapt wrapper on ``FullyShardedDataParallel.summon_full_params`` in active mode (``_patching``
     installs it): FSDP1's arguments, bound by ``summon``'s signature, whose positional parameters are
-    FSDP1's (``test_patching`` checks); a keyword FSDP1 lacks is refused as FSDP1 refuses it."""
-    if kwargs and not _FSDP1_KEYWORDS.issuperset(kwargs):
-        unexpected = sorted(kwargs.keys() - _FSDP1_KEYWORDS)[0]
-        raise TypeError(f"summon_full_params() got an unexpected keyword argument {unexpected!r}")
+    FSDP1's (``test_patching`` checks). Arguments FSDP1's signature does not take (too many, a keyword
+    it lacks, ``module`` missing or given twice) go to FSDP1's original, whose binding raises its own
+    ``TypeError``, in its words, before its body runs."""
+    if len(args) > 6 or not (args or "module" in kwargs) or kwargs and (
+            not _FSDP1_KEYWORDS.issuperset(kwargs) or not kwargs.keys().isdisjoint(_FSDP1_PARAMETERS[:len(args)])):
+        return wrapped(*args, **kwargs)
     return summon(*args, fsdp1=wrapped, **kwargs)
 
 

@@ -280,8 +280,33 @@ def test_the_wrapper_binds_arguments_with_fsdp1s_exact_signature():
 
     positional = [p for p in shape(_summon.summon) if p[1] is inspect.Parameter.POSITIONAL_OR_KEYWORD]
     assert positional == shape(ORIGINAL.__func__)  # the active mode's: ``summon`` binds them
-    for extra in ({"bucket_mb": 4}, {"fsdp1": None}, {"nonsense": 1}):  # FSDP1 refuses each: so do we
-        with pytest.raises(TypeError):
-            FSDP.summon_full_params(nn.Linear(1, 1), **extra)
-    with pytest.raises(TypeError):
-        FSDP.summon_full_params(nn.Linear(1, 1), True, True, False, False, False, "one too many")
+
+
+
+#: Calls FSDP1's signature does not take: FSDP1 refuses each with a ``TypeError``.
+_BAD_CALLS = [((), {}), ((), {"recurse": False}), (("m",), {"module": "m"}), (("m", True), {"recurse": False}),
+              (("m", True, True, False, False, False, "one too many"), {}), (("m",), {"bucket_mb": 4}),
+              (("m",), {"fsdp1": None}), (("m",), {"nonsense": 1})]
+
+
+@pytest.mark.parametrize("mode", ["active", "refusing"])
+def test_arguments_fsdp1_does_not_take_are_refused_in_fsdp1s_words(mode):
+    """Each mode's wrapper refuses what FSDP1 refuses, with FSDP1's own ``TypeError`` message (not one
+    naming the shim's binding function)."""
+    from fsdp_shim import _patching
+
+    def said(args, kwargs):
+        args = tuple(nn.Linear(1, 1) if a == "m" else a for a in args)
+        kwargs = {k: nn.Linear(1, 1) if v == "m" else v for k, v in kwargs.items()}
+        with pytest.raises(TypeError) as raised:
+            FSDP.summon_full_params(*args, **kwargs)
+        return str(raised.value)
+
+    fsdp_shim.unpatch()
+    fsdp1 = [said(*call) for call in _BAD_CALLS]
+    if mode == "active":
+        fsdp_shim.patch()
+    else:
+        _patching.patch("a reason")
+    assert [said(*call) for call in _BAD_CALLS] == fsdp1
+    assert all(m.startswith("FullyShardedDataParallel.summon_full_params()") for m in fsdp1), fsdp1
