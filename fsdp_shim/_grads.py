@@ -27,10 +27,15 @@ __all__ = ["agreed_grads", "gather_grads"]
 
 
 def agreed_grads(
-    module: nn.Module, scope: Scope, dtensors: list[DTensor], writeback: bool, thread: int
+    module: nn.Module, scope: Scope, dtensors: list[DTensor], writeback: bool, thread: int, posted: Posted,
 ) -> tuple[list[tuple[int, DTensor]], list[dist.ProcessGroup]]:
     """The gradients to gather under ``with_grads``, as every rank agrees (one small all-reduce a mesh), and
     the process groups of those on another mesh, claimed for ``thread`` (the caller releases them).
+
+    The agreement is the call's first collective. What is refused from its answer is refused on every
+    rank alike, and leaves the ranks in step; past those refusals every rank goes on to gather, so
+    ``posted`` says the call has posted, and a fault here marks the call's groups (see [Note: a one-sided
+    fault leaves its own mark] in ``_gather.engine``).
 
     Which gradients exist is rank-local (a rank whose parameter took no
     part in the backward has none), and the buckets a gather runs must be
@@ -45,11 +50,14 @@ def agreed_grads(
     """
     by_mesh: dict[int, list[int]] = {}
     meshes = scope.meshes  # FSDP2's, where they differ from the specs' (see [Note: the group is FSDP2's])
+    agreement: list[Any] = []  # the meshes the agreement runs over
     for index, dtensor in enumerate(dtensors):
-        mesh = None if meshes is None else meshes[index]
-        by_mesh.setdefault(id(dtensor.device_mesh if mesh is None else mesh), []).append(index)
+        mesh = dtensor.device_mesh if meshes is None or meshes[index] is None else meshes[index]
+        if id(mesh) not in by_mesh:
+            agreement.append(mesh)
+        by_mesh.setdefault(id(mesh), []).append(index)
     agreed = agree_on_grads(dtensors, by_mesh, meshes)  # a collective, before any gather
-    chosen: list[tuple[int, DTensor]] = []
+    chosen: list[tuple[int, Any]] = []  # a gradient, or None for FSDP1's zeros
     foreign: list[tuple[Callable[[], str], DTensor]] = []
     call = f"summon_full_params({module_label(module)}, with_grads=True)"
     for index, (missing, present, other_layout, one_layout) in agreed.items():
@@ -65,14 +73,18 @@ def agreed_grads(
             if not isinstance(grad, DTensor):
                 raise refuse_grad_layouts(call, name(), type(grad))
             foreign.append((name, grad))
-        if grad is None:
-            grad = torch.zeros_like(sharded)  # FSDP1's zeros, in the parameter's layout: no communication
-        chosen.append((index, cast(DTensor, grad)))
+        chosen.append((index, grad))  # None: FSDP1's zeros, made below
     # gradients on another mesh: their groups are checked (refused before any write), then claimed
     groups = refuse_placements(foreign, writeback=writeback) if foreign else []
-    if groups:
-        registry.claim(thread, groups, lambda: call)
-    return chosen, groups
+    posted.any = True  # from here on every rank gathers: leaving now is one-sided
+    try:
+        chosen = [(i, torch.zeros_like(dtensors[i]) if g is None else g) for i, g in chosen]  # no communication
+        if groups:
+            registry.claim(thread, groups, lambda: call)
+    except BaseException as error:
+        registry.mark_part_way([*(g for mesh in agreement for g in mesh_dim_groups(mesh)), *groups], error)
+        raise
+    return cast(list[tuple[int, DTensor]], chosen), groups
 
 
 def gather_grads(

@@ -243,14 +243,14 @@ class DTensorSummon:
         scope, started = self.scope, time.perf_counter()
         receiver, holds_fulls = receivers_for_summon(self.rank0_only, scope.groups, scope.fsdp2_only)
         self._holds_fulls = holds_fulls
-        grad_inputs = None
+        posted, grad_inputs = Posted(), None
         if self.with_grads:  # which exist anywhere, agreed by every rank; those on another mesh claimed
-            grad_inputs, grad_groups = agreed_grads(self.module, scope, dtensors, self.writeback, self.thread)
+            grad_inputs, grad_groups = agreed_grads(self.module, scope, dtensors, self.writeback, self.thread, posted)
             if grad_groups:
                 self._claimed = [*process_groups, *grad_groups]  # a new list: the cached summon holds the first
         gathered, grads = _gather(scope, dtensors, cached, self.cap, receiver, holds_fulls,
                                   torch.device("cpu") if self.offload_to_cpu else None, grad_inputs,
-                                  self._claimed or process_groups)
+                                  self._claimed or process_groups, posted)
         self.summoned += map(SummonedParam, scope.params, dtensors, gathered.layouts)  # see [Note: hot path]
         if holds_fulls:
             to_full(self.summoned, gathered.tensors, grads, self.writeback)
@@ -325,13 +325,13 @@ class DTensorSummon:
 def _gather(
     scope: Scope, dtensors: list[DTensor], cached: CachedSummon | None, cap: BucketCap, receiver: Receiver,
     holds_fulls: bool, out_device: torch.device | None, grad_inputs: list[tuple[int, DTensor]] | None,
-    groups: list[dist.ProcessGroup],
+    groups: list[dist.ProcessGroup], posted: Posted,
 ) -> tuple[Gathered, dict[int, torch.Tensor]]:
     """Every collective of an entry but the gradients' agreement: the parameters, then the agreed gradients.
-    Every value is in when it returns; left part way, it marks ``groups`` out of step on this rank (see
-    [Note: a one-sided fault leaves its own mark] in ``_gather.engine``). The plan is kept on ``cached``."""
+    Every value is in when it returns; left part way (``posted``: the call's record, set already where the
+    agreement ran), it marks ``groups`` out of step on this rank (see [Note: a one-sided fault leaves its
+    own mark] in ``_gather.engine``). The plan is kept on ``cached``."""
     collective_bytes = cap.one_unit_bytes if len(scope.groups) == 1 and scope.fsdp2_only else None
-    posted = Posted()
     try:
         gathered = gather_full_tensors(dtensors, holds_fulls=holds_fulls, out_device=out_device,
                                        bucket_bytes=cap.bucket_bytes, receiver=receiver,

@@ -114,3 +114,32 @@ def rank_a_fault_before_any_collective_marks_nothing():
 def test_a_fault_before_any_collective_marks_nothing(dist_run):
     counts = dist_run(2, rank_a_fault_before_any_collective_marks_nothing)
     assert counts[0] == counts[1] > 0
+
+
+def rank_a_one_sided_fault_after_the_gradient_agreement_is_refused_on_the_faulting_rank():
+    """``with_grads``: the gradients' agreement (an all-reduce) is the call's first collective, so a fault on one
+    rank after it, before that rank's first all-gather, leaves the ranks out of step as a fault part way does: the
+    peer goes on to post its gathers. (A refusal every rank makes alike after the agreement keeps them in step:
+    ``test_every_rank_alike.test_gradients_laid_out_otherwise_on_some_ranks_are_refused_alike``.)"""
+    import torch
+
+    mesh = short_timeout_mesh(3.0)
+    model = shard_lm(build_lm(CONFIG), mesh)
+    for param in model.parameters():
+        param.grad = torch.ones_like(param)
+    before = local_shards(model)
+    faulty = dist.get_rank() == 0
+    with patched(), inject("all_gather", after=0 if faulty else 10**9), pytest.raises(
+            InjectedFault if faulty else RuntimeError):
+        with fsdp_shim.summon_full_params(model, writeback=False, with_grads=True, bucket_mb=SMALL):
+            raise AssertionError("the body ran although a value never arrived")
+    assert_untouched(model, before)
+    for text in _refused_at_once(model):
+        assert "out of step" in text and (not faulty or "part way" in text), text
+    return "refused"
+
+
+@pytest.mark.one_sided  # by design one rank stops posting: TORCH_DISTRIBUTED_DEBUG=DETAIL would say so first
+def test_a_one_sided_fault_after_the_gradient_agreement_is_refused_on_the_faulting_rank(dist_run):
+    assert dist_run(2, rank_a_one_sided_fault_after_the_gradient_agreement_is_refused_on_the_faulting_rank) == [
+        "refused", "refused"]
