@@ -6,8 +6,9 @@ FSDP1's misuse gets FSDP1's exception types (``validate_args``,
 the meta device, untracked parameters, another thread's slots) gets a
 ``RuntimeError`` or ``NotImplementedError`` that names the parameter and
 says what to do. Process groups that cannot be used (destroyed, out of step,
-another thread's) are refused by ``_registry``, the room of group health,
-which these checks ask. A refusal leaves everything as it was.
+another thread's) are refused by ``_registry``, the room of group health
+(these checks ask it of the groups they find; the callers claim there). A
+refusal leaves everything as it was.
 """
 
 from __future__ import annotations

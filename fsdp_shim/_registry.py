@@ -1,7 +1,8 @@
 """What is live on this rank: contexts, per thread (their slots and full tensors), and the process
 groups they gather over (which thread claims each, and whether each can still be used). The one
-room of group health: a group destroyed, out of step ([Note: out of step]), in another thread's use,
-or on NCCL with nothing to notice a fault ([Note: faults on NCCL]) is refused here, by every caller.
+room of group health: a group destroyed, out of step ([Note: out of step]) or in another thread's
+use is refused here, for every caller; one on NCCL with nothing to notice a fault is warned of
+([Note: faults on NCCL]).
 
 [Note: threads]
 Contexts are per thread. Nesting (a context inside another) is a property of
@@ -215,19 +216,19 @@ def claim(thread: int, groups: Sequence[dist.ProcessGroup], call: Callable[[], s
     as one more live context of the thread. Refused, claiming nothing, if another thread uses one of
     them ([Note: threads]); ``call()`` names the call (worked out only to raise)."""
     with _lock:
-        for group in groups:
-            owner = _groups.get(id(group))
-            if owner is not None and owner[0] != thread:
-                raise RuntimeError(
-                    f"{call()} refused: another thread has a summon_full_params context or an iter_full_params "
-                    "stream open on the same process group, and two threads issuing collectives on one group "
-                    "corrupt each other. Use one thread per rank for collectives."
-                )
-        for group in groups:
-            owner = _groups.get(id(group))
-            _groups[id(group)] = (thread, 1 if owner is None else owner[1] + 1)
-        if context:
-            _depth[thread] = _depth.get(thread, 0) + 1
+        busy = any(owner is not None and owner[0] != thread for owner in map(_groups.get, map(id, groups)))
+        if not busy:
+            for group in groups:
+                owner = _groups.get(id(group))
+                _groups[id(group)] = (thread, 1 if owner is None else owner[1] + 1)
+            if context:
+                _depth[thread] = _depth.get(thread, 0) + 1
+    if busy:  # named outside the lock: ``call`` is the caller's code
+        raise RuntimeError(
+            f"{call()} refused: another thread has a summon_full_params context or an iter_full_params "
+            "stream open on the same process group, and two threads issuing collectives on one group "
+            "corrupt each other. Use one thread per rank for collectives."
+        )
 
 
 def release(groups: Sequence[dist.ProcessGroup], thread: int | None = None) -> None:

@@ -6,11 +6,11 @@
 #   2. `fsdp-shim check` on CUDA (NCCL), one rank per visible GPU (values);
 #   3. `fsdp-shim bench` at 37 MiB (BIG=1: and at 327 MiB and 2.4 GB, if the budget has room).
 # A step gets what the budget has left (under 15 s: skipped); wheels under .whl/ are installed offline; logs go
-# to $OUT (default ./device-out). `--device cpu`: the same steps on the CPU, 2 gloo processes (CI runs it).
+# to $OUT (default ./device-out). `--device cpu` (CI): step 1 at W = 8 and 2x4, steps 2 and 3 on 2 gloo processes.
 set -u
 DEVICE=cuda
-if [ $# -eq 2 ] && [ "$1" = --device ]; then DEVICE=$2; elif [ $# -ne 0 ]; then DEVICE="$*"; fi
-case "$DEVICE" in cuda|cpu) ;; *) echo "usage: device_check.sh [--device cuda|cpu] (not: $DEVICE)" >&2; exit 2 ;; esac
+case "$#:${1:-}" in 0:) ;; 1:--device=*) DEVICE=${1#--device=} ;; 2:--device) DEVICE=$2 ;; *) DEVICE="?" ;; esac
+case "$DEVICE" in cuda|cpu) ;; *) echo "usage: device_check.sh [--device cuda|cpu] (not: $*)" >&2; exit 2 ;; esac
 BUDGET=${BUDGET:-290}
 OUT=${OUT:-./device-out}
 mkdir -p "$OUT"

@@ -10,10 +10,10 @@
 
 One venv per release under ``--cache``, reused while it holds that exact release; the project (editable, its
 test extras, the release's ``CLIENT_PINS``) is reinstalled into it every run. The oldest verified torch's row is
-also the floor row: setup.cfg's other lower bounds installed exactly (``floor_pins``). Torch wheels are downloaded
-once into ``CACHE/wheels``, with any pip constraint lifted (``--newest`` must see past a cap). The vLLM row
-(``VLLM_ROW``): vLLM ``--no-deps`` in a venv of its own, its tests alone, never skipped. Standard library only.
-Exit status: 0 if every row passed, 1 otherwise.
+also the floor row: setup.cfg's other lower bounds installed exactly (``floor_pins``); each row reports its wrapt.
+Torch wheels are downloaded once into ``CACHE/wheels``, any pip constraint lifted (``PIP_CONSTRAINT=/dev/null``:
+``--newest`` must see past a cap). The vLLM row (``VLLM_ROW``): vLLM ``--no-deps`` in a venv of its own, its
+tests alone, ``FSDP_SHIM_REQUIRE_VLLM=1`` (never skipped). Standard library only. Exit status 1 if a row failed.
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@
 Each mode runs in fresh ranks and prints how many rounds every rank finished, or how it failed. ``unshard``
 (FSDP2's ``unshard()``/``reshard()``) and ``fsdp1`` (FSDP1's own summon) run the loop without the shim's gather,
 to pin an abort on a contender. ``faults`` checks [Note: faults] in ``fsdp_shim/_summon.py`` with the tests'
-harness (``tests/_faults.py``): each round, on a fresh group, a summon with a random edit or fault (an all-gather
-raising on one rank or both; a peer that never enters), then every shard compared bit for bit with an unsharded
-twin's rows. Exit status 1 if any mode failed.
+harness (``tests/_faults.py``): each round, on a fresh group with a 2 s timeout, a summon (writeback on or off)
+with a random edit or fault (an all-gather raising on one rank or both; a peer that never enters), then every
+shard compared bit for bit with an unsharded twin's rows. Exit status 1 if any mode failed.
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def _run_mode(mode: str, args: argparse.Namespace, seconds: float, env: dict[str
     if mode == "faults":
         done, injected, bad = rounds[0][0], sum(r[1] for r in rounds), sum(r[2] for r in rounds)
         return not bad, (f"{'clean' if not bad else 'MISMATCHES'}, {done} rounds, {injected} faults injected "
-                         f"(rank-faults, stalls counted once), {bad} shard mismatches")
+                         f"(summed over ranks: a stall counts on each), {bad} shard mismatches")
     return True, f"clean, {rounds[0]} rounds"
 
 

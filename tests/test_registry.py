@@ -84,3 +84,34 @@ def test_a_registered_context_answers_for_its_slots_and_full_parameters_until_fo
         registry.forget(holder, None)
         registry.forget(keeps_nothing, None)
     assert not registry.has_live_slots() and registry.owner_of((id(module), "weight")) is None
+
+
+def rank_group_health_on_real_groups():
+    """``require_live_groups`` passes a live group; refuses a destroyed one and one marked out of step, each
+    with its own typed error, naming the user and (out of step) what the failed wait raised; a part-way mark
+    says so; the failed collective's buffers are held for as long as the group lives."""
+    import pytest
+    import torch.distributed as dist
+
+    from fsdp_shim import DestroyedGroupError, GroupOutOfStepError
+
+    ranks = list(range(dist.get_world_size()))
+    live, marked, part_way, destroyed = (dist.new_group(ranks) for _ in range(4))
+    registry.require_live_groups([live, marked, part_way, destroyed], lambda: "x")
+    buffer = torch.ones(3)
+    registry.mark_out_of_step(marked, TimeoutError("the wait timed out\nsecond line"), [buffer])
+    registry.mark_part_way([part_way], MemoryError("out of memory"))
+    dist.destroy_process_group(destroyed)
+    registry.require_live_groups([live], lambda: "x")
+    with pytest.raises(GroupOutOfStepError, match=r"cannot gather the model: .*\(TimeoutError: the wait timed out\)"):
+        registry.require_live_groups([live, marked], lambda: "the model")
+    with pytest.raises(GroupOutOfStepError, match="this rank left a gather part way on MemoryError: out of memory"):
+        registry.require_live_groups([part_way], lambda: "the model")
+    with pytest.raises(DestroyedGroupError, match="cannot gather the model: its device mesh uses a process group"):
+        registry.require_live_groups([destroyed], lambda: "the model")
+    assert registry._out_of_step[marked][1] == [buffer]  # never freed under a late peer
+    return dist.get_rank()
+
+
+def test_group_health_on_real_groups(dist_run):
+    assert dist_run(2, rank_group_health_on_real_groups) == [0, 1]

@@ -215,7 +215,8 @@ class Posted:
     """Whether a call's gathers have posted a collective yet.
 
     ``any`` starts False (a class attribute: see [Note: hot path] in ``_summon``); the engine
-    sets it once a collective is posted.
+    sets it once a collective is posted, ``_grads.agreed_grads`` once the gradients' agreement
+    (an all-reduce) commits every rank to gather.
 
     [Note: a one-sided fault leaves its own mark]
     A fault on one rank (most likely an out-of-memory error while staging: the

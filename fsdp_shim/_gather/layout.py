@@ -129,9 +129,9 @@ def mesh_dim_groups(mesh: DeviceMesh) -> list[dist.ProcessGroup]:
 
 
 def live_mesh_dim_groups(mesh: DeviceMesh, user: Callable[[], str]) -> list[dist.ProcessGroup]:
-    """``mesh_dim_groups``, each checked by ``require_live_groups``: a group destroyed before the mesh
-    first named it (torch cannot even resolve it then) is refused in the same words. Warns once if an
-    NCCL group's faults would go unnoticed (``nccl_fault_rule``)."""
+    """``mesh_dim_groups``, each checked by ``_registry.require_live_groups``: a group destroyed before the
+    mesh first named it (torch cannot even resolve it then) is refused in the same words. Warns once if an
+    NCCL group's faults would go unnoticed (``_registry.nccl_fault_rule``)."""
     try:
         groups = mesh_dim_groups(mesh)
     except (RuntimeError, ValueError, KeyError, TypeError) as error:  # torch's words differ by release
