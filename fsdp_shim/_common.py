@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import Literal
+from typing import Any, Literal, NoReturn
 
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
@@ -87,6 +87,16 @@ def route(
         return "dtensor", None
     modules = scope_modules(module, recurse)
     return ("dtensor" if distributed(modules) else "none"), modules
+
+
+def refuse_arguments(fsdp1: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> NoReturn:
+    """Refuse arguments FSDP1's signature does not take, as both modes' wrappers do: with FSDP1's own
+    ``TypeError``, in its words, raised by binding them to ``fsdp1``, FSDP1's ``summon_full_params`` (a
+    ``contextmanager`` function: calling it binds its arguments and runs nothing of its body). Where this
+    FSDP1 takes them (a newer signature), the shim, which serves FSDP1's known arguments only, refuses."""
+    fsdp1(*args, **kwargs)
+    raise TypeError(f"summon_full_params(): fsdp_shim serves FSDP1's arguments (module, recurse, writeback, "
+                    f"rank0_only, offload_to_cpu, with_grads) only, not {len(args)} positional and {sorted(kwargs)}")
 
 
 def is_fsdp_module(module: nn.Module) -> bool:

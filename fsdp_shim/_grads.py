@@ -76,8 +76,8 @@ def agreed_grads(
         chosen.append((index, grad))  # None: FSDP1's zeros, made below
     # gradients on another mesh: their groups are checked (refused before any write), then claimed
     groups = refuse_placements(foreign, writeback=writeback) if foreign else []
-    posted.any = True  # from here on every rank gathers: leaving now is one-sided
     try:
+        posted.any = True  # from here on every rank gathers: leaving now is one-sided
         chosen = [(i, torch.zeros_like(dtensors[i]) if g is None else g) for i, g in chosen]  # no communication
         if groups:
             registry.claim(thread, groups, lambda: call)

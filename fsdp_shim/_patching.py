@@ -23,7 +23,7 @@ import wrapt
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
 from fsdp_shim import _versions
-from fsdp_shim._common import route
+from fsdp_shim._common import refuse_arguments, route
 from fsdp_shim._errors import UnsupportedTorchError
 
 logger = logging.getLogger("fsdp_shim")
@@ -64,8 +64,8 @@ def _refusing_wrapper(refusal: str, wrapped: Any, instance: Any, args: tuple[Any
     """
     try:
         module, recurse, *rest = _fsdp1_arguments(*args, **kwargs)
-    except TypeError:  # arguments FSDP1's signature does not take: its binding raises, in its own words
-        return wrapped(*args, **kwargs)
+    except TypeError:  # arguments FSDP1's signature does not take: refused in its own words
+        refuse_arguments(wrapped, args, kwargs)
     if isinstance(module, nn.Module) and route(module, recurse)[0] == "dtensor":
         raise UnsupportedTorchError(
             f"summon_full_params({type(module).__name__}) holds DTensor parameters, which fsdp_shim cannot gather "

@@ -26,7 +26,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim import _registry as registry
-from fsdp_shim._common import route, run_each
+from fsdp_shim._common import refuse_arguments, route, run_each
 from fsdp_shim._gather.engine import Gathered, Posted, gather_full_tensors
 from fsdp_shim._gather.layout import BucketCap, Receiver, bucket_cap, receivers_for_summon
 from fsdp_shim._grads import agreed_grads, gather_grads
@@ -61,11 +61,10 @@ def summon_full_params_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...
     """The wrapt wrapper on ``FullyShardedDataParallel.summon_full_params`` in active mode (``_patching``
     installs it): FSDP1's arguments, bound by ``summon``'s signature, whose positional parameters are
     FSDP1's (``test_patching`` checks). Arguments FSDP1's signature does not take (too many, a keyword
-    it lacks, ``module`` missing or given twice) go to FSDP1's original, whose binding raises its own
-    ``TypeError``, in its words, before its body runs."""
+    it lacks, ``module`` missing or given twice) are refused in FSDP1's words (``refuse_arguments``)."""
     if len(args) > 6 or not (args or "module" in kwargs) or kwargs and (
             not _FSDP1_KEYWORDS.issuperset(kwargs) or not kwargs.keys().isdisjoint(_FSDP1_PARAMETERS[:len(args)])):
-        return wrapped(*args, **kwargs)
+        refuse_arguments(wrapped, args, kwargs)
     return summon(*args, fsdp1=wrapped, **kwargs)
 
 

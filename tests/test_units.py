@@ -65,3 +65,33 @@ def rank_units_and_names_outermost_first():
 
 def test_units_and_names_outermost_first(dist_run):
     dist_run(2, rank_units_and_names_outermost_first)
+
+
+def test_arguments_fsdp1_does_not_take_are_refused_in_its_words_or_the_shims():
+    """``refuse_arguments``: FSDP1's own ``TypeError`` (binding its context-manager function runs nothing of
+    its body); where an FSDP1 takes the arguments (a newer signature), the shim's, never a silent FSDP1 call."""
+    import contextlib
+
+    import pytest
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    import inspect
+
+    import wrapt
+
+    original = inspect.getattr_static(FSDP, "summon_full_params")
+    while isinstance(original, wrapt.FunctionWrapper):  # the import patched it
+        original = original.__wrapped__
+    original = original.__func__  # the staticmethod's function
+    with pytest.raises(TypeError, match=r"^FullyShardedDataParallel\.summon_full_params\(\) got an unexpected"):
+        _common.refuse_arguments(original, (nn.Linear(1, 1),), {"bucket_mb": 4})
+    ran = []
+
+    @contextlib.contextmanager
+    def newer(module, *rest, **more):
+        ran.append(module)
+        yield
+
+    with pytest.raises(TypeError, match=r"fsdp_shim serves FSDP1's arguments .* only, not 1 positional and \['foo'\]"):
+        _common.refuse_arguments(newer, (nn.Linear(1, 1),), {"foo": 1})
+    assert ran == []  # bound, never entered
