@@ -8,8 +8,8 @@
   one-line replacement for FSDP1-era ``isinstance(m, FullyShardedDataParallel)``, never true of an
   FSDP2 unit.
 - ``run_each``: the one loop of every error path's undo (each step runs; the first error is
-  raised after). The errors callers catch by type are ``_errors``' (torch-free, for ``import
-  fsdp_shim``).
+  raised after); ``refuse_arguments``: both modes' refusal of arguments FSDP1 does not take. The
+  errors callers catch by type are ``_errors``' (torch-free, for ``import fsdp_shim``).
 """
 
 from __future__ import annotations
