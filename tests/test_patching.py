@@ -282,7 +282,6 @@ def test_the_wrapper_binds_arguments_with_fsdp1s_exact_signature():
     assert positional == shape(ORIGINAL.__func__)  # the active mode's: ``summon`` binds them
 
 
-
 #: Calls FSDP1's signature does not take: FSDP1 refuses each with a ``TypeError``.
 _BAD_CALLS = [((), {}), ((), {"recurse": False}), (("m",), {"module": "m"}), (("m", True), {"recurse": False}),
               (("m", True, True, False, False, False, "one too many"), {}), (("m",), {"bucket_mb": 4}),
@@ -308,5 +307,8 @@ def test_arguments_fsdp1_does_not_take_are_refused_in_fsdp1s_words(mode):
         fsdp_shim.patch()
     else:
         _patching.patch("a reason")
-    assert [said(*call) for call in _BAD_CALLS] == fsdp1
+    try:
+        assert [said(*call) for call in _BAD_CALLS] == fsdp1
+    finally:
+        fsdp_shim.unpatch()  # the fixture patches again, in active mode: refusing mode never outlives this test
     assert all(m.startswith("FullyShardedDataParallel.summon_full_params()") for m in fsdp1), fsdp1
