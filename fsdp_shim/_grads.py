@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -23,19 +23,22 @@ from fsdp_shim._gather.layout import Meshes, Receiver, mesh_dim_groups
 from fsdp_shim._refusals import refuse_grad_layouts, refuse_placements
 from fsdp_shim._scope import Scope, module_label, slot_fqn
 
+if TYPE_CHECKING:
+    from fsdp_shim._registry import LiveContext
+
 __all__ = ["agreed_grads", "gather_grads"]
 
 
 def agreed_grads(
-    module: nn.Module, scope: Scope, dtensors: list[DTensor], writeback: bool, thread: int, posted: Posted,
+    module: nn.Module, scope: Scope, dtensors: list[DTensor], writeback: bool, owner: LiveContext, posted: Posted,
 ) -> tuple[list[tuple[int, DTensor]], list[dist.ProcessGroup]]:
     """The gradients to gather under ``with_grads``, as every rank agrees (one small all-reduce a mesh), and
-    the process groups of those on another mesh, claimed for ``thread`` (the caller releases them).
+    the process groups of those on another mesh, claimed for ``owner`` (its release gives them back).
 
-    The agreement is the call's first collective. What is refused from its answer is refused on every
-    rank alike, and leaves the ranks in step; past those refusals every rank goes on to gather, so
-    ``posted`` says the call has posted, and a fault here marks the call's groups (see [Note: a one-sided
-    fault leaves its own mark] in ``_gather.engine``).
+    The agreement is the call's first collective: ``posted`` says so from the moment it is attempted, and
+    any fault from then on marks the call's groups (see [Note: a one-sided fault leaves its own mark] in
+    ``_gather.engine``), but for a refusal made from the agreed answer: every rank makes it alike, the
+    ranks stay in step, and it is raised once nothing else can fail.
 
     Which gradients exist is rank-local (a rank whose parameter took no
     part in the backward has none), and the buckets a gather runs must be
@@ -56,34 +59,45 @@ def agreed_grads(
         if id(mesh) not in by_mesh:
             agreement.append(mesh)
         by_mesh.setdefault(id(mesh), []).append(index)
-    agreed = agree_on_grads(dtensors, by_mesh, meshes)  # a collective, before any gather
-    chosen: list[tuple[int, Any]] = []  # a gradient, or None for FSDP1's zeros
-    foreign: list[tuple[Callable[[], str], DTensor]] = []
+    flags = _local_flags(dtensors, by_mesh)  # allocated before the first collective
     call = f"summon_full_params({module_label(module)}, with_grads=True)"
-    for index, (missing, present, other_layout, one_layout) in agreed.items():
-        if not present:
-            continue
-        sharded = dtensors[index]
-        grad = sharded.grad
-        def name(i: int = index) -> str:
-            return f"{slot_fqn(module, scope.params[i].slots[0])}.grad"
-        if other_layout:  # refused alike: every rank knows what every other holds
-            if missing or not one_layout:
-                raise refuse_grad_layouts(call, name())
-            if not isinstance(grad, DTensor):
-                raise refuse_grad_layouts(call, name(), type(grad))
-            foreign.append((name, grad))
-        chosen.append((index, grad))  # None: FSDP1's zeros, made below
-    # gradients on another mesh: their groups are checked (refused before any write), then claimed
-    groups = refuse_placements(foreign, writeback=writeback) if foreign else []
+    refusal: BaseException | None = None  # decided from the agreed answer: alike on every rank
+    groups: list[dist.ProcessGroup] = []
     try:
-        posted.any = True  # from here on every rank gathers: leaving now is one-sided
-        chosen = [(i, torch.zeros_like(dtensors[i]) if g is None else g) for i, g in chosen]  # no communication
-        if groups:
-            registry.claim(thread, groups, lambda: call)
+        agreed = agree_on_grads(dtensors, by_mesh, flags, meshes, posted)  # a collective, before any gather
+        chosen: list[tuple[int, Any]] = []  # a gradient, or None for FSDP1's zeros
+        foreign: list[tuple[Callable[[], str], DTensor]] = []
+        for index, (missing, present, other_layout, one_layout) in agreed.items():
+            if not present:
+                continue
+            grad = dtensors[index].grad
+            def name(i: int = index) -> str:
+                return f"{slot_fqn(module, scope.params[i].slots[0])}.grad"
+            if other_layout:  # refused alike: every rank knows what every other holds
+                if missing or not one_layout:
+                    refusal = refuse_grad_layouts(call, name())
+                elif not isinstance(grad, DTensor):
+                    refusal = refuse_grad_layouts(call, name(), type(grad))
+                if refusal is not None:
+                    break
+                foreign.append((name, cast(DTensor, grad)))
+            chosen.append((index, grad))  # None: FSDP1's zeros, made below
+        if refusal is None:
+            # gradients on another mesh: their groups are checked, then claimed
+            try:
+                groups = refuse_placements(foreign, writeback=writeback) if foreign else []
+            except NotImplementedError as refused:  # a placement: alike on every rank
+                refusal = refused
+        if refusal is None:
+            chosen = [(i, torch.zeros_like(dtensors[i]) if g is None else g) for i, g in chosen]  # no communication
+            if groups:
+                registry.claim(owner, owner.thread, groups, lambda: call)
     except BaseException as error:
-        registry.mark_part_way([*(g for mesh in agreement for g in mesh_dim_groups(mesh)), *groups], error)
+        if posted.any and refusal is None:
+            registry.mark_part_way([*(g for mesh in agreement for g in mesh_dim_groups(mesh)), *groups], error)
         raise
+    if refusal is not None:
+        raise refusal
     return cast(list[tuple[int, DTensor]], chosen), groups
 
 
@@ -133,24 +147,11 @@ def _layout_code(grad: torch.Tensor) -> int:
 _NO_CODE = -(1 << 62)
 
 
-def agree_on_grads(
-    dtensors: Sequence[DTensor], by_mesh: dict[int, list[int]], meshes: Meshes = None,
-) -> dict[int, GradPresence]:
-    """Every rank's view of which of ``dtensors`` have gradients, made the same on every rank.
-
-    A collective: one ``all_reduce(MAX)`` of five numbers a parameter over
-    each dim of each mesh in ``by_mesh`` (positions in ``dtensors``, grouped
-    by mesh, in the caller's order), which reduces over the whole mesh:
-    missing somewhere, present somewhere, laid out otherwise than the
-    parameter somewhere, and the largest and (negated) smallest code of the
-    present gradients' layouts (equal: one layout on every rank). What a
-    rank holds decides nothing about the collectives that follow: only the
-    agreed answer does. As FSDP1's ``unshard_grad`` all-reduces its count of
-    missing gradients.
-    """
-    agreed: dict[int, GradPresence] = {}
+def _local_flags(dtensors: Sequence[DTensor], by_mesh: dict[int, list[int]]) -> list[torch.Tensor]:
+    """What this rank holds as each parameter's gradient, five numbers a parameter, one tensor a mesh
+    (``agree_on_grads`` says what they mean), on the device its collectives run on."""
+    out: list[torch.Tensor] = []
     for indices in by_mesh.values():
-        first = dtensors[indices[0]]
         local: list[int] = []
         for index in indices:
             param = dtensors[index]
@@ -159,11 +160,31 @@ def agree_on_grads(
             code = None if grad is None else _layout_code(grad)  # every present one: are they all alike?
             local += [grad is None, grad is not None, other,
                       _NO_CODE if code is None else code, _NO_CODE if code is None else -code]
-        flags = torch.tensor(local, dtype=torch.int64).to(comm_device_of(first))
+        out.append(torch.tensor(local, dtype=torch.int64).to(comm_device_of(dtensors[indices[0]])))
+    return out
+
+
+def agree_on_grads(
+    dtensors: Sequence[DTensor], by_mesh: dict[int, list[int]], flags: list[torch.Tensor], meshes: Meshes,
+    posted: Posted,
+) -> dict[int, GradPresence]:
+    """Every rank's view of which of ``dtensors`` have gradients, made the same on every rank.
+
+    A collective: one ``all_reduce(MAX)`` of ``flags`` (``_local_flags``: five numbers a parameter)
+    over each dim of each mesh in ``by_mesh`` (positions in ``dtensors``, grouped by mesh, in the
+    caller's order), which reduces over the whole mesh: missing somewhere, present somewhere, laid out
+    otherwise than the parameter somewhere, and the largest and (negated) smallest code of the present
+    gradients' layouts (equal: one layout on every rank). What a rank holds decides nothing about the
+    collectives that follow: only the agreed answer does. As FSDP1's ``unshard_grad`` all-reduces its
+    count of missing gradients. ``posted`` is set before the first all-reduce is attempted.
+    """
+    agreed: dict[int, GradPresence] = {}
+    for indices, mesh_flags in zip(by_mesh.values(), flags, strict=True):
         mesh = None if meshes is None else meshes[indices[0]]  # its owner's, where it says (see ``Meshes``)
-        for group in mesh_dim_groups(first.device_mesh if mesh is None else mesh):
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-        values = flags.tolist()
+        for group in mesh_dim_groups(dtensors[indices[0]].device_mesh if mesh is None else mesh):
+            posted.any = True  # from its attempt: an interrupt right after it returns is one-sided
+            dist.all_reduce(mesh_flags, op=dist.ReduceOp.MAX, group=group)
+        values = mesh_flags.tolist()
         for position, index in enumerate(indices):
             missing, present, other, largest, negated_smallest = values[5 * position:5 * position + 5]
             agreed[index] = GradPresence(bool(missing), bool(present), bool(other), largest == -negated_smallest)

@@ -116,10 +116,18 @@ class _Registered:
 
 #: ``id(context)`` -> each live context (any thread) whose slots hold its full tensors, in entry order.
 _live: dict[int, _Registered] = {}
-#: ``id(process group)`` -> (owning thread, open contexts of that thread on it).
-_groups: dict[int, tuple[int, int]] = {}
-#: threads with a live context -> how many.
-_depth: dict[int, int] = {}
+#: ``id(owner)`` -> its claim on process groups (a context's, or a stream's): see [Note: claims].
+_claims: dict[int, Claim] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """One owner's claim: its thread, the ``id``s of the process groups it claimed, and whether it is a
+    context (which counts as a live context of its thread: ``has_live_context``)."""
+
+    thread: int
+    groups: frozenset[int]
+    context: bool
 
 
 #: This thread's identity (a C function: no Python frame on the hot path).
@@ -187,12 +195,10 @@ def register(context: LiveContext) -> None:
     _live[id(context)] = _Registered(context)
 
 
-def forget(context: LiveContext, claimed: Sequence[dist.ProcessGroup] | None) -> None:
-    """``context`` has ended: its slots hold their own objects again; with ``claimed``, the groups it
-    claimed are given back and its thread has one live context fewer."""
+def forget(context: LiveContext) -> None:
+    """``context`` has ended: its slots hold their own objects again; its claims are given back."""
     _live.pop(id(context), None)
-    if claimed is not None:
-        release(claimed, context.thread)
+    release(context)
 
 
 def record_of(param: torch.Tensor) -> Summoned | None:
@@ -205,24 +211,33 @@ def record_of(param: torch.Tensor) -> Summoned | None:
 
 
 def has_live_context(thread: int) -> bool:
-    return _depth.get(thread, 0) > 0
+    return bool(_claims) and any(c.context and c.thread == thread for c in list(_claims.values()))
 
 
 # -- process groups: claims and health ---------------------------------------------------------------
 
 
-def claim(thread: int, groups: Sequence[dist.ProcessGroup], call: Callable[[], str], *, context: bool = False) -> None:
-    """Claim ``groups`` for this thread, for a stream or (``context``) a new context, which then counts
-    as one more live context of the thread. Refused, claiming nothing, if another thread uses one of
-    them ([Note: threads]); ``call()`` names the call (worked out only to raise)."""
+def claim(owner: object, thread: int, groups: Sequence[dist.ProcessGroup], call: Callable[[], str], *,
+          context: bool = False) -> None:
+    """Claim ``groups`` for ``owner`` (a context, or a stream) in ``thread``; a second claim of the same
+    owner adds to its first. Refused, claiming nothing, if another thread's owner holds one of them
+    ([Note: threads]); ``call()`` names the call (worked out only to raise).
+
+    [Note: claims]
+    A claim is one record per owner, made by one dict store and given back by
+    one dict pop (``release``): an interrupt lands before or after either,
+    never inside, so no claim is half made or half given back, and a second
+    release finds nothing. So an owner releases in a ``finally`` whether or
+    not its claim was made, and on every path.
+    """
+    ids = frozenset(map(id, groups))
     with _lock:
-        busy = any(owner is not None and owner[0] != thread for owner in map(_groups.get, map(id, groups)))
+        busy = any(c.thread != thread and not c.groups.isdisjoint(ids) for c in _claims.values())
         if not busy:
-            for group in groups:
-                owner = _groups.get(id(group))
-                _groups[id(group)] = (thread, 1 if owner is None else owner[1] + 1)
-            if context:
-                _depth[thread] = _depth.get(thread, 0) + 1
+            earlier = _claims.get(id(owner))
+            if earlier is not None:
+                ids, context = ids | earlier.groups, context or earlier.context
+            _claims[id(owner)] = Claim(thread, ids, context)  # the one store: see [Note: claims]
     if busy:  # named outside the lock: ``call`` is the caller's code
         raise RuntimeError(
             f"{call()} refused: another thread has a summon_full_params context or an iter_full_params "
@@ -231,23 +246,9 @@ def claim(thread: int, groups: Sequence[dist.ProcessGroup], call: Callable[[], s
         )
 
 
-def release(groups: Sequence[dist.ProcessGroup], thread: int | None = None) -> None:
-    """Give back one claim on each of ``groups``; with ``thread``, undo a ``claim(context=True)`` of it."""
-    with _lock:
-        for group in groups:
-            owner = _groups.get(id(group))
-            if owner is None:
-                continue
-            if owner[1] <= 1:
-                del _groups[id(group)]
-            else:
-                _groups[id(group)] = (owner[0], owner[1] - 1)
-        if thread is not None:
-            remaining = _depth.get(thread, 0) - 1
-            if remaining > 0:
-                _depth[thread] = remaining
-            else:
-                _depth.pop(thread, None)
+def release(owner: object) -> None:
+    """Give back ``owner``'s claim, if it has one (one pop: see [Note: claims])."""
+    _claims.pop(id(owner), None)
 
 
 #: Process groups a wait failed on (a timeout, a dead peer): what it raised, and the failed collectives'

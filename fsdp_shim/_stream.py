@@ -247,8 +247,8 @@ class _InFlightBatch:
         return run_each(pending.abandon for _, pending in pending_gathers)
 
 
-def _drop_all(in_flight: list[_InFlightBatch], process_groups: list[Any], raising: bool = False) -> None:
-    """The stream's end: every launched gather waited for, then its group claims released.
+def _drop_all(in_flight: list[_InFlightBatch], raising: bool = False) -> None:
+    """The stream's end: every launched gather waited for.
 
     ``raising``: raise the first failed wait (on an error path the error already propagating wins).
     """
@@ -258,7 +258,6 @@ def _drop_all(in_flight: list[_InFlightBatch], process_groups: list[Any], raisin
             error = pending.drop() or error
     finally:
         in_flight.clear()
-        registry.release(process_groups)
     if raising and error is not None:
         raise error
 
@@ -355,15 +354,16 @@ def stream_full_params(
     named = ((lambda n=name: n, t) for name, t, _ in distributed)
     process_groups = refuse_placements(named, writeback=False, gather_meshes=[mesh for _, _, mesh in distributed])
     receiver, holds_fulls = receivers_for_stream(rank0_only)
-    registry.claim(registry.current_thread(), process_groups, lambda: call)
     started = time.perf_counter()
     in_flight: list[_InFlightBatch] = []
     sent_bytes = 0
     # Part way from the first collective posted until the last batch is finished: left then (an error, the
     # caller's early close), this rank marks its groups (see [Note: a one-sided fault leaves its own mark]).
+    # ``posted`` is also the owner of the stream's claim on its groups, made and given back in one ``try``.
     posted, all_in = Posted(), False
     completed_before: list[Callable[[], object]] = []  # batch k - 1's completion, in step k
     try:
+        registry.claim(posted, registry.current_thread(), process_groups, lambda: call)
         if batches:
             in_flight.append(_InFlightBatch(batches[0], bucket_bytes, receiver, posted))
         for index, batch in enumerate(batches):
@@ -390,9 +390,12 @@ def stream_full_params(
     except BaseException as error:
         if posted.any and not all_in:  # marked first: an interrupt in the drop below cannot skip it
             registry.mark_part_way(process_groups, error)
-        _drop_all(in_flight, process_groups)  # failed, or the caller stopped early (GeneratorExit)
+        _drop_all(in_flight)  # failed, or the caller stopped early (GeneratorExit)
         raise
-    _drop_all(in_flight, process_groups, raising=True)
+    else:
+        _drop_all(in_flight, raising=True)
+    finally:
+        registry.release(posted)  # see [Note: claims] in ``_registry``
     logger.debug(
         "iter_full_params: %d batches, %.1f MiB gathered (%s), full tensors on this rank: %s, %.1f ms",
         len(batches), sent_bytes / 2**20, dtype or "stored dtypes", holds_fulls, (time.perf_counter() - started) * 1e3,

@@ -194,7 +194,7 @@ class DTensorSummon:
         self.groups: list[SummonedGroup] = []
         self.conversions = Conversions()
         self._forward_refusal: RemovableHandle | None = None  # under ``rank0_only``: every forward refused
-        self._claimed: list[dist.ProcessGroup] | None = None  # the process groups it claimed: released on exit
+        self._claimed: list[dist.ProcessGroup] | None = None  # the process groups it gathers over, claimed
         self._body_ran = self._holds_fulls = False  # a writeback only after the body ran: see [Note: faults]
 
     def __enter__(self) -> None:
@@ -210,10 +210,10 @@ class DTensorSummon:
         process_groups, shardeds = refuse_before_anything(self.module, scope, self.writeback, thread, cached)
         grad_enabled = torch.is_grad_enabled()
         self.scope, self._live = scope, True  # from here on there is something to undo
-        try:
-            registry.claim(thread, process_groups, lambda: f"summon_full_params({module_label(self.module)})",
+        self._claimed = process_groups
+        try:  # the claim inside the try that releases it: see [Note: claims] in ``_registry``
+            registry.claim(self, thread, process_groups, lambda: f"summon_full_params({module_label(self.module)})",
                            context=True)
-            self._claimed = process_groups
             # 2. prepare: FSDP2's groups in a known state; the DTensors to gather, resolved once.
             self.groups = [SummonedGroup(group, fully) for group, fully in scope.groups.items()]
             self._gather_and_install(_prepare(scope, shardeds, self.groups), cached, process_groups)  # 3. and 4.
@@ -244,7 +244,7 @@ class DTensorSummon:
         self._holds_fulls = holds_fulls
         posted, grad_inputs = Posted(), None
         if self.with_grads:  # which exist anywhere, agreed by every rank; those on another mesh claimed
-            grad_inputs, grad_groups = agreed_grads(self.module, scope, dtensors, self.writeback, self.thread, posted)
+            grad_inputs, grad_groups = agreed_grads(self.module, scope, dtensors, self.writeback, self, posted)
             if grad_groups:
                 self._claimed = [*process_groups, *grad_groups]  # a new list: the cached summon holds the first
         gathered, grads = _gather(scope, dtensors, cached, self.cap, receiver, holds_fulls,
@@ -299,8 +299,7 @@ class DTensorSummon:
                           None if refusal is None else refusal.remove, self.conversions.release])
         if first is None:
             self.groups = []
-        registry.forget(self, self._claimed)  # dict and counter updates
-        self._claimed = None
+        registry.forget(self)  # two dict pops: a second pass finds nothing ([Note: claims] in ``_registry``)
         if first is not None:
             raise first
 

@@ -375,7 +375,7 @@ def rank_out_of_step_groups_are_refused_for_gradients_and_between_batches():
             with FSDP.summon_full_params(model, with_grads=True, writeback=False):
                 raise AssertionError("the body ran")
         assert_untouched(model, before)
-        assert not _registry._groups and not _registry._live
+        assert not _registry._claims and not _registry._live
         param.grad = None
         with FSDP.summon_full_params(model, with_grads=True, writeback=False):
             assert_params_equal(model, ref)
@@ -388,7 +388,7 @@ def rank_out_of_step_groups_are_refused_for_gradients_and_between_batches():
     with pytest.raises(RuntimeError, match="out of step"):
         for _ in stream:
             pass
-    assert not _registry._groups
+    assert not _registry._claims
     return rank()
 
 

@@ -160,7 +160,7 @@ def _capture(model: nn.Module) -> dict[str, Any]:
                                                 for g in fsdp2.param_groups(state) for fp in g.fsdp_params])
                  for name, state in _fsdp_states(model)],
         "grad_enabled": torch.is_grad_enabled(),
-        "registry": (list(_registry._live), dict(_registry._groups), dict(_registry._depth)),
+        "registry": (list(_registry._live), dict(_registry._claims)),
     }
 
 
@@ -476,8 +476,7 @@ def _drop_leaks(baseline_globals: dict[str, dict[Any, Any]]) -> None:
             for key in [k for k in hooks if k not in baseline_globals[name]]:
                 del hooks[key]
     _registry._live.clear()
-    _registry._groups.clear()
-    _registry._depth.clear()
+    _registry._claims.clear()
     torch._C._set_grad_enabled(True)
 
 

@@ -33,13 +33,15 @@ def _claims_in_another_thread(group: object) -> str | None:
     said: list[str | None] = []
 
     def claim() -> None:
+        owner = object()
         try:
-            registry.claim(registry.current_thread(), [group], lambda: "the call")  # type: ignore[list-item]
+            registry.claim(owner, registry.current_thread(), [group], lambda: "the call")  # type: ignore[list-item]
         except RuntimeError as error:
             said.append(str(error))
         else:
             said.append(None)
-            registry.release([group])  # type: ignore[list-item]
+        finally:
+            registry.release(owner)
 
     thread = threading.Thread(target=claim)
     thread.start()
@@ -47,20 +49,26 @@ def _claims_in_another_thread(group: object) -> str | None:
     return said[0]
 
 
-def test_claims_are_per_thread_and_counted():
+def test_claims_are_per_thread_and_per_owner():
     group_a, group_b = object(), object()
     me = registry.current_thread()
-    registry.claim(me, [group_a], lambda: "outer", context=True)  # type: ignore[list-item]
-    registry.claim(me, [group_a, group_b], lambda: "nested", context=True)  # type: ignore[list-item]  # same thread
+    outer, nested = object(), object()
+    registry.claim(outer, me, [group_a], lambda: "outer", context=True)  # type: ignore[list-item]
+    registry.claim(nested, me, [group_a, group_b], lambda: "nested", context=True)  # type: ignore[list-item]
     refused = _claims_in_another_thread(group_b)
     assert refused is not None and refused.startswith("the call refused: another thread"), refused
-    assert registry._groups[id(group_b)] == (me, 1)  # the refused claim took nothing
-    registry.release([group_a, group_b], me)  # type: ignore[list-item]
+    assert set(registry._claims) == {id(outer), id(nested)}  # the refused claim took nothing
+    registry.release(nested)
+    registry.release(nested)  # a second release (an interrupted exit's second pass) gives back nothing more
     assert registry.has_live_context(me)
-    registry.release([group_a], me)  # type: ignore[list-item]
+    assert _claims_in_another_thread(group_b) is None  # only the outer claim is left: group_a
+    assert _claims_in_another_thread(group_a) is not None
+    registry.claim(outer, me, [group_b], lambda: "with_grads' other mesh")  # type: ignore[list-item]  # adds
+    assert _claims_in_another_thread(group_b) is not None
+    registry.release(outer)
     assert not registry.has_live_context(me)
-    assert _claims_in_another_thread(group_b) is None  # free again once every claim is given back
-    assert registry._groups == {}
+    assert _claims_in_another_thread(group_a) is None  # free again once every claim is given back
+    assert registry._claims == {}
 
 
 def test_a_registered_context_answers_for_its_slots_and_full_parameters_until_forgotten():
@@ -81,8 +89,8 @@ def test_a_registered_context_answers_for_its_slots_and_full_parameters_until_fo
         assert set(registry.slots_of_thread(holder.thread)) == {(id(module), "weight"), (id(module), "bias")}
         assert registry.slots_of_thread(holder.thread + 1) == {}
     finally:
-        registry.forget(holder, None)
-        registry.forget(keeps_nothing, None)
+        registry.forget(holder)
+        registry.forget(keeps_nothing)
     assert not registry.has_live_slots() and registry.owner_of((id(module), "weight")) is None
 
 

@@ -77,8 +77,8 @@ class InFlight:
     split_sizes: list[int]  # each tensor's padded shard, in elements
     work: Waitable | None = None
 
-    def launched(self) -> None:
-        """Launch this flight's collective (a no-op for anything else)."""
+    def launched(self, posted: Posted) -> None:
+        """Launch this flight's collective, ``posted`` set first (a no-op for anything else)."""
 
 
 @dataclass(eq=False)
@@ -107,9 +107,22 @@ class AllGatherFlight(InFlight):
     launch: Callable[[], Waitable] | None = None
     gather_input: torch.Tensor | None = None
 
-    def launched(self) -> None:
-        if self.launch is not None:
-            self.work, self.launch = self.launch(), None
+    def launched(self, posted: Posted) -> None:
+        """[Note: posted from the attempt]
+        An interrupt can land inside torch's Python wrapper right after c10d
+        posted the collective, or right after the launch returns, before its
+        ``Work`` is stored; from outside, either looks like a launch that
+        raised. So the call counts as posted (``posted``) from the attempt,
+        and ``launch`` is dropped before it: a flight with neither ``launch``
+        nor ``work`` whose input is still held was attempted and its work is
+        unknown, so ``_wait_once`` keeps its buffers for good and marks its
+        group out of step on this rank (``_registry``).
+        """
+        launch = self.launch
+        if launch is not None:
+            posted.any = True
+            self.launch = None
+            self.work = launch()
 
 
 def copy_in(
@@ -277,6 +290,11 @@ def _wait_once(flight: InFlight) -> None:
     """
     work = flight.work
     if work is None:
+        if isinstance(flight, AllGatherFlight) and flight.launch is None and flight.gather_input is not None:
+            # attempted, its work unknown: see [Note: posted from the attempt]
+            mark_out_of_step(flight.bucket[0].layout.group, RuntimeError("an all-gather's launch was cut short"),
+                             [flight.output, flight.gather_input], part_way=True)  # held there first
+            flight.gather_input = None
         return
     try:
         work.wait()
@@ -288,10 +306,6 @@ def _wait_once(flight: InFlight) -> None:
     flight.work = None
     if isinstance(flight, AllGatherFlight):
         flight.gather_input = None
-
-
-def _nothing(_: object) -> None:
-    """A future's callback that keeps nothing of its value."""
 
 
 def completion(works: Sequence[Waitable], device: torch.device) -> Callable[[], object]:
@@ -320,9 +334,10 @@ def completion(works: Sequence[Waitable], device: torch.device) -> Callable[[], 
     may differ in it.
     """
     if device.type == "cpu":
-        # Each work's future, chained to one whose value is None: the fence must not keep the gathered
-        # buffers alive past their batch (the stream holds two units at most).
-        futures = [work.get_future().then(_nothing) for work in works]  # type: ignore[attr-defined]  # a dist.Work
+        # Each work's future, chained to one whose value is an int (``id``, a C function: no Python frame, so
+        # no interrupt can land in the callback, which torch would wrap in a RuntimeError): the fence must not
+        # keep the gathered buffers alive past their batch (the stream holds two units at most).
+        futures = [work.get_future().then(id) for work in works]  # type: ignore[attr-defined]  # a dist.Work
         return lambda: [future.wait() for future in futures]
     event = getattr(torch, device.type).Event()
     event.record()  # on the current stream, which ``wait()`` ordered after the collectives
@@ -510,8 +525,8 @@ class BucketGather:
         self._flights: collections.deque[InFlight] = collections.deque()
         self._unlaunched = not launch  # staged buckets whose collectives ``launch`` (or ``finish``) posts
         grad_enabled = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)  # ``no_grad`` as one C call: see [Note: hot path] in ``_summon``
-        try:
+        try:  # switched inside the try that puts it back
+            torch._C._set_grad_enabled(False)  # ``no_grad`` as one C call: see [Note: hot path] in ``_summon``
             self._stage_ahead(launch)
         except BaseException:
             self._drop()
@@ -525,17 +540,13 @@ class BucketGather:
             flight = stage_bucket(*self._unstaged.popleft(), self._receiver, self._host_copies)
             self._flights.append(flight)  # recorded before its collective is posted: never dropped
             if launch:
-                flight.launched()
-                if flight.work is not None:
-                    self._posted.any = True
+                flight.launched(self._posted)
 
     def launch(self) -> None:
         """Launch every staged bucket's collective, in bucket order. A collective; a no-op once done."""
         try:
             for flight in self._flights:
-                flight.launched()
-                if flight.work is not None:
-                    self._posted.any = True
+                flight.launched(self._posted)
         except BaseException:
             self._drop()
             raise
@@ -569,8 +580,8 @@ class BucketGather:
         if self._unlaunched:
             self.launch()
         grad_enabled = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
         try:
+            torch._C._set_grad_enabled(False)
             results: list[torch.Tensor | None] = [None] * len(self._dtensors)
             layouts: list[Dim0Layout | None] = [None] * len(self._dtensors)
             flights = self._flights
