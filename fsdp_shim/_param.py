@@ -319,7 +319,10 @@ def carry_requires_grad(params: Sequence[SummonedParam]) -> None:
 def write_back(params: Sequence[SummonedParam], name: Callable[[SummonedParam], str], with_grads: bool) -> None:
     """All or nothing: every parameter is checked before the first byte is written.
 
-    ``name`` names a parameter in messages. Reads what ``SummonedParam.judge`` recorded.
+    Under ``with_grads`` the gradients go into the same ``write_back_locals`` call as the parameters, so
+    every value of both is checked and made (their allocations included) before the first write: a
+    refusal, an out-of-memory error or an interrupt while a gradient's value is made writes no parameter
+    either. ``name`` names a parameter in messages. Reads what ``SummonedParam.judge`` recorded.
     """
     problems: list[str] = []
     items: list[tuple[DTensor, torch.Tensor, Dim0Layout | None]] = []
@@ -341,14 +344,12 @@ def write_back(params: Sequence[SummonedParam], name: Callable[[SummonedParam], 
     if problems:
         raise WritebackRefusedError(
             "summon_full_params writeback refused, nothing written:\n  " + "\n  ".join(problems))
-    write_back_locals(items)
-    if with_grads:
-        grads: list[tuple[DTensor, torch.Tensor, Dim0Layout | None]] = []
+    if with_grads:  # written with the parameters, in one call: see the docstring
         for item in params:
             sharded_grad, full = item.sharded.grad, item.full
             if isinstance(sharded_grad, DTensor) and full is not None and full.grad is not None:
-                grads.append((sharded_grad, full.grad, None))
-        write_back_locals(grads)
+                items.append((sharded_grad, full.grad, None))
+    write_back_locals(items)
 
 
 # -- the writeback ---------------------------------------------------------------------------------
@@ -371,8 +372,10 @@ def write_back_locals(items: Sequence[tuple[DTensor, torch.Tensor, Dim0Layout | 
     the one the gather used, if it took the fast path. The fast-path copies
     run as one foreach op.
 
-    Every shape is checked before anything is written, so a bad tensor leaves
-    all shards as they were.
+    Every shape is checked, and every source made (a conversion or a
+    redistribute allocates), before anything is written: a bad tensor, an
+    allocation failure or an interrupt leaves all shards as they were. The
+    write itself is one in-place copy into existing storage.
     """
     for dtensor, full, _ in items:
         if full.shape != dtensor.shape:

@@ -24,6 +24,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
 
 from _helpers import wrapping_dist
 from fsdp_shim import _fsdp2 as fsdp2
@@ -84,6 +85,37 @@ def inject_allocation(*, after: int = 0) -> Iterator[list[int]]:
         torch.empty = original
 
 
+class _FailShimCall(TorchFunctionMode):
+    """``inject_call``'s mode: counts the calls of one torch function that fsdp_shim's own frames make."""
+
+    def __init__(self, function, after: int, when, exception: type[BaseException]) -> None:
+        super().__init__()
+        self.function, self.after, self.when, self.exception, self.calls = function, after, when, exception, [0]
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (func is self.function and sys._getframe(1).f_globals.get("__name__", "").startswith("fsdp_shim.")
+                and (self.when is None or self.when(*args, **kwargs))):
+            self.calls[0] += 1
+            if self.calls[0] == self.after + 1:
+                raise self.exception(f"injected allocation failure in {func.__name__} (call {self.calls[0]})")
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def inject_call(function, *, after: int = 0, when=None,
+                exception: type[BaseException] = InjectedFault) -> Iterator[list[int]]:
+    """Make the ``after + 1``-th call of ``function`` (a torch function or ``torch.Tensor`` method, such as
+    ``torch.Tensor.to``, which allocates when it converts) that fsdp_shim's own code makes, and that
+    ``when(*args, **kwargs)`` accepts (every call, by default), raise ``exception``, as an allocation
+    failure there would. A ``TorchFunctionMode``: it sees calls that never pass through ``torch.empty``
+    (``inject_allocation``). Yields a one-element list: how many such calls were made.
+    """
+    mode = _FailShimCall(function, after, when, exception)
+    with mode:
+        yield mode.calls
+
+
 _meshes_made = itertools.count()
 
 
@@ -139,5 +171,5 @@ def assert_untouched(model: nn.Module, before: dict[str, tuple[nn.Parameter, tor
         for group in fsdp2.param_groups(state) if state is not None else []:
             assert group.is_sharded, f"{type(module).__name__}: FSDP2 group not sharded"
             assert group._training_state == TrainingState.IDLE, f"{type(module).__name__}: FSDP2 group busy"
-    assert not _registry._live and not _registry._claims, (
+    assert not _registry._live and not _registry._groups and not _registry._depth, (
         "registry entries left behind")
