@@ -154,7 +154,7 @@ class _ForwardInParamDtype:
             held = self._held = []
             try:
                 for param, dtype in self._items:
-                    held.append(param.cast_for_forward(dtype, casts))
+                    param.cast_for_forward(dtype, casts, held)  # recorded in ``held`` before it is placed
             except BaseException:
                 self._put_back()
                 raise

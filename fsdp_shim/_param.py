@@ -113,9 +113,9 @@ class SummonedParam:
     def is_buffer(self) -> bool:
         return self.scoped.is_buffer
 
-    def cast_for_forward(self, dtype: torch.dtype, casts: dict[int, nn.Parameter]) -> list[Any]:
-        """Put in each slot a cast to ``dtype`` of what it holds (one cast an object, in ``casts``);
-        returns what the slots held, for ``put_back``."""
+    def cast_for_forward(self, dtype: torch.dtype, casts: dict[int, nn.Parameter], record: list[list[Any]]) -> None:
+        """Put in each slot a cast to ``dtype`` of what it holds (one cast an object, in ``casts``); what
+        the slots held is appended to ``record`` before any slot changes, for ``put_back``."""
         held = [module._parameters.get(name, MISSING) for module, name in self.scoped.slots]
         values = []
         for current in held:
@@ -127,14 +127,15 @@ class SummonedParam:
                                                                  requires_grad=current.requires_grad)
                 current = cast
             values.append(current)
+        record.append(held)  # recorded before it is placed: an interrupt in ``_place`` is put back too
         _place([(module._parameters, name, value) for (module, name), value in
                 zip(self.scoped.slots, values, strict=True)])
-        return held
 
     def put_back(self, held: list[Any]) -> None:
-        """Undo ``cast_for_forward``: each slot holds what it held before (a deleted one stays deleted)."""
+        """Undo ``cast_for_forward``: each slot holds what it held before (a deleted one stays deleted; one
+        the cast had not reached yet holds it still)."""
         _place([(module._parameters, name, value) for (module, name), value in
-                zip(self.scoped.slots, held, strict=False)])  # held: as far as the cast reached
+                zip(self.scoped.slots, held, strict=False)])
 
     # -- exit --------------------------------------------------------------
     def may_hold_edits(self) -> bool:

@@ -72,6 +72,13 @@ EXCEPTIONS: dict[str, type[BaseException]] = {
     "KeyboardInterrupt": KeyboardInterrupt, "OutOfMemoryError": OOM, "RuntimeError": RuntimeError,
 }
 PHASES = ("enter", "forward/no_grad", "forward/grad", "exit")
+#: The line sweep's phases: entry with and without ``with_grads`` (its agreement), a forward inside (under a bf16
+#: policy: its casts), exit, and a bf16 stream.
+LINE_PHASES = ("enter", "enter/with_grads", "forward/grad", "exit", "stream")
+#: Every how many line events the README's suite injects (CI's whole sweep sets ``FSDP_SHIM_LINE_STRIDE=1``).
+LINE_STRIDE = 23
+#: Lines no library can shield: ``DTensorSummon.__exit__``'s own first lines, before its ``try``.
+UNSHIELDABLE_LINES = ("DTensorSummon.__exit__:+1", "DTensorSummon.__exit__:+3", "DTensorSummon.__exit__:+4")
 #: One configuration's sweep takes about 30 s (no policy) and 55 s (bf16) on two idle cores; a loaded
 #: machine takes several times longer, and the pool's default 120 s would cut it short.
 SWEEP_TIMEOUT_S = 540
@@ -96,15 +103,40 @@ def _function_key(code: Any) -> str | None:
     return f"{key}:{code.co_firstlineno}" if "<" in code.co_name else key
 
 
+#: The target of a line-granularity case: the ``nth`` line event of package code, counted across the phase.
+LINE = "line"
+
+
 class _Trace:
     """A ``sys.settrace`` function: counts the package's calls (in first-call order) and raises ``error``
-    at the ``call`` event of the ``nth`` call of ``target`` (CPython then unsets the trace function)."""
+    at the ``call`` event of the ``nth`` call of ``target`` (CPython then unsets the trace function).
+    With ``lines``, it records where each line event of package code was (``where``); with ``target=LINE``,
+    it raises at the ``nth`` line event at ``at`` (``Class.function:+offset``): between two statements, as an
+    asynchronous signal can, at the same place on every rank (the ranks' line counts differ where their
+    shards do)."""
 
-    def __init__(self, target: str | None = None, nth: int = 1, error: BaseException | None = None):
+    def __init__(self, target: str | None = None, nth: int = 1, error: BaseException | None = None,
+                 lines: bool = False, at: str | None = None):
         self.target, self.nth, self.error = target, nth, error
         self.calls: dict[str, int] = {}
         self.fired = False
         self._keys: dict[Any, str | None] = {}
+        self._lines, self.at = lines or target == LINE, at
+        self.lines = 0
+        self.where: list[str] = []
+
+    def _line(self, frame: Any, event: str, arg: Any) -> Any:
+        if event == "line":
+            code = frame.f_code
+            where = f"{getattr(code, 'co_qualname', code.co_name)}:+{frame.f_lineno - code.co_firstlineno}"
+            if self.error is None:
+                self.where.append(where)
+            elif where == self.at:
+                self.lines += 1
+                if self.lines == self.nth and not self.fired:
+                    self.fired = True
+                    raise self.error
+        return self._line
 
     def __call__(self, frame: Any, event: str, arg: Any) -> None:
         if event != "call":
@@ -120,7 +152,7 @@ class _Trace:
         if n == self.nth and key == self.target and not self.fired:
             self.fired = True
             raise self.error  # type: ignore[misc]  # set where target is
-        return None
+        return self._line if self._lines else None
 
     def __enter__(self) -> _Trace:
         sys.settrace(self)
@@ -276,9 +308,8 @@ def _diff(before: dict[str, Any], after: dict[str, Any], *, written: dict[str, t
     if after["grad_enabled"] != before["grad_enabled"]:
         out.append(f"grad mode {before['grad_enabled']} -> {after['grad_enabled']}")
     if after["registry"] != before["registry"]:
-        (live, groups, depth), (live0, groups0, depth0) = after["registry"], before["registry"]
-        out.append(f"registry: {len(live)} live context(s), {len(groups)} claimed group(s), depth "
-                   f"{sum(depth.values())} (was {len(live0)}, {len(groups0)}, {sum(depth0.values())})")
+        (live, claims), (live0, claims0) = after["registry"], before["registry"]
+        out.append(f"registry: {len(live)} live context(s), {len(claims)} claim(s) (was {len(live0)}, {len(claims0)})")
     return out, completed
 
 
@@ -400,11 +431,20 @@ def _run_phase(phase: str, model: nn.Module, ref: nn.Module, tokens: torch.Tenso
     before = _capture(model)
     caught: BaseException | None = None
     symptoms: list[str] = []
-    if phase == "enter":
+    if phase == "stream":
+        try:
+            with trace:
+                for _ in fsdp_shim.iter_full_params(model, dtype=torch.bfloat16, rank0_only=False):
+                    pass
+        except BaseException as error:  # noqa: BLE001  # the injected one, KeyboardInterrupt included
+            caught = error
+        found, _ = _diff(before, _capture(model))
+        symptoms += found
+    elif phase.startswith("enter"):
         entered = None
         try:
             with trace:
-                summon = fsdp_shim.summon_full_params(model, writeback=True)
+                summon = fsdp_shim.summon_full_params(model, writeback=True, with_grads=phase == "enter/with_grads")
                 summon.__enter__()
                 entered = summon
         except BaseException as error:  # noqa: BLE001  # the injected one, KeyboardInterrupt included
@@ -480,7 +520,23 @@ def _drop_leaks(baseline_globals: dict[str, dict[Any, Any]]) -> None:
     torch._C._set_grad_enabled(True)
 
 
-def rank_sweep(param_dtype: str | None) -> dict[str, Any]:
+def _line_cases(every_rank: list[Any], phases: tuple[str, ...]) -> list[tuple[str, str, int, str]]:
+    """Line-granularity cases: every ``LINE_STRIDE``-th line event of each phase that every rank reaches
+    (``FSDP_SHIM_LINE_STRIDE``: 1 in CI's whole sweep), ``KeyboardInterrupt`` on every rank alike, but for
+    the first lines of ``DTensorSummon.__exit__``, before its ``try`` (``UNSHIELDABLE``)."""
+    stride = int(os.environ.get("FSDP_SHIM_LINE_STRIDE", LINE_STRIDE))
+    cases = []
+    for phase in phases:
+        where = every_rank[0][phase]
+        for i in range(stride // 2, len(where), stride):
+            at = where[i]
+            nth = where[:i + 1].count(at)  # its nth time there: a place every rank reaches alike
+            if not at.startswith(UNSHIELDABLE_LINES) and all(r[phase].count(at) >= nth for r in every_rank):
+                cases.append((phase, f"{LINE} {at}", nth, "KeyboardInterrupt"))
+    return cases
+
+
+def rank_sweep(param_dtype: str | None, granularity: str = "call") -> dict[str, Any]:
     started = time.monotonic()
     policy = MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype)) if param_dtype else None
     mesh = short_timeout_mesh(20.0)  # a case that made the ranks disagree times out, not the whole job
@@ -492,21 +548,26 @@ def rank_sweep(param_dtype: str | None) -> dict[str, Any]:
     problems = _follow_up(model, ref, tokens, policy)  # the first summon and step: caches and lazy init warm
     assert not problems, f"the sweep's own baseline fails: {problems}"
 
-    # 1. record: every package function each phase calls, in first-call order, on every rank
-    recorded = {}
-    for phase in PHASES:
-        trace = _Trace()
+    # 1. record: every package function each phase calls, in first-call order, on every rank (or every line)
+    lines = granularity == "line"
+    phases = LINE_PHASES if lines else PHASES
+    recorded: dict[str, Any] = {}
+    for phase in phases:
+        if lines:  # once untraced first: lines run only the first time (lazy imports) are not places to inject
+            _run_phase(phase, model, ref, tokens, _Trace())
+            assert not _follow_up(model, ref, tokens, policy)
+        trace = _Trace(lines=lines)
         caught, _, symptoms = _run_phase(phase, model, ref, tokens, trace)
         assert caught is None and not symptoms, f"{phase} fails with no fault injected: {caught!r} {symptoms}"
         assert not _follow_up(model, ref, tokens, policy)
-        recorded[phase] = trace.calls
+        recorded[phase] = trace.where if lines else trace.calls
     clean = _capture(model)  # what is left after a case, but for values, unless the case broke something
     every_rank: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every_rank, recorded, group=mesh.get_group())
 
     # 2. inject: each function every rank calls, each exception, first (and second) call
-    cases, one_sided = [], []
-    for phase in PHASES:
+    cases, one_sided = ([], []) if not lines else (_line_cases(every_rank, phases), [])
+    for phase in () if lines else phases:
         for key in recorded[phase]:
             counts = [r[phase].get(key, 0) for r in every_rank]
             if len(set(counts)) > 1:  # some ranks call it less often: listed, and injected only at calls all make
@@ -522,7 +583,7 @@ def rank_sweep(param_dtype: str | None) -> dict[str, Any]:
         if os.environ.get("FSDP_SHIM_SWEEP_PROGRESS"):
             report_progress(f"{index} {phase} {key} {nth} {name} {time.monotonic() - started:.1f} s")
         error = EXCEPTIONS[name](f"injected at call {nth} of {key}")
-        trace = _Trace(key, nth, error)
+        trace = _Trace(LINE, nth, error, at=key[len(LINE) + 1:]) if key.startswith(LINE) else _Trace(key, nth, error)
         try:
             caught, _, symptoms = _run_phase(phase, model, ref, tokens, trace)
             symptoms = _verdict(trace, caught) + symptoms
@@ -534,6 +595,10 @@ def rank_sweep(param_dtype: str | None) -> dict[str, Any]:
             failures.append((phase, key, nth, name, list(dict.fromkeys(symptoms))))
         damage, _ = _diff(clean, _capture(model), values=False)
         part_way = _left_part_way(mesh)
+        if lines:  # a new group is a collective: made where any rank left a gather part way (they may differ)
+            flag = torch.tensor([int(part_way)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            part_way = bool(flag.item())
         if follow_up or damage or part_way:  # the next case starts from a clean model
             _drop_leaks(baseline_globals)
             if part_way:  # the group is refused from now on: a new one (see ``_left_part_way``)
@@ -545,7 +610,7 @@ def rank_sweep(param_dtype: str | None) -> dict[str, Any]:
             clean = _capture(model)
     return {
         "rank": rank(),
-        "functions": {phase: list(recorded[phase]) for phase in PHASES},
+        "functions": {phase: list(recorded[phase]) for phase in phases},
         "cases": len(cases),
         "one_sided": one_sided,
         "failures": failures,
@@ -578,6 +643,20 @@ def test_an_exception_at_any_call_changes_nothing(dist_run, param_dtype):
     cases, failing = _report(param_dtype, results)
     functions = results[0]["functions"]
     assert all(len(functions[phase]) >= 3 for phase in PHASES), functions  # the sweep reaches each phase
+    print(f"\n{cases} cases ({results[0]['seconds']} s); functions per phase: "
+          f"{ {phase: len(keys) for phase, keys in functions.items()} }; one-sided: {results[0]['one_sided']}")
+    assert not failing, f"{len(failing)} of {cases} cases fail:\n" + "\n".join(failing)
+
+
+@pytest.mark.parametrize("param_dtype", [None, "bfloat16"], ids=["no-policy", "bf16-policy"])
+def test_an_interrupt_between_any_two_statements_changes_nothing(dist_run, param_dtype):
+    """Issue 58: ``KeyboardInterrupt`` at line events of package code (every ``LINE_STRIDE``-th here, every one
+    with ``FSDP_SHIM_LINE_STRIDE=1``), on every rank alike: what a real Ctrl-C reaches after a call returns."""
+    stride = int(os.environ.get("FSDP_SHIM_LINE_STRIDE", LINE_STRIDE))
+    results = dist_run(2, rank_sweep, param_dtype, "line", timeout_s=SWEEP_TIMEOUT_S * max(1, LINE_STRIDE // stride))
+    cases, failing = _report(param_dtype, results)
+    functions = results[0]["functions"]
+    assert all(len(functions[phase]) >= 30 for phase in LINE_PHASES), {p: len(w) for p, w in functions.items()}
     print(f"\n{cases} cases ({results[0]['seconds']} s); functions per phase: "
           f"{ {phase: len(keys) for phase, keys in functions.items()} }; one-sided: {results[0]['one_sided']}")
     assert not failing, f"{len(failing)} of {cases} cases fail:\n" + "\n".join(failing)
