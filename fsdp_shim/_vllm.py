@@ -38,11 +38,13 @@ VLLM_API = ("vllm.distributed.weight_transfer.base.WeightSource with a cached-pr
 
 
 class WireParam(NamedTuple):
-    """One parameter as vLLM is told of it: name after renaming, wire dtype, full shape."""
+    """One parameter as vLLM is told of it: name after renaming, wire dtype, full shape; and the name the
+    stream yields it by, which ``iter_full()`` renames through this record."""
 
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
+    streamed_as: str
 
 
 def strip_wrappers(name: str) -> str:
@@ -91,7 +93,9 @@ def wire_params(
 
     The stream's own plan (``batch_params``, with the arguments the stream is given), so the order
     and the dtypes cannot drift from iteration's. Reads the module tree, FSDP2's state and DTensor
-    metadata only: no collective, no full tensor. Two parameters renamed alike raise ``ValueError``.
+    metadata only: no collective, no full tensor. Two parameters renamed alike raise ``ValueError``:
+    the one place that decides it, for ``metadata`` and ``iter_full()`` alike (names only, which every
+    rank shares, so every rank refuses alike, and before the stream's first collective).
     """
     bucket_bytes = bucket_cap(bucket_mb, STREAM_BUCKET_MB).bucket_bytes
     rename = _renamer(name_map)
@@ -104,7 +108,7 @@ def wire_params(
                 raise ValueError(f"vllm_weight_source: parameters {seen[renamed]!r} and {name!r} are both "
                                  f"named {renamed!r} (after removing wrapper segments and name_map)")
             seen[renamed] = name
-            wire.append(WireParam(renamed, gathered_dtype(tensor, travels_as), tuple(tensor.shape)))
+            wire.append(WireParam(renamed, gathered_dtype(tensor, travels_as), tuple(tensor.shape), name))
     return wire
 
 
@@ -147,7 +151,8 @@ def source_class() -> type:
       the wire dtype after the cast (``keep_dtype`` respected).
     * ``iter_full()``: ``iter_full_params`` itself, a fresh pass each call: cast
       before the gather, the next unit in flight, memory near two units. Its names
-      go through the same renaming as metadata's.
+      are metadata's plan's, made afresh at its start (``wire_params``): a ``name_map``
+      that names two parameters alike is refused by both, in the same words.
 
     Ownership is left unset (``owners=None``: every rank), as every rank must drive
     every gather. With ``receivers="sender"`` only global rank 0 receives tensors;
@@ -181,9 +186,12 @@ def source_class() -> type:
         def iter_full(self) -> Iterator[tuple[str, torch.Tensor | None]]:
             """A fresh pass of the stream: ``(name, full tensor)``; ``None`` on ranks that receive nothing.
 
-            A collective: every trainer rank iterates it to the end, in step.
+            A collective: every trainer rank iterates it to the end, in step. Its names are ``metadata``'s
+            plan's (``wire_params``, made afresh), so a ``name_map`` that ``metadata`` refuses is refused here
+            too, in the same words, before any collective, also where ``metadata`` is never read.
             """
-            rename = _renamer(self.name_map)
+            renamed = {p.streamed_as: p.name for p in
+                       wire_params(self.model, self.dtype, self.keep_dtype, self.name_map, self.bucket_mb)}
             stream = cast(  # a generator: closed at once if the caller stops early
                 "Generator[tuple[str, torch.Tensor | None], None, None]",
                 stream_full_params(self.model, dtype=self.dtype, rank0_only=self.receivers == "sender",
@@ -191,7 +199,7 @@ def source_class() -> type:
                                    keep_dtype=keep_matcher(self.keep_dtype)))
             try:
                 for name, full in stream:
-                    yield rename(name), full
+                    yield renamed[name], full
             finally:
                 stream.close()  # stopped early: the stream waits for what it posted, now
 

@@ -19,6 +19,7 @@ import types
 from collections.abc import Iterator
 from functools import cached_property
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -188,6 +189,45 @@ def test_without_vllm_or_with_an_older_one_the_error_names_the_versions(monkeypa
             fsdp_shim.vllm_weight_source(nn.Linear(2, 2))
     finally:
         _vllm.source_class.cache_clear()
+
+
+def _stand_in_base() -> types.ModuleType:
+    """A ``vllm.distributed.weight_transfer.base`` of 0.33.0's shape, with no vLLM behind it: the adapter's
+    own ``metadata`` and ``iter_full()`` run on it as on vLLM's classes."""
+    base = types.ModuleType("vllm.distributed.weight_transfer.base")
+    fields = [("name", str), ("dtype", torch.dtype), ("shape", tuple)]
+    base.ParamMeta = NamedTuple("ParamMeta", fields)  # type: ignore[attr-defined,misc]
+    base.WeightSource = type("WeightSource", (), {"iter_full": lambda self: iter(())})  # type: ignore[attr-defined]
+    return base
+
+
+def rank_iter_full_refuses_a_colliding_name_map_as_metadata_does():
+    ref, model = build_lm(), shard_lm(build_lm())
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        try:
+            _fake_vllm(monkeypatch, _stand_in_base(), version="0.33.0")
+            collide = fsdp_shim.vllm_weight_source(model, name_map=lambda name: "x", receivers="all")
+            with collectives_refused() as ran, pytest.raises(ValueError, match="are both named 'x'") as first:
+                for _ in collide.iter_full():  # driven directly, metadata never read
+                    pass
+            assert ran == [], ran  # refused before any collective, on every rank alike
+            with pytest.raises(ValueError) as from_metadata:
+                _ = collide.metadata
+            assert str(first.value) == str(from_metadata.value)
+            mapped = fsdp_shim.vllm_weight_source(model, name_map=lambda name: f"model.{name}", receivers="all")
+            received = list(mapped.iter_full())  # the same group, still in step
+        finally:
+            _vllm.source_class.cache_clear()
+    reference = dict(ref.named_parameters())
+    assert [name for name, _ in received] == [f"model.{name}" for name in _stream_order(model)]
+    for name, full in received:
+        assert torch.equal(full, reference[name.removeprefix("model.")].detach()), name
+    return True
+
+
+def test_iter_full_refuses_a_colliding_name_map_as_metadata_does(dist_run):
+    """Two parameters renamed alike: ``iter_full()`` driven without ``metadata`` refuses as ``metadata`` does."""
+    assert dist_run(2, rank_iter_full_refuses_a_colliding_name_map_as_metadata_does) == [True, True]
 
 
 # --------------------------------------------------------------------------- vLLM's own classes
