@@ -171,5 +171,5 @@ def assert_untouched(model: nn.Module, before: dict[str, tuple[nn.Parameter, tor
         for group in fsdp2.param_groups(state) if state is not None else []:
             assert group.is_sharded, f"{type(module).__name__}: FSDP2 group not sharded"
             assert group._training_state == TrainingState.IDLE, f"{type(module).__name__}: FSDP2 group busy"
-    assert not _registry._live and not _registry._groups and not _registry._depth, (
+    assert not _registry._live and not _registry._claims, (
         "registry entries left behind")
