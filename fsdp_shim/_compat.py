@@ -11,6 +11,7 @@ Everything here was read from each release's wheel and is exercised by the versi
 | ``full_tensor()`` fails for a standalone ``_StridedShard`` (no plain ``Shard`` of its dim completes it) | 2.10, 2.11 |
 The fast path therefore tests placement *types* exactly (``type(p) is Shard``), never ``is_shard()``: a
 placement it does not know, today's or a future subclass, always takes the ``full_tensor()`` fallback.
+A local shard that is a cast wrapper (torchao's float8 weights) is read as its master (``gathered_local``).
 """
 
 from __future__ import annotations
@@ -120,3 +121,32 @@ def _is_standalone_strided(placement: Placement, placements: Sequence[Placement]
         return False
     dim = placement.dim  # type: ignore[attr-defined]  # a _StridedShard (checked above), no Shard on torch >= 2.10
     return not any(type(other) is Shard and other.dim == dim for other in placements)
+
+
+def cast_wrapper_master(local: torch.Tensor) -> torch.Tensor | None:
+    """The plain tensor whose values a cast wrapper's are, or None for any other tensor subclass.
+
+    A cast wrapper's ``__tensor_flatten__`` names exactly one plain inner tensor of its own dtype, shape and
+    device (its master), and any other inner tensor holds one element at most (a cast's scale): torchao's
+    float8 ``WeightWithDynamicFloat8CastTensor`` and its fp32 master. NF4's quantized inner tensors have
+    other shapes and dtypes. Reads types and metadata only (torchao's ``__tensor_flatten__`` tests whether a
+    scale is set, which changes only which scalars it names), so every rank answers alike (see
+    [Note: all-gather extensions] in ``_refusals``).
+    """
+    flatten = getattr(local, "__tensor_flatten__", None)
+    if flatten is None:
+        return None
+    inner = [getattr(local, name, None) for name in flatten()[0]]
+    masters = [t for t in inner if isinstance(t, torch.Tensor) and type(t) in (torch.Tensor, torch.nn.Parameter)
+               and t.dtype == local.dtype and t.shape == local.shape and t.device == local.device]
+    if len(masters) != 1 or any(t is not masters[0] and not (isinstance(t, torch.Tensor) and t.numel() <= 1)
+                                for t in inner):
+        return None
+    return masters[0]
+
+
+def gathered_local(local: torch.Tensor) -> torch.Tensor:
+    """What a gather reads of a local shard that is a tensor subclass: a cast wrapper's master where the
+    subclass has FSDP2's all-gather extension (the others are refused first), else the shard itself."""
+    master = cast_wrapper_master(local) if hasattr(local, "fsdp_pre_all_gather") else None
+    return local if master is None else master

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim import _registry as registry
-from fsdp_shim._compat import ungatherable_reason, writeback_refusal
+from fsdp_shim._compat import cast_wrapper_master, ungatherable_reason, writeback_refusal
 from fsdp_shim._gather.layout import Meshes, live_mesh_dim_groups
 from fsdp_shim._scope import (
     CachedSummon,
@@ -150,8 +150,8 @@ def refuse_placements(
         if reason is not None:
             raise NotImplementedError(f"cannot summon {name()!r}: {reason}")
         local = dtensor._local_tensor
-        if type(local) is not Tensor and hasattr(local, "fsdp_pre_all_gather"):
-            raise gather_extension(name(), type(local))
+        if type(local) is not Tensor and hasattr(local, "fsdp_pre_all_gather") and cast_wrapper_master(local) is None:
+            raise gather_extension(name(), type(local))  # see [Note: all-gather extensions]
         mesh = None if gather_meshes is None else gather_meshes[index]
         if mesh is None:
             mesh = dtensor.device_mesh
@@ -167,14 +167,19 @@ def gather_extension(fqn: str, subclass: type) -> NotImplementedError:
 
     [Note: all-gather extensions]
     A local shard whose class defines ``fsdp_pre_all_gather`` (and
-    ``fsdp_post_all_gather``: torchao's ``NF4Tensor`` for QLoRA, its float8
-    weights) is gathered by FSDP2 through that extension: its own inner
-    tensors travel, and the subclass rebuilds itself from them. A plain
-    all-gather of the local tensor fails inside the subclass, with a message
-    that names no parameter. So the summon and the stream refuse it here,
-    alike on every rank (the class is the same everywhere) and before any
-    collective. Gathering through the extension would also need a writeback
-    through it; ``FSDPModule.unshard()`` gathers such a unit as FSDP2 does.
+    ``fsdp_post_all_gather``) is gathered by FSDP2 through that extension,
+    so the hook says how training moves it, not what its values are; what
+    the subclass holds decides. A cast wrapper (torchao's float8 training
+    weights: one plain inner master of the shard's own dtype, shape and
+    device, beside scalar scales at most: ``_compat.cast_wrapper_master``)
+    is served as that master: the engine reads it (``_compat.gathered_local``)
+    as it reads a plain shard, exact, and a writeback copies into the shard
+    in place, through the subclass, into the master, so the parameter, its
+    shard and its subclass stay. Anything else (torchao's ``NF4Tensor`` for
+    QLoRA: quantized inner tensors of other shapes) is refused here, as a
+    plain all-gather of it fails inside the subclass naming no parameter;
+    ``FSDPModule.unshard()`` gathers such a unit as FSDP2 does. Both read
+    types and metadata only: alike on every rank, before any collective.
     """
     return NotImplementedError(
         f"cannot summon {fqn!r}: it is a {subclass.__module__}.{subclass.__qualname__}, a tensor subclass that "

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from fsdp_shim._compat import gathered_local
 from fsdp_shim._gather.layout import (
     BucketEntry,
     BucketPlan,
@@ -147,11 +148,13 @@ def copy_in(
     the overlap of copy-in and all-gather is kept.
     """
     per_rank = sum(split_sizes)
-    local = bucket[0].dtensor._local_tensor
+    shards = [s if type(s) is torch.Tensor else gathered_local(s)  # a cast wrapper: its master (_compat)
+              for s in [b.dtensor._local_tensor for b in bucket]]
+    local = shards[0]
     if (len(bucket) == 1 and local.numel() == per_rank and local.dtype == dtype and local.device == device
             and local.is_contiguous()):
         return local.view(-1)
-    sources = [b.dtensor._local_tensor.reshape(-1) for b in bucket]  # a view where it can be
+    sources = [s.reshape(-1) for s in shards]  # a view where it can be
     if unpadded and sources[0].device == device:
         # no padding, no move (a bucket holds one device): one cat, casting too
         torch.cat(sources, out=block)
@@ -220,7 +223,8 @@ def _start_alone(
     them.
     """
     padded_fulls = [torch.empty(padded, dtype=dtype, device=device) for padded in split_sizes]
-    torch._foreach_copy_(padded_fulls, [b.dtensor._local_tensor.reshape(-1) for b in bucket])
+    shards = [s if type(s) is torch.Tensor else gathered_local(s) for s in [b.dtensor._local_tensor for b in bucket]]
+    torch._foreach_copy_(padded_fulls, [s.reshape(-1) for s in shards])
     return InPlace(bucket, split_sizes, padded_fulls=padded_fulls)
 
 
@@ -461,14 +465,18 @@ def _gather_fallback(
     mesh: DeviceMesh | None = None,
 ) -> torch.Tensor | None:
     dtype = gathered_dtype(dtensor, cast_to)
-    source = dtensor if dtype == dtensor.dtype else cast(DTensor, dtensor.to(dtype))  # a local, elementwise cast
-    if mesh is not None and mesh is not source.device_mesh:  # its owner's mesh: see ``Meshes``
-        source = DTensor.from_local(source._local_tensor, mesh, source.placements, run_check=False,
-                                    shape=source.shape, stride=source.stride())
+    local = dtensor._local_tensor
+    if type(local) is not torch.Tensor:
+        local = gathered_local(local)  # a cast wrapper: its master (_compat)
+    source = dtensor
+    if local is not dtensor._local_tensor or (mesh is not None and mesh is not dtensor.device_mesh):
+        source = DTensor.from_local(local, dtensor.device_mesh if mesh is None else mesh,  # its owner's: ``Meshes``
+                                    dtensor.placements, run_check=False, shape=dtensor.shape, stride=dtensor.stride())
+    if dtype != source.dtype:
+        source = cast(DTensor, source.to(dtype))  # a local, elementwise cast
     full = source.full_tensor()
     if not holds_fulls:
         return None
-    local = dtensor._local_tensor
     if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
         full = full.clone()  # replicated: never alias the live shard
     if out_device is not None and full.device != out_device:
