@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_shim import _registry as registry
+from fsdp_shim._errors import DestroyedGroupError, GroupOutOfStepError
 from fsdp_shim._gather.engine import Posted, comm_device_of, gather_full_tensors
 from fsdp_shim._gather.layout import Meshes, Receiver, mesh_dim_groups
 from fsdp_shim._refusals import refuse_grad_layouts, refuse_placements
@@ -86,7 +87,7 @@ def agreed_grads(
             # gradients on another mesh: their groups are checked, then claimed
             try:
                 groups = refuse_placements(foreign, writeback=writeback) if foreign else []
-            except NotImplementedError as refused:  # a placement: alike on every rank
+            except (NotImplementedError, DestroyedGroupError, GroupOutOfStepError) as refused:  # before any gather
                 refusal = refused
         if refusal is None:
             chosen = [(i, torch.zeros_like(dtensors[i]) if g is None else g) for i, g in chosen]  # no communication

@@ -7,12 +7,12 @@ Issue 37. Each test names the rule it proves:
   a ``KeyboardInterrupt`` at any call exit makes) still gives every slot its
   object back, FSDP2 its state, and the registry and group claims their
   release; a training step then equals an untouched twin's bit for bit;
-* a fault that hits every rank alike (an exception at the first all-gather,
-  an allocation failure while staging the first bucket), in a summon or a
-  stream, before any collective was posted, leaves the *same* process group
-  usable: an ``all_reduce`` and a new summon on it complete, and are
-  correct; one after the first collective (the k-th all-gather) marks the
-  group out of step on every rank (issue 51: no rank can tell it from a
+* an allocation failure that hits every rank alike before any collective
+  (any of a summon's, which allocates before it gathers; a stream's first)
+  leaves the *same* process group usable: an ``all_reduce`` and a new summon
+  on it complete, and are correct; a fault from the first launch on (an
+  all-gather that raises, a stream's later allocation) marks the group out
+  of step on every rank (issues 51 and 58: no rank can tell it from a
   one-sided fault), refused at once, shards unchanged;
 * the stream refuses what the summon refuses, with the same words: a forward
   in progress, a group another thread's context uses;
@@ -180,9 +180,12 @@ def _group_still_works(group: dist.ProcessGroup) -> None:
 
 
 def rank_a_fault_on_every_rank_leaves_the_same_group_usable():
-    """Before the first collective (``after=0``): the same group usable. After it (issue 51): no rank can tell a
-    fault on every rank alike from a one-sided one, so each marks the group and refuses at once, shards unchanged
-    (see [Note: a one-sided fault leaves its own mark]); the case goes on on a fresh group."""
+    """An allocation failure before the call's first collective leaves the same group usable: at any of the
+    summon's allocations (it allocates, then the ranks agree, then it gathers: [Note: allocate, agree, gather]),
+    at the stream's first. From the first launch on (issues 51 and 58), a launch that raises and a stream's later
+    allocation included, no rank can tell a fault on every rank alike from a one-sided one, so each marks the group
+    and refuses at once, shards unchanged (see [Note: a one-sided fault leaves its own mark]); the case goes on on
+    a fresh group."""
     mesh = short_timeout_mesh(5.0)
     same_group = mesh.get_group()
     same_model, ref = shard_lm(build_lm(CONFIG), mesh), build_lm(CONFIG)
@@ -192,7 +195,8 @@ def rank_a_fault_on_every_rank_leaves_the_same_group_usable():
         for after in range(3):
             for caller in ("summon", "stream"):
                 group, model, before = same_group, same_model, same_before
-                if after:  # part way: the group is marked out of step, so a fresh one for this case
+                marks = fault == "all_gather" or (caller == "stream" and after > 0)
+                if marks:  # part way: the group is marked out of step, so a fresh one for this case
                     mesh = short_timeout_mesh(5.0)
                     group = mesh.get_group()
                     model = shard_lm(build_lm(CONFIG), mesh)
@@ -208,7 +212,7 @@ def rank_a_fault_on_every_rank_leaves_the_same_group_usable():
                                 pass
                 assert calls[0] == after + 1, (fault, after, caller, calls[0])
                 assert_untouched(model, before)
-                if after:
+                if marks:
                     with patched(), pytest.raises(RuntimeError, match="part way"):
                         with fsdp_shim.summon_full_params(model, writeback=False, bucket_mb=0.002):
                             raise AssertionError("the body ran on an out-of-step group")

@@ -37,6 +37,7 @@ from fsdp_shim._gather.layout import (
     bucket_plan,
     delivers_over,
     gathered_dtype,
+    mesh_dim_groups,
 )
 from fsdp_shim._registry import mark_out_of_step
 
@@ -93,6 +94,15 @@ class InPlace(InFlight):
     padded_fulls: list[torch.Tensor] | None = None
 
 
+# [Note: posted from the attempt]
+# An interrupt can land inside torch's Python wrapper right after c10d
+# posted a collective, or right after the launch returns, before its
+# ``Work`` is stored; from outside, either looks like a launch that
+# raised. So a call counts as posted (``Posted``) from the attempt, and
+# ``AllGatherFlight.launched`` drops ``launch`` before calling it: a
+# flight with neither ``launch`` nor ``work`` whose input is still held
+# was attempted and its work is unknown, so ``_wait_once`` keeps its
+# buffers for good and marks its group out of step on this rank.
 @dataclass(eq=False)
 class AllGatherFlight(InFlight):
     """A bucket all-gathered into one flat output of ``W`` rank blocks, copied out afterwards.
@@ -107,18 +117,10 @@ class AllGatherFlight(InFlight):
     blocks: int = 0  # the rank blocks of ``output`` that hold rows (``BucketShape.blocks``)
     launch: Callable[[], Waitable] | None = None
     gather_input: torch.Tensor | None = None
+    reserved: Reserved | None = None  # where the copy-out lands, allocated before the call's first collective
 
     def launched(self, posted: Posted) -> None:
-        """[Note: posted from the attempt]
-        An interrupt can land inside torch's Python wrapper right after c10d
-        posted the collective, or right after the launch returns, before its
-        ``Work`` is stored; from outside, either looks like a launch that
-        raised. So the call counts as posted (``posted``) from the attempt,
-        and ``launch`` is dropped before it: a flight with neither ``launch``
-        nor ``work`` whose input is still held was attempted and its work is
-        unknown, so ``_wait_once`` keeps its buffers for good and marks its
-        group out of step on this rank (``_registry``).
-        """
+        """See [Note: posted from the attempt]."""
         launch = self.launch
         if launch is not None:
             posted.any = True
@@ -183,13 +185,14 @@ def comm_device_of(dtensor: DTensor) -> torch.device:
 
 
 def stage_bucket(bucket: list[BucketEntry], shape: BucketShape, receiver: Receiver = "all",
-                 host_copies: list[Any] | None = None) -> InFlight:
+                 host_copies: list[Any] | None = None, reserved: Reserved | None = None) -> InFlight:
     """Copy in this rank's padded shards; the bucket's collective is left for ``launched()``.
 
     As FSDP2 does, the input is this rank's block of the output buffer, so the
     copy-in needs no buffer of its own and the all-gather runs in place. A
     bucket of one tensor whose shard needs no padding, cast or move is sent
     as it is: no copy-in at all (see [Note: a bucket of one]).
+    With ``reserved`` (the summon: see [Note: allocate, agree, gather]) it allocates nothing.
     Called under ``no_grad``.
     """
     first = bucket[0]
@@ -199,18 +202,24 @@ def stage_bucket(bucket: list[BucketEntry], shape: BucketShape, receiver: Receiv
     if not delivers_over(receiver, group):
         return InPlace(bucket, split_sizes)  # nobody on this group receives: nothing to move
     if world_size == 1:
-        return _start_alone(bucket, split_sizes, dtype, comm_device)
+        if reserved is not None and reserved.fulls is None:
+            return InPlace(bucket, split_sizes)  # this rank keeps nothing: nothing to copy
+        return _start_alone(bucket, split_sizes, dtype, comm_device, None if reserved is None else reserved.fulls)
     per_rank = sum(split_sizes)
-    output = torch.empty(world_size * per_rank, dtype=dtype, device=comm_device)
+    if reserved is not None:
+        output = cast(torch.Tensor, reserved.output)
+    else:
+        output = torch.empty(world_size * per_rank, dtype=dtype, device=comm_device)
     gather_input = copy_in(bucket, split_sizes, dtype, comm_device, output[rank * per_rank:(rank + 1) * per_rank],
                            shape.unpadded, host_copies)
     launch = functools.partial(all_gather_single, output, gather_input, group=group, async_op=True)
     return AllGatherFlight(bucket, split_sizes, output=output, blocks=shape.blocks, launch=launch,
-                           gather_input=gather_input)
+                           gather_input=gather_input, reserved=reserved)
 
 
 def _start_alone(
-    bucket: list[BucketEntry], split_sizes: list[int], dtype: torch.dtype, device: torch.device
+    bucket: list[BucketEntry], split_sizes: list[int], dtype: torch.dtype, device: torch.device,
+    padded_fulls: list[torch.Tensor] | None = None,
 ) -> InFlight:
     """A shard group of one rank: each full tensor is its shard, copied once.
 
@@ -220,12 +229,180 @@ def _start_alone(
     shard (cast on the way where asked), made in one ``_foreach_copy_`` per
     bucket. The copy is still needed: results never alias live shards, so
     ``writeback=False`` edits are discarded as FSDP1's ``FULL_SHARD`` discards
-    them.
+    them. ``padded_fulls``: where the copies go, if reserved already.
     """
-    padded_fulls = [torch.empty(padded, dtype=dtype, device=device) for padded in split_sizes]
+    if padded_fulls is None:
+        padded_fulls = [torch.empty(padded, dtype=dtype, device=device) for padded in split_sizes]
     shards = [s if type(s) is torch.Tensor else gathered_local(s) for s in [b.dtensor._local_tensor for b in bucket]]
     torch._foreach_copy_(padded_fulls, [s.reshape(-1) for s in shards])
     return InPlace(bucket, split_sizes, padded_fulls=padded_fulls)
+
+
+# [Note: allocate, agree, gather]
+# FSDP1 allocates a unit's flat parameter before the unit's one all-gather,
+# so an out-of-memory error is raised before anything is posted and the
+# group stays usable. A summon gathers in several buckets, so it allocates
+# what all of them need first: each full tensor it keeps (a bucket of
+# one's output is its full tensor), the buffers the other buckets' outputs
+# take turns in (at most two buckets are in flight: [Note: one bucket in
+# flight]; so a rank that keeps nothing, under ``rank0_only``, holds no more
+# than two outputs, as before), and for offloaded full tensors a host
+# buffer to land in. Then every rank says, in one small all-reduce over the
+# groups it will gather on (``agree_ready``), whether it could: if any could
+# not, every rank raises before any all-gather, the failing rank its own
+# error, the others an error of the same kind. So an out-of-memory error
+# on every rank alike, or on one rank only, leaves nothing posted and the
+# group usable, and the caller's "free memory, retry" works as on FSDP1.
+# What still allocates between collectives: the ``full_tensor()`` fallback
+# (DTensor allocates inside it) and the stream's batches (it holds two at
+# most, so it cannot allocate a model ahead); a failure there leaves the
+# call part way (see [Note: a one-sided fault leaves its own mark]).
+class Reserve(NamedTuple):
+    """What a summon keeps of its gathers, known before it allocates (see [Note: allocate, agree, gather])."""
+
+    holds_fulls: bool  # this rank keeps the full tensors (``layout.Delivery``)
+    out_device: torch.device | None  # where they live, if not where they are gathered (``offload_to_cpu``)
+
+
+class Reserved(NamedTuple):
+    """One bucket's buffers, allocated before the call's first collective.
+
+    ``output``: its all-gather's (the kept full tensor itself for a bucket of one, else a view of one of two
+    cycling buffers); ``fulls``: the padded full tensors its copy-out fills (None: the output is the full
+    tensor, or this rank keeps none); ``host``: where the output is copied on the host first (offload).
+    """
+
+    output: torch.Tensor | None
+    fulls: list[torch.Tensor] | None
+    host: torch.Tensor | None
+
+
+class _Own(NamedTuple):
+    """A tensor of its own."""
+
+    numel: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+class _Turn(NamedTuple):
+    """A view of the shared buffer ``buffer`` (a cycling one for outputs, a host one for offload's landing)."""
+
+    buffer: int
+    numel: int
+    dtype: torch.dtype
+
+
+#: How one bucket's ``Reserved`` is made: its output and host copy (``_Own``, ``_Turn`` or None), and its fulls
+#: (each ``(shape, dtype, device)``, or None).
+_BucketRecipe = tuple[_Own | _Turn | None, list[tuple[tuple[int, ...], torch.dtype, torch.device]] | None,
+                      _Own | _Turn | None]
+
+
+class Reservation(NamedTuple):
+    """What a summon's gathers allocate, worked out once per plan, receiver and ``Reserve`` (``reservation``)."""
+
+    cycling: list[tuple[int, torch.device]]  # the cycling buffers: bytes, device
+    staging: list[tuple[int, torch.device]]  # the host buffers offloaded buckets land in first: bytes, device
+    buckets: list[_BucketRecipe]
+    groups: list[dist.ProcessGroup]  # what ``agree_ready`` reduces over: every group a gather posts on
+    device: torch.device  # where its flag lives
+
+
+def reservation(plan: BucketPlan, buckets: Sequence[list[BucketEntry]], receiver: Receiver, keep: Reserve,
+                dtensors: Sequence[DTensor], meshes: Meshes) -> Reservation:
+    """What ``reserve_buffers`` allocates for ``plan``'s buckets (see [Note: allocate, agree, gather]): worked out
+    once, kept on the plan under ``(receiver, keep)``."""
+    cycling: dict[tuple[torch.device, int], int] = {}  # (device, turn % 2) -> bytes: the largest output there
+    staging: dict[torch.device, int] = {}
+    turns: dict[torch.device, int] = {}
+    recipes: list[_BucketRecipe] = []
+    groups: dict[int, dist.ProcessGroup] = {}
+    for bucket, shape in zip(buckets, plan.shapes, strict=True):
+        layout, device, dtype = bucket[0].layout, comm_device_of(bucket[0].dtensor), shape.dtype
+        target = keep.out_device if keep.holds_fulls and keep.out_device is not None else device
+        numel = layout.world_size * sum(shape.split_sizes)
+        if not delivers_over(receiver, layout.group):
+            recipes.append((None, None, None))
+            continue
+        if layout.world_size == 1:  # see [Note: a group of one]: copies of the shards, where they are kept
+            recipes.append((None, [((n,), dtype, target) for n in shape.split_sizes] if keep.holds_fulls else None,
+                            None))
+            continue
+        groups.setdefault(id(layout.group), layout.group)
+        if keep.holds_fulls and len(bucket) == 1 and target == device:
+            recipes.append((_Own(numel, dtype, device), None, None))  # its output is the full tensor
+            continue
+        turn = turns.get(device, 0)
+        turns[device] = turn + 1
+        slot = (device, turn % 2)
+        cycling[slot] = max(cycling.get(slot, 0), numel * dtype.itemsize)
+        output = _Turn(list(cycling).index(slot), numel, dtype)
+        if not keep.holds_fulls:
+            recipes.append((output, None, None))
+        elif len(bucket) == 1:  # offloaded: the host copy is the full tensor
+            recipes.append((output, None, _Own(numel, dtype, target)))
+        else:
+            fulls = [(_copy_out_shape(b.layout, shape.blocks), dtype, target) for b in bucket]
+            host = None
+            if target != device:
+                staging[target] = max(staging.get(target, 0), numel * dtype.itemsize)
+                host = _Turn(list(staging).index(target), numel, dtype)
+            recipes.append((output, fulls, host))
+    for index in plan.fallback:  # full_tensor() posts on its mesh's groups
+        mesh = meshes[index] if meshes is not None else None
+        for group in mesh_dim_groups(mesh if mesh is not None else dtensors[index].device_mesh):
+            groups.setdefault(id(group), group)
+    made = Reservation([(n, device) for (device, _), n in cycling.items()],
+                       [(n, device) for device, n in staging.items()], recipes, list(groups.values()),
+                       comm_device_of(dtensors[0]))
+    plan.reservations[receiver, keep] = made
+    return made
+
+
+def reserve_buffers(recipe: Reservation) -> list[Reserved]:
+    """Allocate what ``recipe`` says, by bucket (see [Note: allocate, agree, gather])."""
+    cycling = [torch.empty(n, dtype=torch.uint8, device=device) for n, device in recipe.cycling]
+    staging = [torch.empty(n, dtype=torch.uint8, device=device) for n, device in recipe.staging]
+    return [Reserved(_made(output, cycling),
+                     None if fulls is None else [torch.empty(s, dtype=t, device=d) for s, t, d in fulls],
+                     _made(host, staging)) for output, fulls, host in recipe.buckets]
+
+
+def _made(spec: _Own | _Turn | None, shared: list[torch.Tensor]) -> torch.Tensor | None:
+    if spec is None:
+        return None
+    if isinstance(spec, _Own):
+        return torch.empty(spec.numel, dtype=spec.dtype, device=spec.device)
+    return shared[spec.buffer][:spec.numel * spec.dtype.itemsize].view(spec.dtype)
+
+
+#: What a rank says in ``agree_ready``: it could allocate; it ran out of memory; something else failed.
+_READY, _OUT_OF_MEMORY, _FAILED = 0, 1, 2
+_OOM: type[BaseException] = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+
+
+def agree_ready(groups: Sequence[dist.ProcessGroup], failure: BaseException | None, posted: Posted,
+                device: torch.device) -> None:
+    """Whether every rank allocated what its gathers need (``failure``: what this one raised); if not, every
+    rank raises, before any all-gather: one ``all_reduce(MAX)`` a group. ``posted`` is set from the attempt
+    (an interrupt right after it is one-sided) and cleared where every rank refuses alike (nothing is
+    pending). See [Note: allocate, agree, gather]."""
+    code = _READY if failure is None else _OUT_OF_MEMORY if isinstance(failure, _OOM) else _FAILED
+    posted.any = True
+    flag = torch.full((1,), code, dtype=torch.int64, device=device)
+    for group in groups:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    agreed = int(flag.item())
+    if agreed == _READY:
+        return
+    posted.any = False  # every rank refuses here alike: nothing is pending
+    if failure is not None:
+        raise failure
+    what = "ran out of memory" if agreed == _OUT_OF_MEMORY else "failed"
+    raise (_OOM if agreed == _OUT_OF_MEMORY else RuntimeError)(
+        f"another rank {what} while allocating for this gather, so no rank gathered anything; the process "
+        "group is usable (see that rank's error)")
 
 
 class Posted:
@@ -411,37 +588,42 @@ def _finish_bucket(flight: InFlight, holds_fulls: bool, out_device: torch.device
         return []  # rank0_only: this rank holds nothing once the gather is done
     output = flight.output
     assert output is not None, "a rank that keeps full tensors received them"
+    reserved = flight.reserved
     if out_device is not None and out_device != output.device:
         # The whole bucket at once, then split where it landed. To the host (offload_to_cpu,
         # ``device="cpu"``): pageable memory, as FSDP1's offloaded parameters are, in one
         # copy that the host waits for; see [Note: offloaded memory].
-        output = output.to(out_device)
+        output = output.to(out_device) if reserved is None or reserved.host is None else reserved.host.copy_(output)
     if len(flight.bucket) == 1:  # see [Note: a bucket of one]
         padded = [output.view(flight.bucket[0].layout.padded_shape)]
     else:
-        padded = _copy_out(output, flight)
+        padded = _copy_out(output, flight, None if reserved is None else reserved.fulls)
     # each full tensor: its first rows, the buffer itself where nothing is padded (a slice: cheaper than narrow())
     return [buf if buf.shape[0] == b.layout.shape[0] else buf[:b.layout.shape[0]]
             for buf, b in zip(padded, flight.bucket, strict=True)]
 
 
-def _copy_out(output: torch.Tensor, flight: AllGatherFlight) -> list[torch.Tensor]:
-    """Scatter a multi-tensor bucket's output into fresh padded buffers, one a tensor.
+def _copy_out(output: torch.Tensor, flight: AllGatherFlight, padded: list[torch.Tensor] | None = None
+              ) -> list[torch.Tensor]:
+    """Scatter a multi-tensor bucket's output into fresh padded buffers, one a tensor (``padded``, if reserved).
 
     See [Note: bucket layout] in ``layout``: only the first ``R`` rank blocks hold rows,
     so only they are copied, into buffers of ``R * c_i`` rows.
     """
     world_size = flight.bucket[0].layout.world_size
     blocks = flight.blocks
-    if blocks == world_size:
-        padded = [output.new_empty(b.layout.padded_shape) for b in flight.bucket]  # output's dtype and device
-    else:
-        padded = [output.new_empty((blocks * b.layout.chunk_rows, *b.layout.shape[1:])) for b in flight.bucket]
+    if padded is None:
+        padded = [output.new_empty(_copy_out_shape(b.layout, blocks)) for b in flight.bucket]  # output's dtype, device
     sizes = flight.split_sizes  # explicit view sizes, never -1: a tensor may have no elements
     out = [buf.view(blocks, n) for buf, n in zip(padded, sizes, strict=True)]
     blocked = output.view(world_size, sum(sizes))
     torch.split_with_sizes_copy(blocked if blocks == world_size else blocked[:blocks], sizes, dim=1, out=out)
     return padded
+
+
+def _copy_out_shape(layout: Dim0Layout, blocks: int) -> tuple[int, ...]:
+    """A multi-tensor bucket's padded buffer for one tensor: ``blocks`` rank blocks of its rows."""
+    return layout.padded_shape if blocks == layout.world_size else (blocks * layout.chunk_rows, *layout.shape[1:])
 
 
 def _views(padded_fulls: list[torch.Tensor], flight: InFlight) -> list[torch.Tensor]:
@@ -517,6 +699,7 @@ class BucketGather:
         collective_bytes: int | None = None,
         meshes: Meshes = None,
         posted: Posted = _NOBODY,
+        reserve: Reserve | None = None,
     ) -> None:
         self._posted = posted
         self.last_work: tuple[Waitable, torch.device] | None = None  # its last collective: ``gather_full_tensors``
@@ -532,9 +715,12 @@ class BucketGather:
         self._ahead = len(buckets) if ahead is None else ahead
         self._flights: collections.deque[InFlight] = collections.deque()
         self._unlaunched = not launch  # staged buckets whose collectives ``launch`` (or ``finish``) posts
+        self._reserved: collections.deque[Reserved] | None = None
         grad_enabled = torch.is_grad_enabled()
         try:  # switched inside the try that puts it back
             torch._C._set_grad_enabled(False)  # ``no_grad`` as one C call: see [Note: hot path] in ``_summon``
+            if reserve is not None:
+                self._reserved = collections.deque(self._reserve_and_agree(buckets, reserve))
             self._stage_ahead(launch)
         except BaseException:
             self._drop()
@@ -542,10 +728,28 @@ class BucketGather:
         finally:
             torch._C._set_grad_enabled(grad_enabled)
 
+    def _reserve_and_agree(self, buckets: list[list[BucketEntry]], keep: Reserve) -> list[Reserved]:
+        """``reserve_buffers``, then ``agree_ready`` (see [Note: allocate, agree, gather])."""
+        recipe = self.plan.reservations.get((self._receiver, keep))
+        if recipe is None:
+            recipe = reservation(self.plan, buckets, self._receiver, keep, self._dtensors, self._meshes)
+        failure: BaseException | None = None
+        try:
+            reserved = reserve_buffers(recipe)
+        except BaseException as error:  # noqa: BLE001  # KeyboardInterrupt too: agreed on, then raised as itself
+            failure, reserved = error, []
+        if recipe.groups:
+            agree_ready(recipe.groups, failure, self._posted, recipe.device)
+        elif failure is not None:
+            raise failure
+        return reserved
+
     def _stage_ahead(self, launch: bool, finishing: int = 0) -> None:
         """Stage (and launch) buckets until ``ahead`` are in flight beyond the ``finishing`` one."""
+        reserved = self._reserved
         while self._unstaged and len(self._flights) - finishing < self._ahead:
-            flight = stage_bucket(*self._unstaged.popleft(), self._receiver, self._host_copies)
+            flight = stage_bucket(*self._unstaged.popleft(), self._receiver, self._host_copies,
+                                  None if reserved is None else reserved.popleft())
             self._flights.append(flight)  # recorded before its collective is posted: never dropped
             if launch:
                 flight.launched(self._posted)
@@ -683,7 +887,8 @@ def gather_full_tensors(
     while not holds_fulls and len(_CALLS_BEHIND) > 1:  # [Note: bounded run-ahead]: k - 1 done before k + 1
         _CALLS_BEHIND.popleft()()
     gather = BucketGather(dtensors, bucket_bytes=bucket_bytes, receiver=receiver, ahead=1, plan=plan,
-                          collective_bytes=collective_bytes, meshes=meshes, posted=posted)
+                          collective_bytes=collective_bytes, meshes=meshes, posted=posted,
+                          reserve=Reserve(holds_fulls, out_device))
     gathered = gather.finish(holds_fulls=holds_fulls, out_device=out_device)
     last = gather.last_work
     if not holds_fulls and last is not None and not last[0].is_completed():  # gloo's wait blocked: it is complete

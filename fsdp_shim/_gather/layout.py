@@ -280,6 +280,9 @@ class BucketPlan(NamedTuple):
     shapes: list[BucketShape]  # by bucket
     #: The last ``bind``: the DTensors it held and its buckets, reused while the very same objects come.
     bound: list[Any]
+    #: What a summon allocates before its first collective, by who receives and what it keeps (``engine``'s
+    #: ``reservation``): worked out once per plan.
+    reservations: dict[Any, Any]
 
     def bind(self, dtensors: Sequence[DTensor]) -> list[list[BucketEntry]]:
         """The buckets, holding this call's DTensors (the last call's buckets, if they are the same objects:
@@ -313,7 +316,7 @@ def bucket_plan(
         for bucket in buckets
     ]
     return BucketPlan(key, [[(b.position, b.layout) for b in bucket] for bucket in buckets], fallback,
-                      [d._spec for d in dtensors], shapes, [])
+                      [d._spec for d in dtensors], shapes, [], {})
 
 
 def split_into_buckets(
