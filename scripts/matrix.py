@@ -150,9 +150,10 @@ def _venv_name(version: str, python_version: str, client: str = "") -> str:
     return f"{name}-{client}" if client else name
 
 
-#: Client packages a row installs beside the project, resolved together with its test extras: on
-#: compose-rl's torch, the releases compose-rl pins (tests/test_composer_real.py runs the real Composer).
-CLIENT_PINS: dict[str, tuple[str, ...]] = {"2.7.0": ("mosaicml==0.32.1", "transformers==4.51.3")}
+#: Client packages a row installs beside the project, with its test extras: compose-rl's pins on its torch (the
+#: real Composer: test_composer_real.py); torchao for float8 and NF4 from torch 2.11, its floor, as the README.
+CLIENT_PINS: dict[str, tuple[str, ...]] = {"2.7.0": ("mosaicml==0.32.1", "transformers==4.51.3"),
+                                           "2.15.0": ("torchao==0.18.0",)}
 
 #: pip's global constraint file, if any, lifted for the install steps (see the module docstring).
 _UNCAPPED = {"PIP_CONSTRAINT": os.devnull}
