@@ -178,6 +178,59 @@ def test_an_interrupt_right_after_a_post_on_one_rank_gives_no_wrong_values(dist_
                     after) == [True] * world
 
 
+def _hsdp_short_timeout_mesh(seconds: float):
+    """A 2x2 (replicate, shard) CPU mesh on fresh groups whose collectives time out after ``seconds``."""
+    import datetime
+
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    timeout = datetime.timedelta(seconds=seconds)
+    groups = {tuple(ranks): dist.new_group(ranks, timeout=timeout)  # every rank makes every group, in one order
+              for ranks in ([0, 1], [2, 3], [0, 2], [1, 3])}
+    me = dist.get_rank()
+    shard = groups[(0, 1) if me < 2 else (2, 3)]
+    replicate = groups[(0, 2) if me % 2 == 0 else (1, 3)]
+    return DeviceMesh.from_group([replicate, shard], "cpu", mesh=torch.arange(4).view(2, 2),
+                                 mesh_dim_names=("replicate", "shard"))
+
+
+def rank_an_interrupt_right_after_a_post_under_hsdp_gives_no_wrong_values(caller: str) -> str:
+    """D1 under HSDP 2x2: rank 3 is interrupted right after its first all-gather is posted. Its shard group
+    (ranks 2 and 3) is refused at once afterwards on both; the other replica (0, 1) gathers on, exact."""
+    from _helpers import assert_params_equal
+
+    mesh = _hsdp_short_timeout_mesh(3.0)
+    ref, model = build_lm(CONFIG), shard_lm(build_lm(CONFIG), mesh)
+    before = local_shards(model)
+    me = dist.get_rank()
+    with patched(), (_interrupt_right_after_a_post(0) if me == 3 else contextlib.nullcontext()):
+        expected = KeyboardInterrupt if me == 3 else RuntimeError
+        with pytest.raises(expected) if me >= 2 else contextlib.nullcontext():
+            _run(model, caller) if me >= 2 else (list(fsdp_shim.iter_full_params(model, bucket_mb=SMALL))
+                                                 if caller == "stream" else _summon_exact(model, ref))
+    assert_untouched(model, before)
+    if me >= 2:
+        return "refused" if all("out of step" in text for text in _refused_at_once(model)) else "not refused"
+    with patched(), FSDP.summon_full_params(model, writeback=False):
+        assert_params_equal(model, ref)
+    return "exact"
+
+
+def _summon_exact(model, ref) -> None:
+    from _helpers import assert_params_equal
+
+    with fsdp_shim.summon_full_params(model, writeback=False, bucket_mb=SMALL):
+        assert_params_equal(model, ref)
+
+
+@pytest.mark.one_sided
+@pytest.mark.parametrize("caller", ["summon", "stream"])
+def test_an_interrupt_right_after_a_post_under_hsdp_gives_no_wrong_values(dist_run, caller):
+    assert dist_run(4, rank_an_interrupt_right_after_a_post_under_hsdp_gives_no_wrong_values, caller) == [
+        "exact", "exact", "refused", "refused"]
+
+
 def rank_a_one_sided_fault_after_the_gradient_agreement_is_refused_on_the_faulting_rank():
     """``with_grads``: the gradients' agreement (an all-reduce) is the call's first collective, so a fault on one
     rank after it, before that rank's first all-gather, leaves the ranks out of step as a fault part way does: the
