@@ -122,8 +122,9 @@ def rank_d2_an_interrupt_right_after_the_gradients_agreement_is_refused_at_once(
 
 
 @pytest.mark.one_sided
-def test_d2_an_interrupt_right_after_the_gradients_agreement_is_refused_at_once(dist_run):
-    words = dist_run(2, rank_d2_an_interrupt_right_after_the_gradients_agreement_is_refused_at_once)
+@pytest.mark.parametrize("world", [2, 3])  # 3: uneven shards
+def test_d2_an_interrupt_right_after_the_gradients_agreement_is_refused_at_once(dist_run, world):
+    words = dist_run(world, rank_d2_an_interrupt_right_after_the_gradients_agreement_is_refused_at_once)
     assert all("out of step" in text for text in words), words
 
 
