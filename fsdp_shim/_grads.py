@@ -32,9 +32,11 @@ __all__ = ["agreed_grads", "gather_grads"]
 
 def agreed_grads(
     module: nn.Module, scope: Scope, dtensors: list[DTensor], writeback: bool, owner: LiveContext, posted: Posted,
-) -> tuple[list[tuple[int, DTensor]], list[dist.ProcessGroup]]:
+) -> tuple[list[tuple[int, DTensor]], list[dist.ProcessGroup], BaseException | None]:
     """The gradients to gather under ``with_grads``, as every rank agrees (one small all-reduce a mesh), and
-    the process groups of those on another mesh, claimed for ``owner`` (its release gives them back).
+    the process groups of those on another mesh, claimed for ``owner`` (its release gives them back), and
+    what making FSDP1's zeros raised on this rank, if anything (an allocation failure after a collective: the
+    parameters' gather agrees on it before it gathers, see [Note: allocate, agree, gather] in ``_gather.engine``).
 
     The agreement is the call's first collective: ``posted`` says so from the moment it is attempted, and
     any fault from then on marks the call's groups (see [Note: a one-sided fault leaves its own mark] in
@@ -63,6 +65,7 @@ def agreed_grads(
     flags = _local_flags(dtensors, by_mesh)  # allocated before the first collective
     call = f"summon_full_params({module_label(module)}, with_grads=True)"
     refusal: BaseException | None = None  # decided from the agreed answer: alike on every rank
+    failure: BaseException | None = None
     groups: list[dist.ProcessGroup] = []
     try:
         agreed = agree_on_grads(dtensors, by_mesh, flags, meshes, posted)  # a collective, before any gather
@@ -90,7 +93,10 @@ def agreed_grads(
             except (NotImplementedError, DestroyedGroupError, GroupOutOfStepError) as refused:  # before any gather
                 refusal = refused
         if refusal is None:
-            chosen = [(i, torch.zeros_like(dtensors[i]) if g is None else g) for i, g in chosen]  # no communication
+            try:  # no communication
+                chosen = [(i, torch.zeros_like(dtensors[i]) if g is None else g) for i, g in chosen]
+            except BaseException as error:  # noqa: BLE001  # KeyboardInterrupt too: agreed on, then raised as itself
+                failure, chosen = error, []
             if groups:
                 registry.claim(owner, owner.thread, groups, lambda: call)
     except BaseException as error:
@@ -99,7 +105,7 @@ def agreed_grads(
         raise
     if refusal is not None:
         raise refusal
-    return cast(list[tuple[int, DTensor]], chosen), groups
+    return cast(list[tuple[int, DTensor]], chosen), groups, failure
 
 
 def gather_grads(

@@ -232,7 +232,8 @@ def claim(owner: object, thread: int, groups: Sequence[dist.ProcessGroup], call:
     """
     ids = frozenset(map(id, groups))
     with _lock:
-        busy = any(c.thread != thread and not c.groups.isdisjoint(ids) for c in _claims.values())
+        # a copy (one C call): ``release`` pops without the lock, as one dict operation
+        busy = any(c.thread != thread and not c.groups.isdisjoint(ids) for c in list(_claims.values()))
         if not busy:
             earlier = _claims.get(id(owner))
             if earlier is not None:
@@ -280,8 +281,10 @@ def mark_out_of_step(
     times out, or corrupt memory. So the group is recorded here, and every
     later summon or stream over it refuses at once (``require_live_groups``),
     as FSDP1 and FSDP2 would hang. A fault that hits every rank alike
-    raises before its collective is posted, on every rank, so nothing is
-    left posted, nothing is recorded, and the group stays usable.
+    before a call's first collective (a summon's allocations, which the
+    ranks agree on: [Note: allocate, agree, gather] in ``_gather.engine``)
+    leaves nothing posted, nothing recorded, and the group usable; a launch
+    that raises counts as posted ([Note: posted from the attempt]).
     The failed collective's ``buffers`` are held here for as long as the
     group lives: the transport may still write a late peer's data into a
     collective it gave up waiting for (gloo does: it aborts the process on

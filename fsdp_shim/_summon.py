@@ -242,14 +242,15 @@ class DTensorSummon:
         scope, started = self.scope, time.perf_counter()
         receiver, holds_fulls = receivers_for_summon(self.rank0_only, scope.groups, scope.fsdp2_only)
         self._holds_fulls = holds_fulls
-        posted, grad_inputs = Posted(), None
+        posted, grad_inputs, failure = Posted(), None, None
         if self.with_grads:  # which exist anywhere, agreed by every rank; those on another mesh claimed
-            grad_inputs, grad_groups = agreed_grads(self.module, scope, dtensors, self.writeback, self, posted)
+            grad_inputs, grad_groups, failure = agreed_grads(self.module, scope, dtensors, self.writeback, self,
+                                                             posted)
             if grad_groups:
                 self._claimed = [*process_groups, *grad_groups]  # a new list: the cached summon holds the first
         gathered, grads = _gather(scope, dtensors, cached, self.cap, receiver, holds_fulls,
                                   torch.device("cpu") if self.offload_to_cpu else None, grad_inputs,
-                                  self._claimed or process_groups, posted)
+                                  self._claimed or process_groups, posted, failure)
         self.summoned += map(SummonedParam, scope.params, dtensors, gathered.layouts)  # see [Note: hot path]
         if holds_fulls:
             to_full(self.summoned, gathered.tensors, grads, self.writeback)
@@ -323,18 +324,20 @@ class DTensorSummon:
 def _gather(
     scope: Scope, dtensors: list[DTensor], cached: CachedSummon | None, cap: BucketCap, receiver: Receiver,
     holds_fulls: bool, out_device: torch.device | None, grad_inputs: list[tuple[int, DTensor]] | None,
-    groups: list[dist.ProcessGroup], posted: Posted,
+    groups: list[dist.ProcessGroup], posted: Posted, failure: BaseException | None = None,
 ) -> tuple[Gathered, dict[int, torch.Tensor]]:
     """Every collective of an entry but the gradients' agreement: the parameters, then the agreed gradients.
     Every value is in when it returns; left part way (``posted``: the call's record, set already where the
     agreement ran), it marks ``groups`` out of step on this rank (see [Note: a one-sided fault leaves its
-    own mark] in ``_gather.engine``). The plan is kept on ``cached``."""
+    own mark] in ``_gather.engine``). The plan is kept on ``cached``; ``failure``, an earlier one of this rank's,
+    is agreed on with the parameters' allocations."""
     collective_bytes = cap.one_unit_bytes if len(scope.groups) == 1 and scope.fsdp2_only else None
     try:
         gathered = gather_full_tensors(dtensors, holds_fulls=holds_fulls, out_device=out_device,
                                        bucket_bytes=cap.bucket_bytes, receiver=receiver,
                                        plan=None if cached is None else cached.bucket_plan,
-                                       collective_bytes=collective_bytes, meshes=scope.meshes, posted=posted)
+                                       collective_bytes=collective_bytes, meshes=scope.meshes, posted=posted,
+                                       failure=failure)
         if cached is not None:
             cached.bucket_plan = gathered.plan
         grads = (gather_grads(grad_inputs, holds_fulls, out_device, cap.bucket_bytes, receiver, collective_bytes,

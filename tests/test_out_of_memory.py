@@ -72,6 +72,8 @@ def _calls(model) -> dict[str, Callable[[], Any]]:
         "model_in_buckets_writeback": lambda: fsdp_shim.summon_full_params(model, writeback=True, bucket_mb=SMALL),
         "model_offload_rank0_only": lambda: FSDP.summon_full_params(model, writeback=False, rank0_only=True,
                                                                     offload_to_cpu=True),
+        # gradients on rank 0 only: FSDP1's zeros are made on the others, after the gradients' agreement
+        "with_grads_on_one_rank": lambda: FSDP.summon_full_params(model, writeback=False, with_grads=True),
     }
 
 
@@ -101,6 +103,9 @@ def rank_an_out_of_memory_error_at_any_allocation_leaves_the_group_usable(which:
     model = shard_lm(build_lm(CONFIG), mesh)
     rank0_only = "rank0_only" in which
     call = _calls(model)[which]
+    if which == "with_grads_on_one_rank" and dist.get_rank() == 0:
+        for param in model.parameters():
+            param.grad = torch.ones_like(param)
     with patched():
         counting = _Allocations()
         context, error = _enter(call, counting)
@@ -133,7 +138,7 @@ def rank_an_out_of_memory_error_at_any_allocation_leaves_the_group_usable(which:
 
 
 @pytest.mark.parametrize("which", ["per_unit", "per_unit_rank0_only", "model_in_buckets_writeback",
-                                   "model_offload_rank0_only"])
+                                   "model_offload_rank0_only", "with_grads_on_one_rank"])
 def test_an_out_of_memory_error_at_any_allocation_leaves_the_group_usable(dist_run, which):
     results = dist_run(2, rank_an_out_of_memory_error_at_any_allocation_leaves_the_group_usable, which)
     counts = results[0]["counts"]
@@ -174,3 +179,48 @@ def test_a_one_sided_out_of_memory_error_in_a_per_unit_loop_gives_no_wrong_value
     own, peer = dist_run(2, rank_a_one_sided_out_of_memory_error_in_a_per_unit_loop_gives_no_wrong_values)
     assert own == ["unit 0: exact", "unit 1: a peer out-of-memory error", "unit 2: exact"], own
     assert peer == ["unit 0: exact", "unit 1: its own out-of-memory error", "unit 2: exact"], peer
+
+
+def rank_the_agreement_reaches_every_rank_of_the_call() -> str:
+    """The ranks agree over every dim of every mesh of the call, so a failure anywhere reaches every rank,
+    whichever groups each posts on. A 2x2 (dp, tp) mesh, tensor parallel alone, ``rank0_only`` (global rank 0
+    receives: the fast-path bucket moves on tp{0,1} only), one weight on the fast path and one (sharded on dim
+    1) through ``full_tensor()`` on every tp group. An agreement over the groups each rank posts on left rank 0
+    deciding to gather while the others raised (a review of the first version found it)."""
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    rows, cols = torch.randn(8, 6), torch.randn(6, 8)
+    module = nn.Module()
+    module.rows = nn.Parameter(distribute_tensor(rows, mesh, [Replicate(), Shard(0)]))
+    module.cols = nn.Parameter(distribute_tensor(cols, mesh, [Replicate(), Shard(1)]))
+
+    def call():
+        return FSDP.summon_full_params(module, writeback=False, rank0_only=True)
+
+    from fsdp_shim._gather import engine
+
+    def fails(*args, **kwargs):  # rank 3 keeps nothing and has nothing to allocate here: its reservation fails
+        raise OOM("injected: out of memory in rank 3's reservation")
+
+    reserve = engine.reserve_buffers
+    with patched():
+        if dist.get_rank() == 3:
+            engine.reserve_buffers = fails
+        try:
+            context, error = _enter(call, _Allocations())
+        finally:
+            engine.reserve_buffers = reserve
+        assert context is None and isinstance(error, OOM), (context, error)
+        assert not any(g in _registry._out_of_step for g in mesh.get_all_groups())
+        with call():
+            if dist.get_rank() == 0:
+                assert torch.equal(module.rows, rows) and torch.equal(module.cols, cols)
+    return "raised, then exact"
+
+
+def test_the_agreement_reaches_every_rank_of_the_call(dist_run):
+    assert dist_run(4, rank_the_agreement_reaches_every_rank_of_the_call) == ["raised, then exact"] * 4

@@ -286,9 +286,11 @@ class _Own(NamedTuple):
 
 
 class _Turn(NamedTuple):
-    """A view of the shared buffer ``buffer`` (a cycling one for outputs, a host one for offload's landing)."""
+    """A view at ``offset`` bytes into the shared buffer ``buffer`` (a device's cycling buffer for outputs: even
+    turns at its front, odd ones at its back; a host's landing buffer for offloaded outputs)."""
 
     buffer: int
+    offset: int
     numel: int
     dtype: torch.dtype
 
@@ -302,71 +304,104 @@ _BucketRecipe = tuple[_Own | _Turn | None, list[tuple[tuple[int, ...], torch.dty
 class Reservation(NamedTuple):
     """What a summon's gathers allocate, worked out once per plan, receiver and ``Reserve`` (``reservation``)."""
 
-    cycling: list[tuple[int, torch.device]]  # the cycling buffers: bytes, device
-    staging: list[tuple[int, torch.device]]  # the host buffers offloaded buckets land in first: bytes, device
+    shared: list[tuple[int, torch.device]]  # the cycling and landing buffers: bytes, device
     buckets: list[_BucketRecipe]
-    groups: list[dist.ProcessGroup]  # what ``agree_ready`` reduces over: every group a gather posts on
-    device: torch.device  # where its flag lives
+    groups: list[dist.ProcessGroup]  # what ``agree_ready`` reduces over: every dim of every mesh of the call
+    flag: torch.Tensor  # the agreement's, made once: allocating it could fail where a rank has run out
+
+
+_ALIGN = 256  # bytes: where each view into a shared buffer starts, as the caching allocator aligns blocks
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
 
 
 def reservation(plan: BucketPlan, buckets: Sequence[list[BucketEntry]], receiver: Receiver, keep: Reserve,
                 dtensors: Sequence[DTensor], meshes: Meshes) -> Reservation:
     """What ``reserve_buffers`` allocates for ``plan``'s buckets (see [Note: allocate, agree, gather]): worked out
-    once, kept on the plan under ``(receiver, keep)``."""
-    cycling: dict[tuple[torch.device, int], int] = {}  # (device, turn % 2) -> bytes: the largest output there
-    staging: dict[torch.device, int] = {}
-    turns: dict[torch.device, int] = {}
-    recipes: list[_BucketRecipe] = []
-    groups: dict[int, dist.ProcessGroup] = {}
+    once, kept on the plan under ``(receiver, keep)``.
+
+    The outputs nobody keeps take turns in one buffer per device: even turns at its front, odd ones at its
+    back, so bucket ``k`` and ``k + 1`` (in flight together: [Note: one bucket in flight]) never overlap,
+    and it is as large as the largest two adjacent outputs, what they took before. The agreement runs over
+    every dim of every mesh the call's tensors live on, in the order they first appear, alike on every rank:
+    a rank's groups differ from another's, and only a reduction over whole meshes tells every rank the same.
+    """
+    sizes: dict[torch.device, list[int]] = {}  # each device's outputs nobody keeps, in turn order (bytes)
+    landing: dict[torch.device, int] = {}  # the largest output offloaded in pieces, per host device
+    recipes: list[Any] = []
     for bucket, shape in zip(buckets, plan.shapes, strict=True):
         layout, device, dtype = bucket[0].layout, comm_device_of(bucket[0].dtensor), shape.dtype
         target = keep.out_device if keep.holds_fulls and keep.out_device is not None else device
         numel = layout.world_size * sum(shape.split_sizes)
         if not delivers_over(receiver, layout.group):
             recipes.append((None, None, None))
-            continue
-        if layout.world_size == 1:  # see [Note: a group of one]: copies of the shards, where they are kept
+        elif layout.world_size == 1:  # see [Note: a group of one]: copies of the shards, where they are kept
             recipes.append((None, [((n,), dtype, target) for n in shape.split_sizes] if keep.holds_fulls else None,
                             None))
-            continue
-        groups.setdefault(id(layout.group), layout.group)
-        if keep.holds_fulls and len(bucket) == 1 and target == device:
+        elif keep.holds_fulls and len(bucket) == 1 and target == device:
             recipes.append((_Own(numel, dtype, device), None, None))  # its output is the full tensor
-            continue
-        turn = turns.get(device, 0)
-        turns[device] = turn + 1
-        slot = (device, turn % 2)
-        cycling[slot] = max(cycling.get(slot, 0), numel * dtype.itemsize)
-        output = _Turn(list(cycling).index(slot), numel, dtype)
-        if not keep.holds_fulls:
-            recipes.append((output, None, None))
-        elif len(bucket) == 1:  # offloaded: the host copy is the full tensor
-            recipes.append((output, None, _Own(numel, dtype, target)))
         else:
-            fulls = [(_copy_out_shape(b.layout, shape.blocks), dtype, target) for b in bucket]
-            host = None
-            if target != device:
-                staging[target] = max(staging.get(target, 0), numel * dtype.itemsize)
-                host = _Turn(list(staging).index(target), numel, dtype)
-            recipes.append((output, fulls, host))
-    for index in plan.fallback:  # full_tensor() posts on its mesh's groups
-        mesh = meshes[index] if meshes is not None else None
-        for group in mesh_dim_groups(mesh if mesh is not None else dtensors[index].device_mesh):
-            groups.setdefault(id(group), group)
-    made = Reservation([(n, device) for (device, _), n in cycling.items()],
-                       [(n, device) for device, n in staging.items()], recipes, list(groups.values()),
-                       comm_device_of(dtensors[0]))
+            turns = sizes.setdefault(device, [])
+            turns.append(_aligned(numel * dtype.itemsize))
+            output = (device, len(turns) - 1, numel, dtype)  # placed below, once the buffer's size is known
+            if not keep.holds_fulls:
+                recipes.append((output, None, None))
+            elif len(bucket) == 1:  # offloaded: the host copy is the full tensor
+                recipes.append((output, None, _Own(numel, dtype, target)))
+            else:
+                fulls = [(_copy_out_shape(b.layout, shape.blocks), dtype, target) for b in bucket]
+                host = None
+                if target != device:
+                    landing[target] = max(landing.get(target, 0), numel * dtype.itemsize)
+                    host = ("host", target, numel, dtype)
+                recipes.append((output, fulls, host))
+    shared = [(max([a + b for a, b in zip(turns, turns[1:], strict=False)] + turns), device)
+              for device, turns in sizes.items()]
+    index = {device: i for i, device in enumerate(sizes)}
+    shared += [(nbytes, device) for device, nbytes in landing.items()]
+    hosts = {device: len(sizes) + i for i, device in enumerate(landing)}
+
+    def placed(spec: Any) -> Any:
+        if not isinstance(spec, tuple) or isinstance(spec, _Own):
+            return spec
+        if spec[0] == "host":
+            return _Turn(hosts[spec[1]], 0, spec[2], spec[3])
+        device, turn, numel, dtype = spec
+        buffer = index[device]
+        offset = 0 if turn % 2 == 0 else shared[buffer][0] - sizes[device][turn]
+        return _Turn(buffer, offset, numel, dtype)
+
+    mesh_groups: dict[int, dist.ProcessGroup] = {}
+    seen: set[int] = set()
+    for position, dtensor in enumerate(dtensors):
+        owner = meshes[position] if meshes is not None else None
+        mesh = owner if owner is not None else dtensor.device_mesh
+        if id(mesh) not in seen:
+            seen.add(id(mesh))
+            for group in mesh_dim_groups(mesh):
+                mesh_groups.setdefault(id(group), group)
+    made = Reservation(shared, [(placed(o), f, placed(h)) for o, f, h in recipes], list(mesh_groups.values()),
+                       torch.zeros(1, dtype=torch.int64, device=comm_device_of(dtensors[0])))
     plan.reservations[receiver, keep] = made
     return made
 
 
-def reserve_buffers(recipe: Reservation) -> list[Reserved]:
-    """Allocate what ``recipe`` says, by bucket (see [Note: allocate, agree, gather])."""
-    cycling = [torch.empty(n, dtype=torch.uint8, device=device) for n, device in recipe.cycling]
-    staging = [torch.empty(n, dtype=torch.uint8, device=device) for n, device in recipe.staging]
-    return [Reserved(_made(output, cycling),
-                     None if fulls is None else [torch.empty(s, dtype=t, device=d) for s, t, d in fulls],
-                     _made(host, staging)) for output, fulls, host in recipe.buckets]
+def reserve_buffers(recipe: Reservation, out: list[Reserved]) -> None:
+    """Allocate what ``recipe`` says into ``out``, by bucket (see [Note: allocate, agree, gather]). On a failure
+    nothing it allocated stays referenced (an exception's frames would keep it, on every rank, for as long as
+    the caller's ``except`` block runs: the memory its retry needs)."""
+    shared: list[torch.Tensor] = []
+    try:
+        shared += [torch.empty(n, dtype=torch.uint8, device=device) for n, device in recipe.shared]
+        out += [Reserved(_made(output, shared),
+                         None if fulls is None else [torch.empty(s, dtype=t, device=d) for s, t, d in fulls],
+                         _made(host, shared)) for output, fulls, host in recipe.buckets]
+    except BaseException:
+        out.clear()
+        shared.clear()
+        raise
 
 
 def _made(spec: _Own | _Turn | None, shared: list[torch.Tensor]) -> torch.Tensor | None:
@@ -374,7 +409,7 @@ def _made(spec: _Own | _Turn | None, shared: list[torch.Tensor]) -> torch.Tensor
         return None
     if isinstance(spec, _Own):
         return torch.empty(spec.numel, dtype=spec.dtype, device=spec.device)
-    return shared[spec.buffer][:spec.numel * spec.dtype.itemsize].view(spec.dtype)
+    return shared[spec.buffer][spec.offset:spec.offset + spec.numel * spec.dtype.itemsize].view(spec.dtype)
 
 
 #: What a rank says in ``agree_ready``: it could allocate; it ran out of memory; something else failed.
@@ -383,14 +418,13 @@ _OOM: type[BaseException] = getattr(torch, "OutOfMemoryError", None) or torch.cu
 
 
 def agree_ready(groups: Sequence[dist.ProcessGroup], failure: BaseException | None, posted: Posted,
-                device: torch.device) -> None:
+                flag: torch.Tensor) -> None:
     """Whether every rank allocated what its gathers need (``failure``: what this one raised); if not, every
     rank raises, before any all-gather: one ``all_reduce(MAX)`` a group. ``posted`` is set from the attempt
     (an interrupt right after it is one-sided) and cleared where every rank refuses alike (nothing is
     pending). See [Note: allocate, agree, gather]."""
-    code = _READY if failure is None else _OUT_OF_MEMORY if isinstance(failure, _OOM) else _FAILED
     posted.any = True
-    flag = torch.full((1,), code, dtype=torch.int64, device=device)
+    flag.fill_(_READY if failure is None else _OUT_OF_MEMORY if isinstance(failure, _OOM) else _FAILED)
     for group in groups:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     agreed = int(flag.item())
@@ -700,6 +734,7 @@ class BucketGather:
         meshes: Meshes = None,
         posted: Posted = _NOBODY,
         reserve: Reserve | None = None,
+        failure: BaseException | None = None,
     ) -> None:
         self._posted = posted
         self.last_work: tuple[Waitable, torch.device] | None = None  # its last collective: ``gather_full_tensors``
@@ -720,7 +755,7 @@ class BucketGather:
         try:  # switched inside the try that puts it back
             torch._C._set_grad_enabled(False)  # ``no_grad`` as one C call: see [Note: hot path] in ``_summon``
             if reserve is not None:
-                self._reserved = collections.deque(self._reserve_and_agree(buckets, reserve))
+                self._reserved = collections.deque(self._reserve_and_agree(buckets, reserve, failure))
             self._stage_ahead(launch)
         except BaseException:
             self._drop()
@@ -728,20 +763,27 @@ class BucketGather:
         finally:
             torch._C._set_grad_enabled(grad_enabled)
 
-    def _reserve_and_agree(self, buckets: list[list[BucketEntry]], keep: Reserve) -> list[Reserved]:
-        """``reserve_buffers``, then ``agree_ready`` (see [Note: allocate, agree, gather])."""
+    def _reserve_and_agree(self, buckets: list[list[BucketEntry]], keep: Reserve,
+                           failure: BaseException | None = None) -> list[Reserved]:
+        """``reserve_buffers``, then ``agree_ready`` (see [Note: allocate, agree, gather]); ``failure``: one this rank
+        met earlier in the call, agreed on instead. Posted from its start: a fault before the agreement (outside
+        the allocations it agrees on) is one-sided as far as this rank knows; ``agree_ready`` clears it where
+        every rank refuses alike."""
+        self._posted.any = True
         recipe = self.plan.reservations.get((self._receiver, keep))
         if recipe is None:
             recipe = reservation(self.plan, buckets, self._receiver, keep, self._dtensors, self._meshes)
-        failure: BaseException | None = None
+        reserved: list[Reserved] = []
         try:
-            reserved = reserve_buffers(recipe)
+            if failure is None:
+                reserve_buffers(recipe, reserved)
         except BaseException as error:  # noqa: BLE001  # KeyboardInterrupt too: agreed on, then raised as itself
-            failure, reserved = error, []
-        if recipe.groups:
-            agree_ready(recipe.groups, failure, self._posted, recipe.device)
-        elif failure is not None:
-            raise failure
+            failure = error
+        try:
+            agree_ready(recipe.groups, failure, self._posted, recipe.flag)
+        except BaseException:
+            reserved.clear()  # not kept alive by this frame while the caller handles the error
+            raise
         return reserved
 
     def _stage_ahead(self, launch: bool, finishing: int = 0) -> None:
@@ -787,7 +829,8 @@ class BucketGather:
         return completion(works, device) if works else None
 
     def finish(self, *, holds_fulls: bool, out_device: torch.device | None = None) -> Gathered:
-        """Wait and copy out, bucket by bucket (each output freed as soon as it is copied), then the fallbacks;
+        """Wait and copy out, bucket by bucket (each output freed, or its cycling buffer free for bucket ``k + 2``,
+        as soon as it is copied), then the fallbacks;
         with the layout each tensor was gathered by (writeback reuses it)."""
         if self._unlaunched:
             self.launch()
@@ -838,6 +881,8 @@ class BucketGather:
         """Wait for every launched collective and drop everything: staged buckets and the fallbacks never
         run. Raises nothing; returns the first failed wait (the error paths re-raise their own error)."""
         flights, self._flights = list(self._flights), collections.deque()
+        if self._reserved is not None:
+            self._reserved.clear()
         _CALLS_BEHIND.clear()  # a failed call's completion is not waited for again by an unrelated call
         self._unstaged.clear()
         self._fallback = []
@@ -861,6 +906,7 @@ def gather_full_tensors(
     collective_bytes: int | None = None,
     meshes: Meshes = None,
     posted: Posted = _NOBODY,
+    failure: BaseException | None = None,
 ) -> Gathered:
     """All-gather every DTensor in ``dtensors`` to a plain full tensor, one bucket in flight.
 
@@ -888,7 +934,7 @@ def gather_full_tensors(
         _CALLS_BEHIND.popleft()()
     gather = BucketGather(dtensors, bucket_bytes=bucket_bytes, receiver=receiver, ahead=1, plan=plan,
                           collective_bytes=collective_bytes, meshes=meshes, posted=posted,
-                          reserve=Reserve(holds_fulls, out_device))
+                          reserve=Reserve(holds_fulls, out_device), failure=failure)
     gathered = gather.finish(holds_fulls=holds_fulls, out_device=out_device)
     last = gather.last_work
     if not holds_fulls and last is not None and not last[0].is_completed():  # gloo's wait blocked: it is complete
