@@ -374,8 +374,8 @@ class SummonedGroup:
                         if switch is not None and (switch._depth != depth or (depth == 0 and switch._held)):
                             switch.unwind(depth)  # a BaseException skipped the post-forward hook, or it failed
 
+                self._guarded.append(module)  # recorded before it is installed: the release removes it
                 module.__dict__["_call_impl"] = guarded_call  # made here, not by a call: every summon runs this
-                self._guarded.append(module)
         no_backward = _RaiseOnBackward(units)
         for module in units:
             hooks.append(module.register_forward_hook(no_backward))

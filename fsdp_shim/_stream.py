@@ -362,11 +362,13 @@ def stream_full_params(
     # ``posted`` is also the owner of the stream's claim on its groups, made and given back in one ``try``.
     posted, all_in = Posted(), False
     completed_before: list[Callable[[], object]] = []  # batch k - 1's completion, in step k
+    grad_enabled = torch.is_grad_enabled()  # the caller's, as each step starts: put back on every error path
     try:
         registry.claim(posted, registry.current_thread(), process_groups, lambda: call)
         if batches:
             in_flight.append(_InFlightBatch(batches[0], bucket_bytes, receiver, posted))
         for index, batch in enumerate(batches):
+            grad_enabled = torch.is_grad_enabled()
             if index + 1 < len(batches):  # staged while batch k arrives, launched once it is in
                 in_flight.append(_InFlightBatch(batches[index + 1], bucket_bytes, receiver, posted, launch=False))
             arrived = in_flight[0]
@@ -387,15 +389,21 @@ def stream_full_params(
             for position, name in enumerate(batch.names):
                 yield name, fulls[position]
                 fulls[position] = None  # valid until the next step: see [Note: streaming]
+        grad_enabled = torch.is_grad_enabled()  # the caller's as the stream ends: the finally changes nothing
     except BaseException as error:
         if posted.any and not all_in:  # marked first: an interrupt in the drop below cannot skip it
             registry.mark_part_way(process_groups, error)
+        torch._C._set_grad_enabled(grad_enabled)  # the engine's switch, if an interrupt cut it short
         _drop_all(in_flight)  # failed, or the caller stopped early (GeneratorExit)
         raise
     else:
         _drop_all(in_flight, raising=True)
+        registry.release(posted)
     finally:
-        registry.release(posted)  # see [Note: claims] in ``_registry``
+        # Again on every path: each undo is done twice (both idempotent), so that an interrupt at the first
+        # statement of one handler is made good by the next (see [Note: claims] in ``_registry``).
+        registry.release(posted)
+        torch._C._set_grad_enabled(grad_enabled)
     logger.debug(
         "iter_full_params: %d batches, %.1f MiB gathered (%s), full tensors on this rank: %s, %.1f ms",
         len(batches), sent_bytes / 2**20, dtype or "stored dtypes", holds_fulls, (time.perf_counter() - started) * 1e3,
