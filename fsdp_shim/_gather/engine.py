@@ -247,10 +247,11 @@ def _start_alone(
 # take turns in (at most two buckets are in flight: [Note: one bucket in
 # flight]; so a rank that keeps nothing, under ``rank0_only``, holds no more
 # than two outputs, as before), and for offloaded full tensors a host
-# buffer to land in. Then every rank says, in one small all-reduce over the
-# groups it will gather on (``agree_ready``), whether it could: if any could
-# not, every rank raises before any all-gather, the failing rank its own
-# error, the others an error of the same kind. So an out-of-memory error
+# buffer to land in. Then every rank says, in one small all-reduce over
+# every dim of every mesh of the call (``agree_ready``: a summon is a
+# collective of the whole mesh), whether it could: if any could not, every
+# rank raises before any all-gather, the failing rank its own error, the
+# others an error of the same kind. So an out-of-memory error
 # on every rank alike, or on one rank only, leaves nothing posted and the
 # group usable, and the caller's "free memory, retry" works as on FSDP1.
 # What still allocates between collectives: the ``full_tensor()`` fallback
