@@ -518,6 +518,12 @@ class GroupMark:
     post_forward_mesh_info: Any
     lent_unsharded: list[FSDPParam] = field(default_factory=list)
 
+    @classmethod
+    def of(cls, group: FSDPParamGroup) -> GroupMark:
+        """What marking ``group`` will change, as it is now: made (and kept by the caller) before
+        ``mark_summoned`` changes anything, so that an interrupt anywhere leaves a mark to undo."""
+        return cls(group, group._sharded_state, group.post_forward_mesh_info)
+
     def unmark(self) -> None:
         """Undo ``mark_summoned``. See [Note: summoned groups]."""
         self.group._sharded_state = self.sharded_state
@@ -528,7 +534,7 @@ class GroupMark:
             lent.pop()
 
 
-def mark_summoned(group: FSDPParamGroup) -> GroupMark:
+def mark_summoned(mark: GroupMark) -> None:
     """Make FSDP2 leave the group's module attributes alone.
 
     [Note: summoned groups]
@@ -547,10 +553,11 @@ def mark_summoned(group: FSDPParamGroup) -> GroupMark:
     summoned full parameter for the duration. ``unmark`` restores all of it
     exactly.
 
-    Called once every parameter of the group holds its summoned full parameter;
-    its hooks are the caller's to suspend (``_group.SummonedGroup``).
+    Called once every parameter of the group holds its summoned full parameter,
+    with the group's ``GroupMark.of``, which the caller keeps first; its hooks
+    are the caller's to suspend (``_group.SummonedGroup``).
     """
-    mark = GroupMark(group, group._sharded_state, group.post_forward_mesh_info)
+    group = mark.group
     try:
         for fsdp_param in group.fsdp_params:
             if getattr(fsdp_param, "_unsharded_param", None) is None:  # torch >= 2.14 reads it in pre_forward
@@ -559,10 +566,9 @@ def mark_summoned(group: FSDPParamGroup) -> GroupMark:
                 fsdp_param._unsharded_param = info.module._parameters[info.param_name]  # type: ignore[assignment]  # a registered parameter: never None
         group._sharded_state = ShardedState.UNSHARDED
         group.post_forward_mesh_info = None
-    except BaseException:  # interrupted part way: the caller never gets the mark, so undo here
+    except BaseException:  # interrupted part way: undone here too (``unmark`` may run twice)
         mark.unmark()
         raise
-    return mark
 
 
 def forward_cut_short(group: FSDPParamGroup) -> bool:

@@ -336,7 +336,8 @@ class SummonedGroup:
         forward is refused."""
         if holds_fulls:
             if self.fully_summoned:
-                self._mark = fsdp2.mark_summoned(self.group)
+                mark = self._mark = fsdp2.GroupMark.of(self.group)  # kept before anything changes
+                fsdp2.mark_summoned(mark)
                 fsdp2.suspend_hooks(fsdp2.group_hook_sites(self.group), self._suspended)
             else:
                 fsdp2.suspend_hooks(fsdp2.load_post_hook_sites(p.scoped.fsdp_param for p in params),  # type: ignore[misc]  # a group's parameters have an FSDPParam

@@ -62,10 +62,10 @@ def rank_the_stream_launches_the_next_batch_before_copying_out():
     events: list[str] = []
     launched, finish_bucket = engine.AllGatherFlight.launched, engine._finish_bucket
 
-    def launch(self):
+    def launch(self, posted):
         if self.launch is not None:
             events.append("launch")
-        return launched(self)
+        return launched(self, posted)
 
     def finish(flight, holds_fulls, out_device):
         events.append("copy-out")

@@ -384,9 +384,16 @@ def reservation(plan: BucketPlan, buckets: Sequence[list[BucketEntry]], receiver
             for group in mesh_dim_groups(mesh):
                 mesh_groups.setdefault(id(group), group)
     made = Reservation(shared, [(placed(o), f, placed(h)) for o, f, h in recipes], list(mesh_groups.values()),
-                       torch.zeros(1, dtype=torch.int64, device=comm_device_of(dtensors[0])))
+                       _flag(comm_device_of(dtensors[0])))
     plan.reservations[receiver, keep] = made
     return made
+
+
+def _flag(device: torch.device) -> torch.Tensor:
+    """The agreement's flag: a normal tensor, also when the plan is made under ``inference_mode`` (the flag is
+    reused by later calls, which write it in place)."""
+    with torch.inference_mode(False):
+        return torch.zeros(1, dtype=torch.int64, device=device)
 
 
 def reserve_buffers(recipe: Reservation, out: list[Reserved]) -> None:
