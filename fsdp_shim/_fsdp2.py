@@ -534,29 +534,25 @@ class GroupMark:
             lent.pop()
 
 
+# [Note: summoned groups]
+# While a context owns a unit's module attributes, FSDP2 must neither all-gather
+# over them (its forward pre-hook would) nor put its sharded parameters back
+# (its forward post-hook and its ``state_dict()`` pre-hook would). A group
+# whose every parameter is summoned is therefore *marked*: its sharded state
+# reads UNSHARDED, so ``unshard()`` is a no-op, and ``post_forward_mesh_info``
+# is ``None``, so ``reshard()`` in forward is a no-op; its ``to_sharded``
+# state-dict save and load pre-hooks are suspended (``group_hook_sites``;
+# ``load_post_hook_sites`` names the per-parameter load post-hooks, suspended
+# for every summoned parameter, marked group or not). Its own all-gather buffers stay freed,
+# since the group really is sharded underneath. From torch 2.14 the forward
+# pre-hook also reads each parameter's ``unsharded_param`` after its (no-op)
+# ``unshard()``; a group never all-gathered has none, so the mark lends the
+# summoned full parameter for the duration. ``unmark`` restores all of it
+# exactly.
 def mark_summoned(mark: GroupMark) -> None:
-    """Make FSDP2 leave the group's module attributes alone.
-
-    [Note: summoned groups]
-    While a context owns a unit's module attributes, FSDP2 must neither all-gather
-    over them (its forward pre-hook would) nor put its sharded parameters back
-    (its forward post-hook and its ``state_dict()`` pre-hook would). A group
-    whose every parameter is summoned is therefore *marked*: its sharded state
-    reads UNSHARDED, so ``unshard()`` is a no-op, and ``post_forward_mesh_info``
-    is ``None``, so ``reshard()`` in forward is a no-op; its ``to_sharded``
-    state-dict save and load pre-hooks are suspended (``group_hook_sites``;
-    ``load_post_hook_sites`` names the per-parameter load post-hooks, suspended
-    for every summoned parameter, marked group or not). Its own all-gather buffers stay freed,
-    since the group really is sharded underneath. From torch 2.14 the forward
-    pre-hook also reads each parameter's ``unsharded_param`` after its (no-op)
-    ``unshard()``; a group never all-gathered has none, so the mark lends the
-    summoned full parameter for the duration. ``unmark`` restores all of it
-    exactly.
-
-    Called once every parameter of the group holds its summoned full parameter,
-    with the group's ``GroupMark.of``, which the caller keeps first; its hooks
-    are the caller's to suspend (``_group.SummonedGroup``).
-    """
+    """Make FSDP2 leave the group's module attributes alone (see [Note: summoned groups]). Called once every
+    parameter of the group holds its summoned full parameter, with the group's ``GroupMark.of``, which the
+    caller keeps first; its hooks are the caller's to suspend (``_group.SummonedGroup``)."""
     group = mark.group
     try:
         for fsdp_param in group.fsdp_params:
