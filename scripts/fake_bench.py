@@ -8,7 +8,7 @@
 One process joins a ``fake`` group of W ranks as rank 0 (``FakeStore``): the shim takes a W-rank job's all-gather
 path, collectives move no data, and what is measured is host cost. Each configuration (a model; a world ``W``, or
 ``RxS``: HSDP) runs in a fresh process, ``--runs`` times. Models: ``bench`` (``fsdp-shim bench``'s, 13 units),
-``units96`` (96 units of ``Linear(64, 64)`` + ``LayerNorm(64)``), ``llama70b`` (``tools.models.llama_shapes``;
+``units96`` (96 units of ``Linear(64, 64)`` + ``LayerNorm(64)``), ``llama70b`` (``tests/_models.py``;
 refused where the estimated peak does not fit the memory available, unless ``--force``). Contenders: ``MODELS``.
 Figures: median ms and calls a unit, the ratio to ``unshard`` (interleaved in a seeded shuffle), peak bytes beyond
 the shards (glibc's ``mallinfo2()`` or CUDA's); the method: docs/host-cost.md, docs/performance.md ("Scale").
@@ -186,7 +186,7 @@ def _build(config: dict, mesh, device: str) -> tuple:
     import torch.nn as nn
     from torch.distributed.fsdp import fully_shard
 
-    from fsdp_shim.tools.models import LMConfig, build_lm, llama_shapes, shard_lm
+    from fsdp_shim.tools.models import LMConfig, build_lm, shard_lm
 
     if config["model"] == "bench":
         model = build_lm(LMConfig(vocab=1000, width=256, layers=12, heads=4)).to(device)
@@ -196,7 +196,9 @@ def _build(config: dict, mesh, device: str) -> tuple:
     elif config["model"] == "units96":
         model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64)) for _ in range(96)]).to(device)
         blocks = list(model)
-    else:
+    else:  # a benchmark's model, not shipped: with the tests' helpers, as stress.py takes its faults
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+        from _models import llama_shapes
         model = llama_shapes(layers=config["layers"], **config["shapes"])
         blocks = list(model.layers)
     for block in blocks:

@@ -1,8 +1,7 @@
-"""A small transformer LM for ``fsdp-shim check``/``bench`` and the tests; Llama's shapes for the fake backend.
+"""A small transformer LM for ``fsdp-shim check``/``bench`` and the tests.
 
 Tied input and output embeddings, pre-norm blocks, greedy ``generate``. Built
 from a seed so an unsharded reference and a sharded copy start bit-identical.
-``llama_shapes``: a Llama decoder's parameter tree on the meta device, never run.
 """
 
 from __future__ import annotations
@@ -152,31 +151,3 @@ def tokens_for(config: LMConfig, batch: int = 2, length: int = 8, seed: int = 1)
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, config.vocab, (batch, length), generator=generator)
 
-
-class _Tree(nn.Module):
-    """Named children and nothing else (``fully_shard`` refuses a ``ModuleDict``)."""
-
-    def __init__(self, **children: nn.Module) -> None:
-        super().__init__()
-        for key, child in children.items():
-            setattr(self, key, child)
-
-
-def llama_shapes(hidden: int, ffn: int, kv: int, vocab: int, layers: int) -> nn.Module:
-    """A Llama decoder's parameters on the meta device, named as Hugging Face names them (``layers``,
-    ``embed_tokens``, ...): SwiGLU, grouped-query attention with ``kv`` wide keys and values, untied head.
-    Shapes only (Llama-3-70B: 8192, 28672, 1024, 128256, 80); there is no forward."""
-    h = hidden
-
-    def linear(i: int, o: int) -> nn.Linear:
-        return nn.Linear(i, o, bias=False)
-
-    def layer() -> nn.Module:
-        attention = _Tree(q_proj=linear(h, h), k_proj=linear(h, kv), v_proj=linear(h, kv), o_proj=linear(h, h))
-        mlp = _Tree(gate_proj=linear(h, ffn), up_proj=linear(h, ffn), down_proj=linear(ffn, h))
-        return _Tree(input_layernorm=nn.RMSNorm(h), self_attn=attention, post_attention_layernorm=nn.RMSNorm(h),
-                     mlp=mlp)
-
-    with torch.device("meta"):
-        return _Tree(embed_tokens=nn.Embedding(vocab, h), layers=nn.ModuleList([layer() for _ in range(layers)]),
-                     norm=nn.RMSNorm(h), lm_head=linear(h, vocab))
