@@ -60,7 +60,7 @@ def cuda_backend_of(spelling: str) -> str:
     tensors to NCCL; or a device map, ``"cuda:nccl,cpu:gloo"`` (torchtune) or
     ``"cpu:gloo,cuda:nccl"`` (verl), either order. Comparing the string with
     ``"nccl"`` misses all but the first. A pure function of the string, so
-    every spelling is testable without a GPU; ``_registry.serves_cuda_with_nccl``
+    every spelling is testable without a GPU; ``_health.serves_cuda_with_nccl``
     asks a live group first.
     """
     spelling = spelling.strip().lower()

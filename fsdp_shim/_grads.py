@@ -8,6 +8,7 @@ like the parameters, into full gradients by scope position.
 
 from __future__ import annotations
 
+import collections
 import zlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
@@ -17,9 +18,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_shim import _registry as registry
+from fsdp_shim import _health as health
 from fsdp_shim._errors import DestroyedGroupError, GroupOutOfStepError
-from fsdp_shim._gather.engine import Posted, comm_device_of, gather_full_tensors
+from fsdp_shim._gather.engine import comm_device_of, gather_full_tensors
 from fsdp_shim._gather.layout import Meshes, Receiver, mesh_dim_groups
 from fsdp_shim._refusals import refuse_grad_layouts, refuse_placements
 from fsdp_shim._scope import Scope, module_label, slot_fqn
@@ -31,7 +32,7 @@ __all__ = ["agreed_grads", "gather_grads"]
 
 
 def agreed_grads(
-    module: nn.Module, scope: Scope, dtensors: list[DTensor], writeback: bool, owner: LiveContext, posted: Posted,
+    module: nn.Module, scope: Scope, dtensors: list[DTensor], writeback: bool, owner: LiveContext, posted: health.Call,
 ) -> tuple[list[tuple[int, DTensor]], list[dist.ProcessGroup], BaseException | None]:
     """The gradients to gather under ``with_grads``, as every rank agrees (one small all-reduce a mesh), and
     the process groups of those on another mesh, claimed for ``owner`` (its release gives them back), and
@@ -40,7 +41,7 @@ def agreed_grads(
 
     The agreement is the call's first collective: ``posted`` says so from the moment it is attempted, and
     any fault from then on marks the call's groups (see [Note: a one-sided fault leaves its own mark] in
-    ``_gather.engine``), but for a refusal made from the agreed answer: every rank makes it alike, the
+    ``_health``), but for a refusal made from the agreed answer: every rank makes it alike, the
     ranks stay in step, and it is raised once nothing else can fail.
 
     Which gradients exist is rank-local (a rank whose parameter took no
@@ -98,10 +99,10 @@ def agreed_grads(
             except BaseException as error:  # noqa: BLE001  # KeyboardInterrupt too: agreed on, then raised as itself
                 failure, chosen = error, []
             if groups:
-                registry.claim(owner, owner.thread, groups, lambda: call)
+                health.claim(owner, owner.thread, groups, lambda: call)
     except BaseException as error:
         if posted.any and refusal is None:
-            registry.mark_part_way([*(g for mesh in agreement for g in mesh_dim_groups(mesh)), *groups], error)
+            health.mark_part_way([*(g for mesh in agreement for g in mesh_dim_groups(mesh)), *groups], error)
         raise
     if refusal is not None:
         raise refusal
@@ -110,7 +111,8 @@ def agreed_grads(
 
 def gather_grads(
     grads: list[tuple[int, DTensor]], holds_fulls: bool, out_device: torch.device | None, bucket_bytes: int,
-    receiver: Receiver, collective_bytes: int | None, posted: Posted, meshes: list[Any] | None = None,
+    receiver: Receiver, collective_bytes: int | None, posted: health.Call, meshes: list[Any] | None = None,
+    behind: collections.deque[Callable[[], object]] | None = None,
 ) -> dict[int, torch.Tensor]:
     """Gather the agreed gradients (``agreed_grads``): full gradients by scope position,
     over their parameters' ``meshes`` (the scope's)."""
@@ -123,6 +125,7 @@ def gather_grads(
         collective_bytes=collective_bytes,
         meshes=None if meshes is None else [meshes[i] for i, _ in grads],
         posted=posted,
+        behind=behind,
     )
     return {i: g for (i, _), g in zip(grads, gathered.tensors, strict=True) if g is not None}
 
@@ -173,7 +176,7 @@ def _local_flags(dtensors: Sequence[DTensor], by_mesh: dict[int, list[int]]) -> 
 
 def agree_on_grads(
     dtensors: Sequence[DTensor], by_mesh: dict[int, list[int]], flags: list[torch.Tensor], meshes: Meshes,
-    posted: Posted,
+    posted: health.Call,
 ) -> dict[int, GradPresence]:
     """Every rank's view of which of ``dtensors`` have gradients, made the same on every rank.
 

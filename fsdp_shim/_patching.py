@@ -5,8 +5,9 @@ Owns the wrapt wrapper's handle ([Note: one handle] at ``is_patched``): in activ
 instrumentations, the ``fully_shard`` guard (``_refuse_fully_shard_inside``) and the guard on FSDP2's calls
 inside a context; in refusing mode ``_refusing_wrapper``. Also the instance form on ``FSDPModule``
 ([Note: the instance form] at ``_install_instance_form``). ``unpatch`` removes them all. Both modes route
-by ``_common.route``. Its imports read public torch only (``_fsdp2``, ``_registry`` and the instrumentations
-are imported in active mode, deferred), so refusing mode can import it ([Note: refusing mode] at ``_refusing_wrapper``).
+by ``_common.route``. Its imports read public torch only (``_fsdp2``, ``_registry``, ``_health`` and the
+instrumentations are imported in active mode, deferred), so refusing mode can import it ([Note: refusing
+mode] at ``_refusing_wrapper``).
 """
 
 from __future__ import annotations
@@ -115,9 +116,9 @@ def _refuse_fully_shard_inside(wrapped: Any, instance: Any, args: tuple[Any, ...
     builds the state first, before it registers anything on the module, so a
     refusal leaves the module untouched.
     """
-    from fsdp_shim import _registry  # noqa: PLC0415  (not in refusing mode's imports; cached after the first)
+    from fsdp_shim import _health  # noqa: PLC0415  (not in refusing mode's imports; cached after the first)
 
-    if _registry.has_live_context(threading.get_ident()):
+    if _health.has_live_context(threading.get_ident()):
         raise RuntimeError(
             "fully_shard() inside summon_full_params is not supported: the module attributes hold "
             "full tensors there, which FSDP2 would shard in place of the real parameters. "

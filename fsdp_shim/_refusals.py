@@ -24,9 +24,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fsdp_shim import _fsdp2 as fsdp2
+from fsdp_shim import _health as health
 from fsdp_shim import _registry as registry
 from fsdp_shim._compat import cast_wrapper_master, ungatherable_reason, writeback_refusal
-from fsdp_shim._gather.layout import Meshes, live_mesh_dim_groups
+from fsdp_shim._gather.layout import Meshes
 from fsdp_shim._scope import (
     CachedSummon,
     Scope,
@@ -103,7 +104,7 @@ def refuse_before_anything(
         specs.append(sharded._spec)
     groups = None if cached is None else cached.checked_groups(specs, writeback)
     if groups is not None:
-        registry.require_live_groups(groups, lambda: f"the scope of summon_full_params({module_label(module)})")
+        health.require_live_groups(groups, lambda: f"the scope of summon_full_params({module_label(module)})")
     else:
         named = ((lambda e=entry: slot_fqn(module, e.slots[0]), sharded)
                  for entry, sharded in zip(scope.params, shardeds, strict=True))
@@ -158,7 +159,7 @@ def refuse_placements(
         meshes.setdefault(id(mesh), (name, mesh))
     groups: list[dist.ProcessGroup] = []
     for name, mesh in meshes.values():
-        groups += live_mesh_dim_groups(mesh, lambda: repr(name()))  # noqa: B023  # called within this iteration, before name changes
+        groups += health.live_mesh_dim_groups(mesh, lambda: repr(name()))  # noqa: B023  # called within this iteration, before name changes
     return list({id(g): g for g in groups}.values())
 
 

@@ -1,44 +1,19 @@
-"""What is live on this rank: contexts, per thread (their slots and full tensors), and the process
-groups they gather over (which thread claims each, and whether each can still be used). The one
-room of group health: a group destroyed, out of step ([Note: out of step]) or in another thread's
-use is refused here, for every caller; one on NCCL with nothing to notice a fault is warned of
-([Note: faults on NCCL]).
-
-[Note: threads]
-Contexts are per thread. Nesting (a context inside another) is a property of
-one thread: a nested call leaves the slots its own thread's enclosing context
-swapped to that context. A context in another thread is never nested: its
-slots are refused, and so is any process group it is using, because two
-threads issuing collectives on one group interleave them (the ranks then
-disagree, corrupt each other's buffers or abort). The rule is FSDP's own: one
-thread per rank calls collectives. Every refusal comes before any collective
-or change.
+"""What is live on this rank: the contexts open in every thread, their slots and full tensors, and the
+lookups nesting, routing and the stream make of them. Claims on process groups and their health are
+``_health``'s.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import threading
-import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-
-from fsdp_shim import _fsdp2 as fsdp2
-from fsdp_shim._compat import cuda_backend_of
-from fsdp_shim._errors import DestroyedGroupError, GroupOutOfStepError
-
-logger = logging.getLogger("fsdp_shim")
 
 #: A slot, as contexts claim it: ``(id(module), attribute name)`` (``_scope.slot_key`` makes one).
 SlotKey = tuple[int, str]
-
-_lock = threading.Lock()
 
 
 class Summoned(Protocol):
@@ -116,22 +91,6 @@ class _Registered:
 
 #: ``id(context)`` -> each live context (any thread) whose slots hold its full tensors, in entry order.
 _live: dict[int, _Registered] = {}
-#: ``id(owner)`` -> its claim on process groups (a context's, or a stream's): see [Note: claims].
-_claims: dict[int, Claim] = {}
-
-
-@dataclass(frozen=True, slots=True)
-class Claim:
-    """One owner's claim: its thread, the ``id``s of the process groups it claimed, and whether it is a
-    context (which counts as a live context of its thread: ``has_live_context``)."""
-
-    thread: int
-    groups: frozenset[int]
-    context: bool
-
-
-#: This thread's identity (a C function: no Python frame on the hot path).
-current_thread = threading.get_ident
 
 
 def slots_of_thread(thread: int) -> dict[SlotKey, LiveContext]:
@@ -196,9 +155,8 @@ def register(context: LiveContext) -> None:
 
 
 def forget(context: LiveContext) -> None:
-    """``context`` has ended: its slots hold their own objects again; its claims are given back."""
+    """``context`` has ended: its slots hold their own objects again (one pop: a second finds nothing)."""
     _live.pop(id(context), None)
-    release(context)
 
 
 def record_of(param: torch.Tensor) -> Summoned | None:
@@ -209,200 +167,4 @@ def record_of(param: torch.Tensor) -> Summoned | None:
             return record
     return None
 
-
-def has_live_context(thread: int) -> bool:
-    return bool(_claims) and any(c.context and c.thread == thread for c in list(_claims.values()))
-
-
-# -- process groups: claims and health ---------------------------------------------------------------
-
-
-def claim(owner: object, thread: int, groups: Sequence[dist.ProcessGroup], call: Callable[[], str], *,
-          context: bool = False) -> None:
-    """Claim ``groups`` for ``owner`` (a context, or a stream) in ``thread``; a second claim of the same
-    owner adds to its first. Refused, claiming nothing, if another thread's owner holds one of them
-    ([Note: threads]); ``call()`` names the call (worked out only to raise).
-
-    [Note: claims]
-    A claim is one record per owner, made by one dict store and given back by
-    one dict pop (``release``): an interrupt lands before or after either,
-    never inside, so no claim is half made or half given back, and a second
-    release finds nothing. So an owner releases in a ``finally`` whether or
-    not its claim was made, and on every path.
-    """
-    ids = frozenset(map(id, groups))
-    with _lock:
-        # a copy (one C call): ``release`` pops without the lock, as one dict operation
-        busy = any(c.thread != thread and not c.groups.isdisjoint(ids) for c in list(_claims.values()))
-        if not busy:
-            earlier = _claims.get(id(owner))
-            if earlier is not None:
-                ids, context = ids | earlier.groups, context or earlier.context
-            _claims[id(owner)] = Claim(thread, ids, context)  # the one store: see [Note: claims]
-    if busy:  # named outside the lock: ``call`` is the caller's code
-        raise RuntimeError(
-            f"{call()} refused: another thread has a summon_full_params context or an iter_full_params "
-            "stream open on the same process group, and two threads issuing collectives on one group "
-            "corrupt each other. Use one thread per rank for collectives."
-        )
-
-
-def release(owner: object) -> None:
-    """Give back ``owner``'s claim, if it has one (one pop: see [Note: claims])."""
-    _claims.pop(id(owner), None)
-
-
-#: Process groups a wait failed on (a timeout, a dead peer): what it raised, and the failed collectives'
-#: buffers, held for as long as the group lives. See [Note: out of step].
-_out_of_step: weakref.WeakKeyDictionary[dist.ProcessGroup, tuple[str, list[object]]] = weakref.WeakKeyDictionary()
-
-
-def mark_part_way(groups: Iterable[dist.ProcessGroup], error: BaseException) -> None:
-    """Record that this rank left a call's gathers over ``groups`` part way: a collective posted, not all of them.
-
-    See [Note: a one-sided fault leaves its own mark] in ``_gather.engine``: the other ranks may have posted
-    collectives this rank never will, so every group of the call is out of step on this rank.
-    """
-    for group in groups:
-        mark_out_of_step(group, error, part_way=True)
-
-
-def mark_out_of_step(
-    group: dist.ProcessGroup, error: BaseException, buffers: Iterable[object] = (), part_way: bool = False,
-) -> None:
-    """Record that a collective posted on ``group`` failed to complete.
-
-    [Note: out of step]
-    A collective whose wait raises (a timeout, a peer that died or never
-    posted its side) leaves the group out of step: this rank has a posted
-    collective the others will never match, or they have one this rank
-    never posted, and c10d has no way to withdraw either. The next
-    collective on the group would pair with the wrong one, hang until it
-    times out, or corrupt memory. So the group is recorded here, and every
-    later summon or stream over it refuses at once (``require_live_groups``),
-    as FSDP1 and FSDP2 would hang. A fault that hits every rank alike
-    before a call's first collective (a summon's allocations, which the
-    ranks agree on: [Note: allocate, agree, gather] in ``_gather.engine``)
-    leaves nothing posted, nothing recorded, and the group usable; a launch
-    that raises counts as posted ([Note: posted from the attempt]).
-    The failed collective's ``buffers`` are held here for as long as the
-    group lives: the transport may still write a late peer's data into a
-    collective it gave up waiting for (gloo does: it aborts the process on
-    a size mismatch, measured, and would write into freed memory on a
-    match), so they are never freed under it. A rank that left a call's
-    gathers part way records its groups too, its own collectives all waited
-    for (see [Note: a one-sided fault leaves its own mark] in ``_gather.engine``).
-    The only recovery is a new process group: ``destroy_process_group`` of
-    this one and a model sharded on a new one, or a restarted job.
-    """
-    what = f"{type(error).__name__}: {error}".splitlines()[0][:200]
-    if part_way:
-        what = f"this rank left a gather part way on {what}"
-    reason, held = _out_of_step.setdefault(group, (what, []))
-    held.extend(buffers)
-
-
-def destroyed_group(user: Callable[[], str]) -> DestroyedGroupError:
-    """The refusal for a mesh whose process group was destroyed (or belongs to another world)."""
-    return DestroyedGroupError(
-        f"cannot gather {user()}: its device mesh uses a process group that was destroyed or belongs to "
-        "another process group world (was it sharded before destroy_process_group()?)"
-    )
-
-
-NcclFaultRule = Literal["watchdog", "blocking_wait", "unguarded"]
-
-
-def nccl_fault_rule(env: Mapping[str, str]) -> NcclFaultRule:
-    """What stops an NCCL all-gather that failed (a timeout, a dead peer) from being read as arrived.
-
-    [Note: faults on NCCL]
-    On gloo ``work.wait()`` blocks the host and raises on a timeout or a dead
-    peer, and the summon's fault rules rest on that (see [Note: faults] in
-    ``_summon``). On NCCL it only makes the current stream wait, and raises
-    nothing. What guards the values there is one of:
-    - ``"watchdog"``, torch's default (``TORCH_NCCL_ASYNC_ERROR_HANDLING`` 1
-      or 3, or unset): NCCL's watchdog tears the process down when a
-      collective fails or times out, so nothing is written back to the
-      shards: the job dies, loudly. It does not stop what the host already
-      queued on the GPU behind the failed gather (the body's broadcast to an
-      inference engine) from running on partial values before the abort:
-      what was sent then is the receiver's to discard.
-    - ``"blocking_wait"`` (``TORCH_NCCL_BLOCKING_WAIT=1``): ``wait()`` blocks
-      and raises as on gloo, so gloo's rules hold: nothing written back, the
-      group recorded out of step.
-    - ``"unguarded"`` (async error handling 0 or 2 without blocking wait, as
-      some fault-tolerant stacks set): a failed all-gather's output could be
-      read, and under ``writeback=True`` copied into the training shards.
-      The shim warns once per process, naming the group's backend as the
-      user spelled it (see [Note: NCCL as torch resolves it] in ``_compat``).
-    Torch's older spellings (``NCCL_BLOCKING_WAIT``, ``NCCL_ASYNC_ERROR_HANDLING``) count too.
-    """
-    def value(name: str, default: str) -> str:
-        return env.get(f"TORCH_{name}", env.get(name, default)).strip()
-
-    if value("NCCL_BLOCKING_WAIT", "0") not in ("", "0"):
-        return "blocking_wait"
-    return "unguarded" if value("NCCL_ASYNC_ERROR_HANDLING", "3") in ("0", "2") else "watchdog"
-
-
-_fault_rule_checked: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
-
-
-def unguarded_nccl_warning(spelling: str, env: Mapping[str, str]) -> str:
-    """The warning for an NCCL group (created as ``spelling``) whose faults nothing notices (``"unguarded"``)."""
-    handling = env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", env.get("NCCL_ASYNC_ERROR_HANDLING"))
-    return (
-        f"NCCL serves the CUDA tensors of a process group created with backend {spelling!r}, with "
-        f"TORCH_NCCL_ASYNC_ERROR_HANDLING={handling} and no TORCH_NCCL_BLOCKING_WAIT: a failed or timed-out "
-        "all-gather is not noticed, so summon_full_params and iter_full_params could hand out (and with "
-        "writeback=True write back) values that never arrived. Unset TORCH_NCCL_ASYNC_ERROR_HANDLING (or set it "
-        "to 3, torch's default: the watchdog tears the process down on a failed collective), or set "
-        "TORCH_NCCL_BLOCKING_WAIT=1 (process-wide: every NCCL collective then blocks the host, and torch's "
-        "watchdog no longer times them). See docs/troubleshooting.md."
-    )
-
-
-def serves_cuda_with_nccl(group: dist.ProcessGroup) -> tuple[bool, str]:
-    """Whether NCCL serves ``group``'s CUDA tensors, and the group's backend as its creator spelled it.
-
-    Asks the group for the backend that serves CUDA tensors (``_fsdp2.cuda_backend_name``); where it
-    cannot answer, resolves the spelling (``_compat.cuda_backend_of``).
-    """
-    spelling = str(dist.get_backend(group))
-    backend = fsdp2.cuda_backend_name(group)
-    if backend is None:
-        return cuda_backend_of(spelling) == "nccl", spelling
-    return "nccl" in backend.lower(), spelling
-
-
-def warn_if_unguarded(groups: Iterable[dist.ProcessGroup]) -> None:
-    """Warn once a process, for the first of ``groups`` on NCCL whose faults nothing notices (``nccl_fault_rule``)."""
-    for group in groups:
-        if group in _fault_rule_checked:
-            continue
-        _fault_rule_checked.add(group)
-        if nccl_fault_rule(os.environ) != "unguarded":
-            continue
-        nccl, spelling = serves_cuda_with_nccl(group)  # "nccl", "undefined", "cuda:nccl,cpu:gloo", ...
-        if nccl:
-            logger.warning("%s", unguarded_nccl_warning(spelling, os.environ))
-            return
-
-
-def require_live_groups(groups: Iterable[dist.ProcessGroup], user: Callable[[], str]) -> None:
-    """A destroyed, foreign or out-of-step process group fails here, clearly, not inside a collective.
-
-    ``user()``: what gathers over ``groups``, as the message names it (worked out only to raise).
-    """
-    for group in groups:
-        if not fsdp2.is_live_group(group):
-            raise destroyed_group(user)
-        if _out_of_step and group in _out_of_step:
-            raise GroupOutOfStepError(
-                f"cannot gather {user()}: an earlier gather on its process group never completed on this rank "
-                f"({_out_of_step[group][0]}), so the ranks are out of step and the next collective could hang or "
-                "pair with the wrong one. Destroy and recreate the process group (dist.destroy_process_group(group), "
-                "a new group and the model sharded on it), or restart the job (docs/troubleshooting.md)."
-            )
 

@@ -21,9 +21,10 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_shim import _fsdp2 as fsdp2
+from fsdp_shim import _health as health
 from fsdp_shim import _registry as registry
 from fsdp_shim._common import is_fsdp1_tree, run_each
-from fsdp_shim._gather.engine import BucketGather, Posted, resolve_device, start_gather
+from fsdp_shim._gather.engine import BucketGather, resolve_device, start_gather
 from fsdp_shim._gather.layout import (
     Receiver,
     bucket_cap,
@@ -181,7 +182,7 @@ class _InFlightBatch:
     in ``_gather.engine``).
     """
 
-    def __init__(self, batch: _Batch, bucket_bytes: int, receiver: Receiver, posted: Posted, launch: bool = True):
+    def __init__(self, batch: _Batch, bucket_bytes: int, receiver: Receiver, posted: health.Call, launch: bool = True):
         self.batch = batch
         by_cast: dict[torch.dtype | None, tuple[list[int], list[DTensor], list[Any]]] = {}
         for index, (tensor, cast, mesh) in enumerate(zip(batch.tensors, batch.casts, batch.meshes, strict=True)):
@@ -360,11 +361,11 @@ def stream_full_params(
     # Part way from the first collective posted until the last batch is finished: left then (an error, the
     # caller's early close), this rank marks its groups (see [Note: a one-sided fault leaves its own mark]).
     # ``posted`` is also the owner of the stream's claim on its groups, made and given back in one ``try``.
-    posted, all_in = Posted(), False
+    posted, all_in = health.Call(), False
     completed_before: list[Callable[[], object]] = []  # batch k - 1's completion, in step k
     grad_enabled = torch.is_grad_enabled()  # the caller's, as each step starts: put back on every error path
     try:
-        registry.claim(posted, registry.current_thread(), process_groups, lambda: call)
+        health.claim(posted, health.current_thread(), process_groups, lambda: call)
         if batches:
             in_flight.append(_InFlightBatch(batches[0], bucket_bytes, receiver, posted))
         for index, batch in enumerate(batches):
@@ -376,7 +377,7 @@ def stream_full_params(
             in_flight.pop(0)
             if in_flight:
                 # the caller's loop body ran since the last launch: a summon there may have failed one-sidedly
-                registry.require_live_groups(process_groups, lambda: call)
+                health.require_live_groups(process_groups, lambda: call)
                 for fence in completed_before:  # batch k - 1 complete before k + 1 is posted: [Note: bounded run-ahead]
                     fence()
                 in_flight[0].launch()  # batch k + 1 on the wire while batch k is copied out
@@ -392,17 +393,17 @@ def stream_full_params(
         grad_enabled = torch.is_grad_enabled()  # the caller's as the stream ends: the finally changes nothing
     except BaseException as error:
         if posted.any and not all_in:  # marked first: an interrupt in the drop below cannot skip it
-            registry.mark_part_way(process_groups, error)
+            health.mark_part_way(process_groups, error)
         torch._C._set_grad_enabled(grad_enabled)  # the engine's switch, if an interrupt cut it short
         _drop_all(in_flight)  # failed, or the caller stopped early (GeneratorExit)
         raise
     else:
         _drop_all(in_flight, raising=True)
-        registry.release(posted)
+        health.release(posted)
     finally:
         # Again on every path: each undo is done twice (both idempotent), so that an interrupt at the first
-        # statement of one handler is made good by the next (see [Note: claims] in ``_registry``).
-        registry.release(posted)
+        # statement of one handler is made good by the next (see [Note: claims] in ``_health``).
+        health.release(posted)
         torch._C._set_grad_enabled(grad_enabled)
     logger.debug(
         "iter_full_params: %d batches, %.1f MiB gathered (%s), full tensors on this rank: %s, %.1f ms",

@@ -25,9 +25,10 @@ from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_shim import _fsdp2 as fsdp2
+from fsdp_shim import _health as health
 from fsdp_shim import _registry as registry
 from fsdp_shim._common import refuse_arguments, route, run_each
-from fsdp_shim._gather.engine import Gathered, Posted, gather_full_tensors
+from fsdp_shim._gather.engine import Gathered, gather_full_tensors
 from fsdp_shim._gather.layout import BucketCap, Receiver, bucket_cap, receivers_for_summon
 from fsdp_shim._grads import agreed_grads, gather_grads
 from fsdp_shim._group import Conversions, SummonedGroup, summon_groups
@@ -144,9 +145,9 @@ def summon(
 # usable. After a one-sided fault the group is out of step (the other
 # ranks' matching collective is still posted, or timed out): a rank whose
 # wait failed records it, and so does a rank that left the gather part way
-# (see [Note: a one-sided fault leaves its own mark] in ``_gather.engine``);
+# (see [Note: a one-sided fault leaves its own mark] in ``_health``);
 # its later summons and streams over that group refuse at once (see
-# [Note: out of step] in ``_registry``); ``docs/troubleshooting.md`` says
+# [Note: out of step] in ``_health``); ``docs/troubleshooting.md`` says
 # what to do.
 #
 # [Note: exit always restores]
@@ -201,7 +202,7 @@ class DTensorSummon:
         if self._entered:
             raise RuntimeError("a summon_full_params context can be entered once; call summon_full_params again")
         self._entered = True
-        self.thread = thread = registry.current_thread()
+        self.thread = thread = health.current_thread()
         scope, cached = _scope_of_call(self.module, self.recurse, self.writeback, thread, self._modules)
         self._modules = None
         if not scope.params:
@@ -211,8 +212,8 @@ class DTensorSummon:
         grad_enabled = torch.is_grad_enabled()
         self.scope, self._live = scope, True  # from here on there is something to undo
         self._claimed = process_groups
-        try:  # the claim inside the try that releases it: see [Note: claims] in ``_registry``
-            registry.claim(self, thread, process_groups, lambda: f"summon_full_params({module_label(self.module)})",
+        try:  # the claim inside the try that releases it: see [Note: claims] in ``_health``
+            health.claim(self, thread, process_groups, lambda: f"summon_full_params({module_label(self.module)})",
                            context=True)
             # 2. prepare: FSDP2's groups in a known state; the DTensors to gather, resolved once.
             self.groups = [SummonedGroup(group, fully) for group, fully in scope.groups.items()]
@@ -242,7 +243,7 @@ class DTensorSummon:
         scope, started = self.scope, time.perf_counter()
         receiver, holds_fulls = receivers_for_summon(self.rank0_only, scope.groups, scope.fsdp2_only)
         self._holds_fulls = holds_fulls
-        posted, grad_inputs, failure = Posted(), None, None
+        posted, grad_inputs, failure = health.Call(), None, None
         if self.with_grads:  # which exist anywhere, agreed by every rank; those on another mesh claimed
             grad_inputs, grad_groups, failure = agreed_grads(self.module, scope, dtensors, self.writeback, self,
                                                              posted)
@@ -300,7 +301,8 @@ class DTensorSummon:
                           None if refusal is None else refusal.remove, self.conversions.release])
         if first is None:
             self.groups = []
-        registry.forget(self)  # two dict pops: a second pass finds nothing ([Note: claims] in ``_registry``)
+        registry.forget(self)  # a dict pop each: a second pass finds nothing ([Note: claims] in ``_health``)
+        health.release(self)
         if first is not None:
             raise first
 
@@ -324,7 +326,7 @@ class DTensorSummon:
 def _gather(
     scope: Scope, dtensors: list[DTensor], cached: CachedSummon | None, cap: BucketCap, receiver: Receiver,
     holds_fulls: bool, out_device: torch.device | None, grad_inputs: list[tuple[int, DTensor]] | None,
-    groups: list[dist.ProcessGroup], posted: Posted, failure: BaseException | None = None,
+    groups: list[dist.ProcessGroup], posted: health.Call, failure: BaseException | None = None,
 ) -> tuple[Gathered, dict[int, torch.Tensor]]:
     """Every collective of an entry but the gradients' agreement: the parameters, then the agreed gradients.
     Every value is in when it returns; left part way (``posted``: the call's record, set already where the
@@ -332,19 +334,20 @@ def _gather(
     own mark] in ``_gather.engine``). The plan is kept on ``cached``; ``failure``, an earlier one of this rank's,
     is agreed on with the parameters' allocations."""
     collective_bytes = cap.one_unit_bytes if len(scope.groups) == 1 and scope.fsdp2_only else None
+    behind = health.calls_behind(groups[0])  # the run-ahead bound, kept with the group
     try:
         gathered = gather_full_tensors(dtensors, holds_fulls=holds_fulls, out_device=out_device,
                                        bucket_bytes=cap.bucket_bytes, receiver=receiver,
                                        plan=None if cached is None else cached.bucket_plan,
                                        collective_bytes=collective_bytes, meshes=scope.meshes, posted=posted,
-                                       failure=failure)
+                                       failure=failure, behind=behind)
         if cached is not None:
             cached.bucket_plan = gathered.plan
         grads = (gather_grads(grad_inputs, holds_fulls, out_device, cap.bucket_bytes, receiver, collective_bytes,
-                              posted, scope.meshes) if grad_inputs else {})
+                              posted, scope.meshes, behind) if grad_inputs else {})
     except BaseException as error:
         if posted.any:
-            registry.mark_part_way(groups, error)
+            health.mark_part_way(groups, error)
         raise
     return gathered, grads
 
@@ -363,7 +366,7 @@ def _scope_of_call(
 ) -> tuple[Scope, CachedSummon | None]:
     """What this call covers, leaving out what this thread's enclosing contexts hold; and the
     unit's cached summon, where it can have one (see [Note: summon cache] in ``_scope``)."""
-    if not registry.has_live_context(thread):
+    if not health.has_live_context(thread):
         return cached_scope(module, recurse, modules)
     mine, modules = enclosing_slots(module, recurse, thread, modules)  # ties made inside them too
     scope = collect_scope(module, recurse, mine, modules)
@@ -466,4 +469,4 @@ def _prepare(scope: Scope, resolved: list[DTensor], groups: list[SummonedGroup])
 # - the engine's ``no_grad``: the C switch itself, twice a gather;
 # - a context's root state is found in O(1): FSDP2's lazy init lists it
 #   first (``_fsdp2``);
-# - ``Posted.any`` is a class attribute, the registry dicts and counters.
+# - ``_health.Call.any`` is a class attribute, the registry dicts and counters.

@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 from _helpers import wrapping_dist
 from fsdp_shim import _fsdp2 as fsdp2
-from fsdp_shim import _registry
+from fsdp_shim import _health, _registry
 
 #: The operations ``inject`` can fail, each the names it wraps on ``torch.distributed``.
 OPERATIONS = {
@@ -171,5 +171,5 @@ def assert_untouched(model: nn.Module, before: dict[str, tuple[nn.Parameter, tor
         for group in fsdp2.param_groups(state) if state is not None else []:
             assert group.is_sharded, f"{type(module).__name__}: FSDP2 group not sharded"
             assert group._training_state == TrainingState.IDLE, f"{type(module).__name__}: FSDP2 group busy"
-    assert not _registry._live and not _registry._claims, (
+    assert not _registry._live and not _health._claims, (
         "registry entries left behind")

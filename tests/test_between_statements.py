@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 import fsdp_shim
 from _faults import assert_untouched, local_shards, short_timeout_mesh
 from _helpers import LMConfig, build_lm, counting_collectives, patched, shard_lm, tokens_for
-from fsdp_shim import _grads, _param, _registry, _stream, _summon
+from fsdp_shim import _grads, _health, _param, _registry, _stream, _summon
 from fsdp_shim._gather import engine
 
 CONFIG = LMConfig(layers=2)
@@ -171,7 +171,7 @@ def rank_d4_an_interrupt_right_after_a_claim_leaks_no_claim(caller: str) -> str:
     model = shard_lm(build_lm(CONFIG))
     function = _summon.DTensorSummon.__enter__ if caller == "summon" else _stream.stream_full_params
     with patched():
-        with _interrupt_after_return(_registry.claim, function) as fired, pytest.raises(KeyboardInterrupt):
+        with _interrupt_after_return(_health.claim, function) as fired, pytest.raises(KeyboardInterrupt):
             if caller == "summon":
                 with FSDP.summon_full_params(model, writeback=False):
                     raise AssertionError("the body ran")

@@ -364,8 +364,8 @@ def rank_out_of_step_groups_are_refused_for_gradients_and_between_batches():
     collective is posted on it, and leave nothing claimed."""
     from torch.distributed.tensor import Shard
 
-    from fsdp_shim import _registry
-    from fsdp_shim._registry import mark_out_of_step
+    from fsdp_shim import _health, _registry
+    from fsdp_shim._health import mark_out_of_step
 
     model, ref = shard_lm(build_lm(CONFIG)), build_lm(CONFIG)
     before = local_shards(model)
@@ -379,7 +379,7 @@ def rank_out_of_step_groups_are_refused_for_gradients_and_between_batches():
             with FSDP.summon_full_params(model, with_grads=True, writeback=False):
                 raise AssertionError("the body ran")
         assert_untouched(model, before)
-        assert not _registry._claims and not _registry._live
+        assert not _health._claims and not _registry._live
         param.grad = None
         with FSDP.summon_full_params(model, with_grads=True, writeback=False):
             assert_params_equal(model, ref)
@@ -392,7 +392,7 @@ def rank_out_of_step_groups_are_refused_for_gradients_and_between_batches():
     with pytest.raises(RuntimeError, match="out of step"):
         for _ in stream:
             pass
-    assert not _registry._claims
+    assert not _health._claims
     return rank()
 
 

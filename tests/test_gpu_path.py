@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 import fsdp_shim
 from _helpers import assert_params_equal, build_lm, full_state, patched, rank, shard_lm
 from fsdp_shim._gather.engine import resolve_device
-from fsdp_shim._registry import nccl_fault_rule
+from fsdp_shim._health import nccl_fault_rule
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 

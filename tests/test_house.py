@@ -3,12 +3,12 @@
 No module docstring over 15 lines: notes live next to the code they explain,
 figures in ``docs/``. The runtime import graph among
 the package's modules (every import, inside functions too, outside ``TYPE_CHECKING``)
-has no cycle, and ``_registry`` imports only what group health reads (``_fsdp2``,
-``_compat``, ``_errors``): what the summon fills in and the checks on it, never a caller back into it.
+has no cycle, ``_registry`` imports nothing of the package (what the summon fills in, never a caller back into
+it), and ``_gather/`` imports neither it nor ``_health``: the engine decides nothing of group health.
 ``scripts/`` stays within its 1,500 lines (issue 52). Runtime modules never
 import ``tools/`` (anywhere, deferred imports too), and the summon's rooms
 never import ``instrumentations/``: ``_patching`` installs them, deferred.
-One summon, entered and left on one of two ranks, runs code in the ten rooms of
+One summon, entered and left on one of two ranks, runs code in the eleven rooms of
 ``docs/contributing.md`` and no others. Imports run down the layers (``LAYERS``), never up or
 across, and ``_param.SummonedParam._place`` is the only code that writes a module's slot. Only
 ``_fsdp2`` names FSDP2's or c10d's private state, and its ``__all__`` is what the others take from it.
@@ -91,8 +91,15 @@ def test_scripts_stay_within_1500_lines():
     assert sum(lines.values()) <= 1500, lines
 
 
-def test_the_registry_calls_nothing_above_group_health():
-    assert _runtime_imports(PACKAGE / "_registry.py") == {"fsdp_shim._fsdp2", "fsdp_shim._compat", "fsdp_shim._errors"}
+def test_the_registry_imports_nothing_of_the_package():
+    assert _every_import(PACKAGE / "_registry.py") == set()
+
+
+def test_the_gather_knows_nothing_of_group_health():
+    """The engine reports what it posted and what may never complete on the call's record; the call marks."""
+    rooms = {"fsdp_shim._health", "fsdp_shim._registry"}
+    assert {path.name: _every_import(path) & rooms for path in (PACKAGE / "_gather").glob("*.py")} == {
+        "__init__.py": set(), "engine.py": set(), "layout.py": set()}
 
 
 def _every_import(path: Path) -> set[str]:
@@ -158,8 +165,8 @@ def rank_one_summon_runs_in():
 
 def test_one_summon_runs_in_the_rooms_the_layout_names(dist_run):
     rooms = [
-        "_common.py", "_fsdp2.py", "_gather/engine.py", "_gather/layout.py", "_group.py", "_param.py", "_refusals.py",
-        "_registry.py", "_scope.py", "_summon.py",
+        "_common.py", "_fsdp2.py", "_gather/engine.py", "_gather/layout.py", "_group.py", "_health.py", "_param.py",
+        "_refusals.py", "_registry.py", "_scope.py", "_summon.py",
     ]
     assert dist_run(2, rank_one_summon_runs_in) == [(rooms, 1), (rooms, 1)]  # one all-gather: the unit
 
@@ -352,6 +359,7 @@ LAYERS: list[set[str]] = [
     {"fsdp_shim._registry"},
     {"fsdp_shim._gather", "fsdp_shim._gather.layout"},
     {"fsdp_shim._gather.engine"},
+    {"fsdp_shim._health"},
     {"fsdp_shim._param"},
     # the instrumentations stand below the summon: what they read of a live context is _param's
     {"fsdp_shim.instrumentations.base"},

@@ -61,7 +61,7 @@ import fsdp_shim
 from _faults import local_shards, short_timeout_mesh
 from _helpers import LMConfig, build_lm, rank, shard_lm, snapshot, tokens_for
 from fsdp_shim import _fsdp2 as fsdp2
-from fsdp_shim import _registry
+from fsdp_shim import _health, _registry
 from fsdp_shim.tools.launch import report_progress
 
 CONFIG = LMConfig(layers=1)  # two FSDP2 units (the root and a block): every "second" a sweep needs, at half the cost
@@ -192,7 +192,7 @@ def _capture(model: nn.Module) -> dict[str, Any]:
                                                 for g in fsdp2.param_groups(state) for fp in g.fsdp_params])
                  for name, state in _fsdp_states(model)],
         "grad_enabled": torch.is_grad_enabled(),
-        "registry": (list(_registry._live), dict(_registry._claims)),
+        "registry": (list(_registry._live), dict(_health._claims)),
     }
 
 
@@ -420,7 +420,7 @@ def _left_part_way(mesh: Any) -> bool:
     """Whether a fault left a gather over the model's group part way on this rank: then the group is
     refused at once, by design (issue 51: its peers' collectives could pair with the next call's), and
     the sweep goes on on a new group. Every rank faulted alike here, so every rank knows alike."""
-    return mesh.get_group() in _registry._out_of_step
+    return mesh.get_group() in _health._out_of_step
 
 
 # --------------------------------------------------------------------------- one phase, one case
@@ -516,7 +516,7 @@ def _drop_leaks(baseline_globals: dict[str, dict[Any, Any]]) -> None:
             for key in [k for k in hooks if k not in baseline_globals[name]]:
                 del hooks[key]
     _registry._live.clear()
-    _registry._claims.clear()
+    _health._claims.clear()
     torch._C._set_grad_enabled(True)
 
 

@@ -11,9 +11,9 @@ import logging
 import pytest
 import torch.distributed as dist
 
-from fsdp_shim import _registry as registry
+from fsdp_shim import _health as health
 from fsdp_shim._compat import cuda_backend_of
-from fsdp_shim._registry import serves_cuda_with_nccl, unguarded_nccl_warning
+from fsdp_shim._health import serves_cuda_with_nccl, unguarded_nccl_warning
 
 # --------------------------------------------------------------------------- NCCL as torch resolves it
 SPELLINGS = [
@@ -49,13 +49,13 @@ def test_every_nccl_spelling_warns_once_a_group(monkeypatch, caplog):
     monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
     monkeypatch.delenv("TORCH_NCCL_BLOCKING_WAIT", raising=False)
     for spelling, served in SPELLINGS:
-        monkeypatch.setattr(registry, "serves_cuda_with_nccl",
+        monkeypatch.setattr(health, "serves_cuda_with_nccl",
                             lambda group, s=spelling: (cuda_backend_of(s) == "nccl", s))
         group = _Group()
         with caplog.at_level(logging.WARNING, logger="fsdp_shim"):
             caplog.clear()
-            registry.warn_if_unguarded([group, group])  # type: ignore[list-item]
-            registry.warn_if_unguarded([group])  # type: ignore[list-item]
+            health.warn_if_unguarded([group, group])  # type: ignore[list-item]
+            health.warn_if_unguarded([group])  # type: ignore[list-item]
         warned = [r.getMessage() for r in caplog.records if "NCCL serves" in r.getMessage()]
         assert len(warned) == (served == "nccl"), (spelling, warned)
         if warned:

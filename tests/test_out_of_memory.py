@@ -36,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 import fsdp_shim
 from _faults import assert_untouched, local_shards, short_timeout_mesh
 from _helpers import LMConfig, build_lm, patched, shard_lm
-from fsdp_shim import _registry
+from fsdp_shim import _health
 
 CONFIG = LMConfig(layers=3)
 SMALL = 0.002  # MiB: several buckets a unit
@@ -131,7 +131,7 @@ def rank_an_out_of_memory_error_at_any_allocation_leaves_the_group_usable(which:
                 finally:
                     context.__exit__(None, None, None)
             assert_untouched(model, before)
-            assert mesh.get_group() not in _registry._out_of_step, f"allocation {n}: the group was marked"
+            assert mesh.get_group() not in _health._out_of_step, f"allocation {n}: the group was marked"
             _exact_inside(model, ref, call, rank0_only)  # the same group serves the next summon, exact
             _exact_inside(model, ref, lambda: FSDP.summon_full_params(model, writeback=False), False)
     return {"counts": counts, "peer_errors": len(peer_errors), "example": peer_errors[:1]}
@@ -215,7 +215,7 @@ def rank_the_agreement_reaches_every_rank_of_the_call() -> str:
         finally:
             engine.reserve_buffers = reserve
         assert context is None and isinstance(error, OOM), (context, error)
-        assert not any(g in _registry._out_of_step for g in mesh.get_all_groups())
+        assert not any(g in _health._out_of_step for g in mesh.get_all_groups())
         with call():
             if dist.get_rank() == 0:
                 assert torch.equal(module.rows, rows) and torch.equal(module.cols, cols)

@@ -7,9 +7,10 @@ the stream (``start_gather``) use: FSDP2's ``_fsdp_collectives``, for buckets. N
 modules, FSDP state or swapping; ``_summon`` and ``_stream`` decide *what* to gather and where it goes.
 
 Invariants: every posted work is waited for, whatever raises (``_wait_all``); no rank runs more than two
-buckets or batches past the last one it saw complete (``completion``); whether a call posted anything is
-recorded (``Posted``), so that a call left part way marks its groups. Each mechanism is a note beside its
-code; ``docs/gather-engine.md`` maps them, with the measurements behind each.
+buckets or batches past the last one it saw complete (``completion``); what a call posted, and what may never
+complete, is written on the call's record (``Posted``), whose owner marks its groups: the engine decides
+nothing of group health and keeps no state between calls. Each mechanism is a note beside its code;
+``docs/gather-engine.md`` maps them, with the measurements behind each.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ from fsdp_shim._gather.layout import (
     gathered_dtype,
     mesh_dim_groups,
 )
-from fsdp_shim._registry import mark_out_of_step
 
 logger = logging.getLogger("fsdp_shim")
 
@@ -78,6 +78,7 @@ class InFlight:
     bucket: list[BucketEntry]
     split_sizes: list[int]  # each tensor's padded shard, in elements
     work: Waitable | None = None
+    call: Posted | None = None  # the record of the call that launched it
 
     def launched(self, posted: Posted) -> None:
         """Launch this flight's collective, ``posted`` set first (a no-op for anything else)."""
@@ -123,6 +124,7 @@ class AllGatherFlight(InFlight):
         """See [Note: posted from the attempt]."""
         launch = self.launch
         if launch is not None:
+            self.call = posted
             posted.any = True
             self.launch = None
             self.work = launch()
@@ -447,42 +449,16 @@ def agree_ready(groups: Sequence[dist.ProcessGroup], failure: BaseException | No
         "group is usable (see that rank's error)")
 
 
-class Posted:
-    """Whether a call's gathers have posted a collective yet.
+class Posted(Protocol):
+    """The record of the call a gather belongs to, its caller's (``_health.Call``): ``any`` is set once a
+    collective is posted (from the attempt: [Note: posted from the attempt]), ``lost`` is told of each posted
+    collective that may never complete, with the buffers it may still write (never to be freed under it)."""
 
-    ``any`` starts False (a class attribute: see [Note: hot path] in ``_summon``); the engine
-    sets it once a collective is posted, ``_grads.agreed_grads`` once the gradients' agreement
-    (an all-reduce) commits every rank to gather.
+    any: bool
 
-    [Note: a one-sided fault leaves its own mark]
-    A fault on one rank (most likely an out-of-memory error while staging: the
-    ranks' free memory differs) may raise after some of the call's collectives
-    were posted. The other ranks go on to post the rest, and c10d cannot
-    withdraw either side, so this rank's next collective on the group would
-    pair with a peer's stale one: gloo aborts the process, NCCL, which checks
-    no sizes, hangs, corrupts memory or, where the shapes match, hands over
-    another parameter's shards. This rank cannot tell a one-sided fault from
-    one that hit every rank alike. So whatever leaves a call's gathers part way
-    (any ``BaseException``: an out-of-memory error, a ``KeyboardInterrupt``, an
-    early close of the stream) after it posted a collective, and before it
-    posted the last one it planned, marks every group of the call out of step
-    on this rank (``_registry.mark_part_way``), on every transport; its next
-    summon or stream there is refused at once, before any collective. The
-    engine records whether a call posted anything (``Posted``); the call
-    (``_summon``, ``_stream``) knows when its last collective is posted and
-    marks. A fault before the call's first collective leaves nothing posted
-    on this rank and marks nothing: if it hit every rank alike, the group is
-    still usable.
-    """
+    def lost(self, group: dist.ProcessGroup, error: BaseException, buffers: Sequence[object] = (),
+             part_way: bool = False) -> None: ...
 
-    any = False
-
-
-#: What blocks the host until each of the last summons' gathers has completed, oldest first (at most two
-#: are kept: see [Note: bounded run-ahead]). Process-wide: any group's older call is older work.
-_CALLS_BEHIND: collections.deque[Callable[[], object]] = collections.deque()
-
-_NOBODY = Posted()  # for a gather no call watches: what it records is never read
 
 
 def resolve_device(device: torch.device | str | int | None) -> torch.device | None:
@@ -507,16 +483,16 @@ def resolve_device(device: torch.device | str | int | None) -> torch.device | No
 def _wait_once(flight: InFlight) -> None:
     """Wait for ``flight``'s collective, once (see [Note: every posted work is waited for]).
 
-    A wait that raises an ``Exception`` (a timeout, a dead peer) records the
-    group as out of step and is not retried. A ``KeyboardInterrupt`` leaves
+    A wait that raises an ``Exception`` (a timeout, a dead peer) is told to
+    the call's record (``Posted.lost``: its owner marks the group) and is not retried. A ``KeyboardInterrupt`` leaves
     the work in place, so the caller's clean-up waits for it again.
     """
     work = flight.work
     if work is None:
         if isinstance(flight, AllGatherFlight) and flight.launch is None and flight.gather_input is not None:
             # attempted, its work unknown: see [Note: posted from the attempt]
-            mark_out_of_step(flight.bucket[0].layout.group, RuntimeError("an all-gather's launch was cut short"),
-                             [flight.output, flight.gather_input], part_way=True)  # held there first
+            cast(Posted, flight.call).lost(flight.bucket[0].layout.group, RuntimeError(
+                "an all-gather's launch was cut short"), [flight.output, flight.gather_input], True)  # held first
             flight.gather_input = None
         return
     try:
@@ -524,7 +500,7 @@ def _wait_once(flight: InFlight) -> None:
     except Exception as error:
         flight.work = None  # never waited twice
         held = (flight.output, flight.gather_input) if isinstance(flight, AllGatherFlight) else ()
-        mark_out_of_step(flight.bucket[0].layout.group, error, held)  # its buffers are never freed under it
+        cast(Posted, flight.call).lost(flight.bucket[0].layout.group, error, held)  # never freed under it
         raise
     flight.work = None
     if isinstance(flight, AllGatherFlight):
@@ -552,7 +528,7 @@ def completion(works: Sequence[Waitable], device: torch.device) -> Callable[[], 
     summon a unit, whose non-receiving ranks would otherwise post every unit's
     gather while rank 0 sends the first: on a rank that receives nothing,
     ``gather_full_tensors`` blocks on call ``k - 1``'s last collective before
-    call ``k + 1`` posts (``_CALLS_BEHIND``). A receiving rank's own consumer
+    call ``k + 1`` posts (``behind``, kept by ``_health`` for each group). A receiving rank's own consumer
     paces it, so it pays nothing; a host wait chooses no collective, so ranks
     may differ in it.
     """
@@ -583,7 +559,7 @@ def _wait_all(flights: Sequence[InFlight]) -> BaseException | None:
     first collective, and is marked out of step otherwise, as a one-sided
     fault must be (see [Note: a one-sided fault leaves its own mark]). A wait that fails (a
     timeout, a dead peer) records the group as out of step (see
-    [Note: out of step] in ``_registry``). A work is never waited for twice.
+    [Note: out of step] in ``_health``). A work is never waited for twice.
     """
     first: BaseException | None = None
     for flight in flights:
@@ -740,7 +716,7 @@ class BucketGather:
         plan: BucketPlan | None = None,
         collective_bytes: int | None = None,
         meshes: Meshes = None,
-        posted: Posted = _NOBODY,
+        posted: Posted,
         reserve: Reserve | None = None,
         failure: BaseException | None = None,
     ) -> None:
@@ -891,7 +867,6 @@ class BucketGather:
         flights, self._flights = list(self._flights), collections.deque()
         if self._reserved is not None:
             self._reserved.clear()
-        _CALLS_BEHIND.clear()  # a failed call's completion is not waited for again by an unrelated call
         self._unstaged.clear()
         self._fallback = []
         return _wait_all(flights)
@@ -913,8 +888,9 @@ def gather_full_tensors(
     plan: BucketPlan | None = None,
     collective_bytes: int | None = None,
     meshes: Meshes = None,
-    posted: Posted = _NOBODY,
+    posted: Posted,
     failure: BaseException | None = None,
+    behind: collections.deque[Callable[[], object]] | None = None,
 ) -> Gathered:
     """All-gather every DTensor in ``dtensors`` to a plain full tensor, one bucket in flight.
 
@@ -928,7 +904,8 @@ def gather_full_tensors(
     tensors in the same order. ``holds_fulls=False`` takes part in the collectives
     but returns ``None`` for every tensor (``rank0_only`` on other ranks).
     ``out_device`` moves results there bucket by bucket (``offload_to_cpu``).
-    ``posted`` records whether a collective was posted (see [Note: a one-sided fault leaves its own mark]).
+    ``posted`` is the call's record (``Posted``); ``behind``, the record of the group's earlier calls this rank
+    paces itself by where it keeps nothing ([Note: bounded run-ahead]).
     Results never alias the DTensors' local storage. With a ``receiver`` other
     than ``"all"``, ``holds_fulls`` must be False on every rank it does not name
     (``layout.Delivery`` says both).
@@ -938,15 +915,21 @@ def gather_full_tensors(
     calling; the engine does not check again. ``meshes``: the mesh each is gathered over where its owner
     says (``layout.Meshes``).
     """
-    while not holds_fulls and len(_CALLS_BEHIND) > 1:  # [Note: bounded run-ahead]: k - 1 done before k + 1
-        _CALLS_BEHIND.popleft()()
-    gather = BucketGather(dtensors, bucket_bytes=bucket_bytes, receiver=receiver, ahead=1, plan=plan,
-                          collective_bytes=collective_bytes, meshes=meshes, posted=posted,
-                          reserve=Reserve(holds_fulls, out_device), failure=failure)
-    gathered = gather.finish(holds_fulls=holds_fulls, out_device=out_device)
+    paced = None if holds_fulls else behind  # [Note: bounded run-ahead]: call k - 1 done before k + 1
+    try:
+        while paced and len(paced) > 1:
+            paced.popleft()()
+        gather = BucketGather(dtensors, bucket_bytes=bucket_bytes, receiver=receiver, ahead=1, plan=plan,
+                              collective_bytes=collective_bytes, meshes=meshes, posted=posted,
+                              reserve=Reserve(holds_fulls, out_device), failure=failure)
+        gathered = gather.finish(holds_fulls=holds_fulls, out_device=out_device)
+    except BaseException:
+        if paced is not None:
+            paced.clear()  # a failed call's completion is not waited for by the next
+        raise
     last = gather.last_work
-    if not holds_fulls and last is not None and not last[0].is_completed():  # gloo's wait blocked: it is complete
-        _CALLS_BEHIND.append(completion((last[0],), last[1]))
+    if paced is not None and last is not None and not last[0].is_completed():  # gloo's wait blocked: complete
+        paced.append(completion((last[0],), last[1]))
     return gathered
 
 
@@ -958,7 +941,7 @@ def start_gather(
     receiver: Receiver = "all",
     launch: bool = True,
     meshes: Meshes = None,
-    posted: Posted = _NOBODY,
+    posted: Posted,
 ) -> BucketGather:
     """Stage every bucket of ``dtensors`` and launch its all-gather now; ``finish`` collects them.
 

@@ -4,7 +4,7 @@ Owns three decisions, for the summon and the stream alike: the bucket cap
 (``bucket_cap``), the bucket plan (``bucket_plan``) and who receives
 (``receivers_for_summon``, ``receivers_for_stream``, ``delivers_over``); and
 the caches of layouts and mesh dims (keyed weakly by the DTensor spec and
-mesh; whether a mesh's groups can be used is ``_registry``'s to say). Reads
+mesh; whether a mesh's groups can be used is ``_health``'s to say). Reads
 global metadata only, so every rank plans the same buckets in the same order.
 Nothing here moves data. The layouts: [Note: dim-0 layout] at ``Dim0Layout``,
 [Note: bucket layout] at ``BucketShape``.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import operator
 import os
 import weakref
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -24,7 +24,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fsdp_shim import _fsdp2 as fsdp2
-from fsdp_shim import _registry as registry
 from fsdp_shim._compat import is_dim0_shard, is_replicate
 
 
@@ -126,19 +125,6 @@ def _mesh_dim(mesh: DeviceMesh, mesh_dim: int) -> tuple[dist.ProcessGroup, int, 
 def mesh_dim_groups(mesh: DeviceMesh) -> list[dist.ProcessGroup]:
     """The process group of every dim of ``mesh`` (what gathering a DTensor on it may use)."""
     return [_mesh_dim(mesh, dim)[0] for dim in range(mesh.ndim)]
-
-
-def live_mesh_dim_groups(mesh: DeviceMesh, user: Callable[[], str]) -> list[dist.ProcessGroup]:
-    """``mesh_dim_groups``, each checked by ``_registry.require_live_groups``: a group destroyed before the
-    mesh first named it (torch cannot even resolve it then) is refused in the same words. Warns once if an
-    NCCL group's faults would go unnoticed (``_registry.nccl_fault_rule``)."""
-    try:
-        groups = mesh_dim_groups(mesh)
-    except (RuntimeError, ValueError, KeyError, TypeError) as error:  # torch's words differ by release
-        raise registry.destroyed_group(user) from error
-    registry.require_live_groups(groups, user)
-    registry.warn_if_unguarded(groups)
-    return groups
 
 
 #: ``id(spec)`` -> (the DTensorSpec, weakly; the local shape seen; its layout; the mesh it was worked out on,
