@@ -3,8 +3,6 @@
 
     python scripts/matrix.py                 # every release in _versions.VERIFIED_TORCH
     python scripts/matrix.py 2.7.0 2.14.1    # just these
-    python scripts/matrix.py --remove-venvs  # free each venv's disk once its row is done
-    python scripts/matrix.py --python python3.12 2.13.0   # venvs on another interpreter
     python scripts/matrix.py --newest        # the newest torch pip can see: the canary for a new release
     python scripts/matrix.py --vllm          # add the vLLM row: tests/test_vllm_source.py on vLLM 0.33.0
 
