@@ -2,12 +2,12 @@
 
 FSDP2 (``torch.distributed.fsdp.fully_shard``) exposes ``unshard()`` and ``reshard()`` but not the
 per-parameter bookkeeping a faithful ``summon_full_params`` needs. This module reads and changes that
-bookkeeping, the module globals of FSDP2's forward cast, and c10d's world of live groups; nothing else in the
-package does (``tests/test_house.py`` checks it).
+bookkeeping, the module globals of FSDP2's forward cast, its units' ``_apply`` and ``_call_impl`` (overridden
+for a context), and c10d's world of live groups; nothing else in the package does (``tests/test_house.py``).
 
 Read against torch 2.7.0 through 2.15.0 (``_fully_shard/_fsdp_state.py``, ``_fsdp_param_group.py``,
-``_fsdp_param.py``) and exercised on each by the version matrix. ``READS`` lists every name read here; on a
-torch newer than the verified range ``missing_internals`` checks them all once, at activation (see
+``_fsdp_param.py``) and exercised on each by the version matrix. ``READS`` lists every name read or written; on
+a torch newer than the verified range ``missing_internals`` checks those FSDP2 owns once, at activation (see
 [Note: version policy] in ``_versions``). Each release difference is handled, its releases named, where it
 matters: ``param_groups`` (2.12), ``lazy_init_root`` (2.7), ``mark_summoned`` (2.14),
 ``param_dtype_for_forward`` (2.15). 2.15's ``set_keep_unsharded_storage`` (``reshard()`` may keep the
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 import types
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +48,8 @@ __all__ = [
     "all_fsdp_states",
     "busy_training_state",
     "cast_fn",
+    "convert",
+    "convert_bypassing_fsdp2",
     "cuda_backend_name",
     "forward_cut_short",
     "fsdp_state_of",
@@ -63,10 +65,12 @@ __all__ = [
     "mark_summoned",
     "missing_internals",
     "order_after_writeback",
+    "override_method",
     "param_dtype_for_forward",
     "param_groups",
     "param_slots",
     "reshard_group",
+    "restore_methods",
     "resume_hooks",
     "root_modules",
     "settle_forward",
@@ -363,6 +367,36 @@ def wrap_guarded_calls(wrapper: Any) -> list[tuple[str, Any]]:
 def unwrap_guarded_calls(handles: list[tuple[str, Any]]) -> None:
     for name, handle in handles:
         wrapt.unwrap_object(FSDPModule, name, handle, missing_ok=True)
+
+
+# -- what a context overrides on FSDP2's units (and on plain modules alike), listed in ``READS`` too ------
+# ``nn.Module._apply`` (see [Note: conversions inside] in ``_group``) and ``_call_impl`` (see [Note: casts
+# never outlive their forward] there), each on the instance, for the context's duration.
+
+def override_method(module: nn.Module, name: str, method: Callable[..., Any], overridden: list[nn.Module]) -> None:
+    """``method`` as ``module``'s ``name``, on the instance, unless one is there (an enclosing context's: it
+    stays); ``module`` goes into ``overridden`` first, so that ``restore_methods`` finds it after any interrupt."""
+    if name not in module.__dict__:
+        overridden.append(module)  # recorded before it is installed
+        module.__dict__[name] = method
+
+
+def restore_methods(overridden: list[nn.Module], name: str) -> None:
+    """Each of ``overridden``'s own ``name`` again, then ``overridden`` emptied (all again, if interrupted)."""
+    for module in overridden:
+        module.__dict__.pop(name, None)
+    overridden.clear()
+
+
+def convert_bypassing_fsdp2(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> nn.Module:
+    """``nn.Module._apply`` on ``module``, never FSDP2's (which, inside a context, would reshard and adopt a
+    slot's full tensor as its sharded parameter)."""
+    return nn.Module._apply(module, *args, **kwargs)
+
+
+def convert(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """``module``'s own ``_apply``: FSDP2's on a unit, which reshards and adopts the converted shards."""
+    module._apply(*args, **kwargs)
 
 
 def groups_of_call(module: nn.Module, call: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[FSDPParamGroup]:
@@ -672,7 +706,7 @@ def cuda_backend_name(group: dist.ProcessGroup) -> str | None:
 # default are optional and not listed. The probe is static, so it runs
 # without a process group, once, at activation on an unverified torch.
 _METHODS: dict[type, tuple[str, ...]] = {
-    FSDPModule: ("_apply", "reshard", "unshard"),  # ``_apply`` redirected inside contexts; the rest guarded
+    FSDPModule: ("_apply", "reshard", "unshard"),  # ``_apply`` bypassed inside contexts, replayed; the rest guarded
     FSDPState: ("_lazy_init", "__init__"),  # ``__init__``: wrapped by the ``fully_shard`` guard
     FSDPParamGroup: ("_to_sharded", "is_sharded"),
     FSDPParam: ("reset_sharded_param",),
@@ -690,7 +724,13 @@ _FIELDS: dict[type, tuple[str | tuple[str, ...], ...]] = {
 #: (``instrumentations/forward_io``) reads or wraps: the cast it recognises, and one of the walks.
 _STATE_MODULE_NAMES: tuple[str | tuple[str, ...], ...] = (CAST_FN, CAST_WALKS)
 
-#: Everything probed, for ``fsdp-shim check -v``.
+#: What a context writes into FSDP2's objects besides the fields above: the ``nn.Module`` methods it overrides on
+#: units' instances (``override_method``: probed as methods of ``nn.Module``), and the attributes of the shim's
+#: own it keeps on states and groups (``unit_summon_cache``, ``group_hook_sites``: nothing to probe).
+_OVERRIDDEN: tuple[str, ...] = ("_apply", "_call_impl")
+_STASHED: dict[type, tuple[str, ...]] = {FSDPState: (_CACHE_ATTR,), FSDPParamGroup: (_SITES_ATTR,)}
+
+#: Everything probed, and everything written into FSDP2's objects, for ``fsdp-shim check -v``.
 READS: tuple[str, ...] = (
     tuple(
         f"{owner.__name__}.{name if isinstance(name, str) else ' or '.join(name)}"
@@ -699,6 +739,8 @@ READS: tuple[str, ...] = (
     + tuple(f"_fsdp_state.{n if isinstance(n, str) else ' or '.join(n)}" for n in _STATE_MODULE_NAMES)
     + ("TrainingState.IDLE", "ShardedState.UNSHARDED", "torch._C._current_graph_task_id",
        "distributed_c10d._world.pg_map")
+    + tuple(f"nn.Module.{name} (overridden per instance)" for name in _OVERRIDDEN)
+    + tuple(f"{owner.__name__}.{name} (the shim's own)" for owner, names in _STASHED.items() for name in names)
 )
 
 
@@ -722,6 +764,7 @@ def missing_internals() -> list[str]:
     missing: list[str] = []
     for owner, methods in _METHODS.items():
         missing += [f"{owner.__name__}.{m}" for m in methods if getattr(owner, m, None) is None]
+    missing += [f"nn.Module.{m}" for m in _OVERRIDDEN if getattr(nn.Module, m, None) is None]
     for owner, fields in _FIELDS.items():
         names = _names_in(owner)
         for field_name in fields:

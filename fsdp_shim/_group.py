@@ -224,16 +224,14 @@ class Conversions:
             plan[module] = (() if holds_fulls else slots, module if fsdp2_managed else None)
         for unit in units:  # a unit's conversion is FSDP2's to follow: never refused
             plan[unit] = (plan[unit][0] if unit in plan else (), None)
-        run = self._run
-        redirected = self._redirected = [module for module in plan if "_apply" not in module.__dict__]
-        for module in redirected:  # the others are an enclosing context's, which records
-            hidden, refused = plan[module]
+        run, redirected = self._run, self._redirected
+        for module, (hidden, refused) in plan.items():
 
             def apply_inside(*args: Any, _module: nn.Module = module, _hidden: Sequence[tuple[dict[str, Any], str]]
                              = hidden, _refused: nn.Module | None = refused, **kwargs: Any) -> nn.Module:
                 return run(_module, _hidden, _refused, args, kwargs)
 
-            module.__dict__["_apply"] = apply_inside
+            fsdp2.override_method(module, "_apply", apply_inside, redirected)
 
     def _run(self, module: nn.Module, hidden: Sequence[tuple[dict[str, Any], str]], refused: nn.Module | None,
              args: tuple[Any, ...], kwargs: dict[str, Any]) -> nn.Module:
@@ -250,7 +248,7 @@ class Conversions:
         held = hide_slots(hidden) if hidden else None
         self._depth += 1
         try:
-            return nn.Module._apply(module, *args, **kwargs)  # never FSDP2's: see the note
+            return fsdp2.convert_bypassing_fsdp2(module, args, kwargs)  # see the note
         finally:
             self._depth -= 1
             if held is not None:
@@ -258,11 +256,7 @@ class Conversions:
 
     def release(self) -> None:
         """Every ``_apply`` redirected by this context is the module's own again."""
-        for module in self._redirected:
-            attrs = module.__dict__
-            if "_apply" in attrs:
-                del attrs["_apply"]
-        self._redirected = []
+        fsdp2.restore_methods(self._redirected, "_apply")
 
     def exit_dtype(self, param: SummonedParam) -> torch.dtype | None:
         """The dtype ``param``'s shard will have once the conversions are replayed: its full tensor's,
@@ -280,7 +274,7 @@ class Conversions:
         warning for each parameter converted inside otherwise (its shard keeps its dtype)."""
         made, self.made = self.made, []
         for module, args, kwargs in made:
-            module._apply(*args, **kwargs)
+            fsdp2.convert(module, args, kwargs)
         for param in summoned:
             current = param.current
             if isinstance(current, torch.Tensor) and current.dtype != param.sharded.dtype:
@@ -356,27 +350,24 @@ class SummonedGroup:
             return
         self._roots = roots
         for module in units:  # see [Note: casts never outlive their forward]
-            if "_call_impl" not in module.__dict__:
-                call_impl = module.__class__._call_impl
+            call_impl = module.__class__._call_impl
 
-                def guarded_call(*args: Any, _unit: nn.Module = module, _call_impl: Any = call_impl,
-                                 **kwargs: Any) -> Any:
-                    """The unit's ``_call_impl`` in a ``try/finally``: whatever raised, the forward's casts are
-                    put back and FSDP2's per-forward state of the group is as before it."""
-                    switch = self._switch
-                    depth = 0 if switch is None else switch._depth
-                    try:
-                        return _call_impl(_unit, *args, **kwargs)
-                    except BaseException:
-                        self._cut_short = True  # FSDP2's post-forward may not have run: settled now and at release
-                        fsdp2.settle_forward(self.group, self.units)
-                        raise
-                    finally:
-                        if switch is not None and (switch._depth != depth or (depth == 0 and switch._held)):
-                            switch.unwind(depth)  # a BaseException skipped the post-forward hook, or it failed
+            def guarded_call(*args: Any, _unit: nn.Module = module, _call_impl: Any = call_impl, **kwargs: Any) -> Any:
+                """The unit's ``_call_impl`` in a ``try/finally``: whatever raised, the forward's casts are
+                put back and FSDP2's per-forward state of the group is as before it."""
+                switch = self._switch
+                depth = 0 if switch is None else switch._depth
+                try:
+                    return _call_impl(_unit, *args, **kwargs)
+                except BaseException:
+                    self._cut_short = True  # FSDP2's post-forward may not have run: settled now and at release
+                    fsdp2.settle_forward(self.group, self.units)
+                    raise
+                finally:
+                    if switch is not None and (switch._depth != depth or (depth == 0 and switch._held)):
+                        switch.unwind(depth)  # a BaseException skipped the post-forward hook, or it failed
 
-                self._guarded.append(module)  # recorded before it is installed: the release removes it
-                module.__dict__["_call_impl"] = guarded_call  # made here, not by a call: every summon runs this
+            fsdp2.override_method(module, "_call_impl", guarded_call, self._guarded)
         no_backward = _RaiseOnBackward(units)
         for module in units:
             hooks.append(module.register_forward_hook(no_backward))
@@ -416,11 +407,7 @@ class SummonedGroup:
         interrupted removal leaves the rest to ``release``."""
         if self._switch is not None:
             self._switch.unwind()
-        for module in self._guarded:
-            attrs = module.__dict__
-            if "_call_impl" in attrs:
-                del attrs["_call_impl"]
-        self._guarded = []
+        fsdp2.restore_methods(self._guarded, "_call_impl")
         hooks = self._hooks
         while hooks:
             hooks[-1].remove()
