@@ -11,7 +11,8 @@ never import ``instrumentations/``: ``_patching`` installs them, deferred.
 One summon, entered and left on one of two ranks, runs code in the eleven rooms of
 ``docs/contributing.md`` and no others. Imports run down the layers (``LAYERS``), never up or
 across, and ``_param.SummonedParam._place`` is the only code that writes a module's slot. Only
-``_fsdp2`` names FSDP2's or c10d's private state, and its ``__all__`` is what the others take from it.
+``_fsdp2`` names FSDP2's or c10d's private state or overrides a module's method on the instance (``_apply``,
+``_call_impl``), and its ``__all__`` is what the others take from it.
 """
 
 from __future__ import annotations
@@ -301,17 +302,80 @@ def _fsdp2_boundary_crossings(path: Path, private_names: set[str]) -> set[str]:
         elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
               and (node.value in private_names or node.value.startswith(_PRIVATE_MODULES))):
             found.add(repr(node.value))
+    return found | _method_overrides(tree)
+
+
+def _module_methods() -> set[str]:
+    """``nn.Module``'s methods, by name (``_apply``, ``_call_impl``, ``forward``, ``to``, ...)."""
+    import inspect
+
+    import torch.nn as nn
+
+    return {name for name, value in vars(nn.Module).items() if inspect.isfunction(value)}
+
+
+def _method_overrides(tree: ast.AST) -> set[str]:
+    """Where ``tree`` overrides an ``nn.Module`` method on one object, or takes an override away (FSDP2's
+    units get them only through ``_fsdp2``): a store into or a removal from an object's ``__dict__``
+    (``vars()``, or a name bound to either) under a method's name, by subscript or a dict method; a
+    ``setattr``/``delattr`` (``object.__setattr__`` too) of one; an attribute of that name assigned or deleted
+    (on another object than ``self``: a class's own fields, ``self.buffers``, are its business)."""
+    methods = _module_methods()
+
+    def is_dict(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Attribute) and node.attr == "__dict__") or (
+            isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "vars")
+
+    aliases = {target.id for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.NamedExpr))
+               and is_dict(node.value) for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+               if isinstance(target, ast.Name)}
+
+    def a_dict(node: ast.AST) -> bool:
+        return is_dict(node) or (isinstance(node, ast.Name) and node.id in aliases)
+
+    def method(node: ast.AST | None) -> str | None:
+        return node.value if isinstance(node, ast.Constant) and node.value in methods else None
+
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        names: list[str | None] = []
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, (ast.Store, ast.Del)) and a_dict(node.value):
+            names = [method(node.slice)]
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del)) and \
+                not (isinstance(node.value, ast.Name) and node.value.id == "self"):  # a class's own field
+            names = [node.attr if node.attr in methods else None]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and a_dict(node.func.value) and \
+                node.func.attr in ("pop", "setdefault", "update", "__setitem__", "__delitem__"):
+            names = [method(a) for a in node.args[:1]] + [k.arg for k in node.keywords if k.arg in methods]
+            names += [method(k) for a in node.args if isinstance(a, ast.Dict) for k in a.keys]
+        elif isinstance(node, ast.Call) and (getattr(node.func, "id", None) or getattr(node.func, "attr", None)) in (
+                "setattr", "delattr", "__setattr__", "__delattr__"):  # the name: second, or first where bound
+            names = [method(a) for a in node.args[:2]]
+        found.update(f"overrides {name} (line {node.lineno})" for name in names if name is not None)
     return found
 
 
 def test_only_fsdp2_touches_fsdp2s_private_state():
-    """FSDP2's and c10d's private names, fields and module globals alike, are read, wrapped and called
-    in ``_fsdp2`` only: every other module (instrumentations and tools too) goes through it."""
+    """FSDP2's and c10d's private names, fields and module globals alike, are read, wrapped and called,
+    and ``nn.Module`` methods overridden on an instance (FSDP2's units' ``_apply`` and ``_call_impl``), in
+    ``_fsdp2`` only: every other module (instrumentations and tools too) goes through it."""
     private_names = _private_module_names()
     assert {"_cast_fp_tensor", "_apply_to_tensors", "_world", "_get_module_fsdp_state"} <= private_names
     touches = {str(path.relative_to(PACKAGE)): crossings for path in MODULES if path.name != "_fsdp2.py"
                if (crossings := _fsdp2_boundary_crossings(path, private_names))}
     assert touches == {}
+
+
+def test_the_boundary_sees_an_override_of_a_module_method():
+    """What the test above counts as a per-instance override of an ``nn.Module`` method, and what not."""
+    writes = ['module.__dict__["_apply"] = fn', 'attrs = module.__dict__\ndel attrs["_call_impl"]',
+              'vars(module).pop("_apply", None)', "module.__dict__.update(_call_impl=fn)",
+              'setattr(module, "forward", fn)', 'object.__setattr__(module, "_apply", fn)',
+              'delattr(module, "_call_impl")', "module._apply = fn", "del module._call_impl"]
+    assert [snippet for snippet in writes if not _method_overrides(ast.parse(snippet))] == []
+    others = ['"_apply" in module.__dict__', "module._apply(fn)", 'setattr(module, "weight", w)',
+              'namespace.__dict__["__spec__"] = None', 'fsdp2.override_method(module, "_apply", fn, overridden)']
+    assert [snippet for snippet in others if _method_overrides(ast.parse(snippet))] == []
 
 
 def test_fsdp2s_all_is_what_the_package_takes_from_it():
@@ -345,7 +409,9 @@ def test_the_probe_lists_what_is_wrapped_and_redirected():
     from fsdp_shim import _fsdp2
 
     for name in ("FSDPModule._apply", "FSDPState.__init__", "_fsdp_state._cast_fp_tensor",
-                 "_fsdp_state.tree_map or _apply_to_tensors", "FSDPParamGroup.fsdp_params", "FSDPState._state_ctx"):
+                 "_fsdp_state.tree_map or _apply_to_tensors", "FSDPParamGroup.fsdp_params", "FSDPState._state_ctx",
+                 "nn.Module._apply (overridden per instance)", "nn.Module._call_impl (overridden per instance)",
+                 "FSDPState._fsdp_shim_summon_cache (the shim's own)"):
         assert name in _fsdp2.READS, name
 
 
