@@ -114,7 +114,7 @@ def test_a_submodule_added_to_a_unit_is_summoned(dist_run):
 
 def rank_values_changed_between_summons_are_served():
     """A forward that leaves the root unsharded, then an update of the shards: the plan made
-    before both must not serve the unsharded copy (see [Note: units left unsharded])."""
+    before both must not serve the unsharded copy (see ``_summon._prepare``)."""
     ref, model = build_lm(), shard_lm(build_lm(), reshard_after_forward=False)
     shards = list(model.parameters())
     with patched():
