@@ -1,14 +1,6 @@
 """One parameter of a summon: where it lives (``ScopedParam``) and what a context does with it
-(``SummonedParam``): to full, to sharded, its changes, its writeback.
-
-A *slot* is a ``(module, attribute name)`` pair; a parameter tied across two
-modules has two slots, and stays one object in both. ``_place``
-is the one writer of module slots in the package: entry puts the full
-parameter in every slot (``to_full``), a forward inside puts its cast there
-and back (``SummonedParam.cast_for_forward``), exit puts back the exact
-objects the slots held (``to_sharded``). Which edits exit keeps, and when it
-refuses: [Note: exit checks] at ``SummonedParam.judge``; how they are written:
-[Note: writeback needs no collective], above ``write_back_locals``.
+(``SummonedParam``). A *slot* is a ``(module, attribute name)`` pair: a parameter tied across two modules
+has two, and stays one object in both. ``_place`` is the one writer of module slots in the package.
 """
 
 from __future__ import annotations
@@ -53,28 +45,15 @@ class ScopedParam:
 
 
 def shard_versions(sharded: DTensor) -> tuple[int, int, int]:
-    """In-place changes to a shard: the DTensor's own version counter (DTensor ops bump it,
-    not the local tensor's) and the local tensor's (direct edits of ``_local_tensor``).
-
-    The shards are FSDP2's parameters, made outside any ``inference_mode``: they always
-    have version counters (an in-place edit inside ``inference_mode`` bumps them too).
-    """
+    """In-place changes to a shard: the DTensor's version counter (DTensor ops bump it, not the local
+    tensor's) and the local tensor's. Shards, made outside ``inference_mode``, always have counters."""
     local = sharded._local_tensor
     return (sharded._version, id(local), local._version)
 
 
 class SummonedParam:
-    """One scoped parameter (or DTensor buffer) while a context holds it, on every rank.
-
-    Made for every parameter in scope on every rank, holder of full tensors or
-    not: the registry's record of the context (see [Note: every rank decides
-    alike] in ``_summon``). Where this rank holds full tensors, ``to_full``
-    puts one new ``nn.Parameter`` in every slot and ``to_sharded`` puts back
-    the exact objects the slots held; elsewhere ``full`` stays None and the
-    slots keep their shards. Those two, ``inspect_slots`` and
-    ``carry_requires_grad`` take a context's parameters all at once: every summon runs them, so
-    their loops make no call a parameter.
-    """
+    """One scoped parameter (or DTensor buffer) while a context holds it. Made on every rank, holder of
+    full tensors or not: it is the registry's record ([Note: every rank decides alike] in ``_summon``)."""
 
     __slots__ = (
         "scoped", "sharded", "layout", "full", "full_version", "versions_at_entry", "shard_copy", "originals",
@@ -83,26 +62,16 @@ class SummonedParam:
 
     def __init__(self, scoped: ScopedParam, sharded: DTensor, layout: Dim0Layout | None) -> None:
         self.scoped = scoped
-        self.sharded = sharded  # the DTensor parameter, unchanged, restored on exit
+        self.sharded = sharded
         self.layout = layout  # how it was gathered; writeback reuses it
-        #: What every slot holds inside: an nn.Parameter (a plain tensor for buffers); None on a rank
-        #: that holds no full tensors (``rank0_only``), whose slots keep ``sharded``.
-        self.full: torch.Tensor | None = None
-        #: ``full._version`` once its values arrived; None for an inference tensor (no version counter).
-        self.full_version: int | None = 0
-        #: ``shard_versions(sharded)`` at entry; recorded only under writeback, the one reader of it and of
-        #: ``shard_changed``.
-        self.versions_at_entry = (0, 0, 0)
-        #: The local shard's values at entry, under writeback only: an edit through ``.data`` moves no
-        #: version counter, so exit compares values too. See [Note: exit checks].
+        self.full: torch.Tensor | None = None  # in every slot inside; None where this rank holds none
+        self.full_version: int | None = 0  # ``full._version`` once its values arrived; None: no counter
+        self.versions_at_entry = (0, 0, 0)  # under writeback only, as ``shard_copy``
         self.shard_copy: torch.Tensor | None = None
-        #: What each slot held before ``to_full``, ``(tensors, name, object)``: what ``to_sharded`` puts back.
-        self.originals: list[tuple[dict[str, Any], str, Any]] = []
-        #: What the slots held at exit: ``full``, a replacement, or ``MISSING``. See [Note: exit checks].
-        self.current: Any = None
-        self.shard_changed = False  # by someone else, inside the context (set at exit, before any replay)
-        self.full_changed = False  # the full tensor (or its replacement) holds edits (set with shard_changed)
-        #: This rank's slice of ``current`` holds the shard's very bits: a write would change nothing.
+        self.originals: list[tuple[dict[str, Any], str, Any]] = []  # what ``to_sharded`` puts back
+        self.current: Any = None  # what the slots held at exit: ``full``, a replacement, or ``MISSING``
+        self.shard_changed = False  # these three: set by ``judge``, before any replay
+        self.full_changed = False
         self.nothing_to_write = False
 
     @property
@@ -114,8 +83,7 @@ class SummonedParam:
         return self.scoped.is_buffer
 
     def cast_for_forward(self, dtype: torch.dtype, casts: dict[int, nn.Parameter], record: list[list[Any]]) -> None:
-        """Put in each slot a cast to ``dtype`` of what it holds (one cast an object, in ``casts``); what
-        the slots held is appended to ``record`` before any slot changes, for ``put_back``."""
+        """Put in each slot a cast to ``dtype`` of what it holds (one cast an object, in ``casts``)."""
         held = [module._parameters.get(name, MISSING) for module, name in self.scoped.slots]
         values = []
         for current in held:
@@ -132,29 +100,14 @@ class SummonedParam:
                 zip(self.scoped.slots, values, strict=True)])
 
     def put_back(self, held: list[Any]) -> None:
-        """Undo ``cast_for_forward``: each slot holds what it held before (a deleted one stays deleted; one
-        the cast had not reached yet holds it still)."""
+        """Undo ``cast_for_forward`` (a slot it had not reached yet holds its value still)."""
         _place([(module._parameters, name, value) for (module, name), value in
                 zip(self.scoped.slots, held, strict=False)])
 
     # -- exit --------------------------------------------------------------
     def may_hold_edits(self) -> bool:
-        """Whether the full tensor may hold edits.
-
-        [Note: inference mode]
-        A summon entered under ``torch.inference_mode()`` (generation code often is)
-        gathers into inference tensors, which have no version counter, so an edit
-        of a full tensor cannot be detected by version there. Such a full tensor
-        counts as changed by version, and the value compare of [Note: exit checks]
-        decides: a slice that still holds the shard's bits is not written, any
-        other is, and if its shard also changed inside the context the writeback is
-        refused as for any parameter changed on both sides. Nothing else in the
-        context reads a version of a full tensor (a forward inside casts afresh
-        every time). Shards are FSDP2's parameters, made outside inference mode,
-        and keep their counters.
-        ``no_grad`` and ``enable_grad`` inside change nothing here: versions are
-        counted either way.
-        """
+        """Whether the full tensor may hold edits. One gathered under ``inference_mode`` has no version
+        counter: it counts as changed, and the value compare decides."""
         if self.current is not self.full or self.full_version is None:
             return True
         assert self.full is not None  # inspected only where this rank holds full tensors
@@ -164,36 +117,15 @@ class SummonedParam:
         """What changed inside a ``writeback=True`` context, by version counters and by value.
 
         [Note: exit checks]
-        Before the slots are restored, each summoned tensor's slots are read: they
-        hold its full tensor, a replacement (assignment, ``load_state_dict(assign=
-        True)``), or nothing (deleted). ``requires_grad`` of what they hold carries over
-        to the sharded parameter, as FSDP1 (``use_orig_params=True``) keeps it. Under
-        ``writeback=True`` a replacement is written back (FSDP1 writes back the new
-        value of a replaced original parameter too), and the whole writeback is
-        refused, with nothing written and every parameter named, for a deleted slot,
-        or for a parameter changed both as a full tensor and in its shard (say an
-        optimizer step on the sharded parameter): one of the two changes would be
-        lost. A shard changed while its full tensor was not is left as it is.
-        "Changed" is decided by version counters *and* by value: under
-        ``writeback=True`` entry keeps a copy of each local shard, and exit compares
-        both the shard and this rank's slice of the full tensor with it, bit for
-        bit, because an edit through ``.data`` (``p.data.copy_(new)``, optimizers
-        that step ``p.data``) moves no counter. A full tensor whose slice still
-        holds the shard's bits is not written (the write would change nothing). The
-        decision is per rank, like the writeback itself: an edit that reaches only
-        some ranks' slices is judged on each rank by what reached it.
-
-        One compare where nothing changed (this rank's slice of the full tensor
-        against the shard); where they differ, each is compared with the shard as
-        it was at entry, to tell which side changed.
-        A ``Partial`` shard holds one of many values with the same reduction, so
-        only versions judge it, and it is always written.
-
-        ``exit_dtype``: the dtype the shard will have once the conversions made
-        inside are replayed on it (``.double()`` through its unit), if another
-        than its own. Values are compared in it, so an edit that only the new
-        dtype can hold (``p.add_(2**-40)`` after ``.double()``) counts as one;
-        the old shard widened as the replay widens it is the baseline.
+        At exit a tensor's slots hold its full tensor, a replacement (``load_state_dict(assign=True)``) or
+        nothing. A replacement is written back, as FSDP1 does; the whole writeback is refused, naming every
+        parameter, for a deleted slot or one changed both in full and in its shard (one change would be
+        lost); a shard changed alone stays. "Changed" is by version *and* by value, bit for bit against the
+        shard copied at entry, since an edit through ``.data`` moves no counter; a slice still holding the
+        shard's bits is not written. Judged per rank, as the writeback is. A ``Partial`` shard (one of many
+        values with one reduction) is judged by versions only and always written. ``exit_dtype``: the
+        shard's dtype once conversions made inside are replayed, if another; values compare in it, so an
+        edit only it can hold counts.
         """
         sharded, current = self.sharded, self.current
         self.shard_changed = shard_versions(sharded) != self.versions_at_entry
@@ -214,11 +146,11 @@ class SummonedParam:
         self.shard_changed = self.shard_changed or not same_bits(local, entry_copy)
         self.full_changed = self.full_changed or not same_bits(value, entry_copy)
 
-# -- a context's parameters, all at once: the loops every summon runs, kept free of calls ---------------
+# -- a context's parameters at once: every summon runs these loops, so they make no call a parameter ----
 
 def _place(writes: Iterable[tuple[dict[str, Any], str, Any]]) -> None:
     """Each ``(tensors, name, value)``: ``value`` into a module's ``_parameters`` or ``_buffers`` dict
-    (``MISSING``: the slot is emptied). The one writer of module slots in the package."""
+    (``MISSING``: the slot is emptied)."""
     for tensors, name, value in writes:
         if value is MISSING:
             tensors.pop(name, None)
@@ -227,8 +159,8 @@ def _place(writes: Iterable[tuple[dict[str, Any], str, Any]]) -> None:
 
 
 def hide_slots(slots: Sequence[tuple[dict[str, Any], str]]) -> list[tuple[dict[str, Any], str, Any]]:
-    """Each slot emptied to ``None`` (which ``nn.Module`` skips) for a while, keeping its key and place;
-    returns what they held, for ``put_back_slots``."""
+    """Each slot emptied to ``None`` (which ``nn.Module`` skips), keeping its key and place; returns what
+    they held, for ``put_back_slots``."""
     held = [(tensors, name, tensors[name]) for tensors, name in slots if tensors.get(name) is not None]
     _place([(tensors, name, None) for tensors, name, _ in held])
     return held
@@ -241,9 +173,8 @@ def put_back_slots(held: Sequence[tuple[dict[str, Any], str, Any]]) -> None:
 
 def to_full(params: Sequence[SummonedParam], fulls: Sequence[torch.Tensor | None],
             grads: dict[int, torch.Tensor] | None, writeback: bool) -> None:
-    """Each full tensor (as a new ``nn.Parameter``, a plain tensor for a buffer) into every slot of its
-    parameter: ties stay one object. What the slots held is kept first (``originals``), so
-    ``to_sharded`` restores every slot whatever this call reached."""
+    """Each full tensor (a new ``nn.Parameter``, plain for a buffer) into every slot of its parameter:
+    ties stay one object."""
     writes: list[tuple[dict[str, Any], str, Any]] = []
     for index, (param, full) in enumerate(zip(params, fulls, strict=True)):
         assert full is not None  # ranks that hold full tensors hold every one
@@ -251,14 +182,12 @@ def to_full(params: Sequence[SummonedParam], fulls: Sequence[torch.Tensor | None
         value: torch.Tensor = full
         is_buffer = scoped.is_buffer
         if not is_buffer:
-            # nn.Parameter(full, requires_grad), without its Python __new__ for the plain
-            # tensors the gather makes: the very call that __new__ makes for them.
-            value = (torch.Tensor._make_subclass(nn.Parameter, full, sharded.requires_grad)
+            value = (torch.Tensor._make_subclass(nn.Parameter, full, sharded.requires_grad)  # __new__'s own call
                      if type(full) is torch.Tensor else nn.Parameter(full, requires_grad=sharded.requires_grad))
             if grads and index in grads:
                 value.grad = grads[index]
         param.full = value
-        param.full_version = None if value.is_inference() else value._version  # its values are in
+        param.full_version = None if value.is_inference() else value._version
         if writeback:
             param.versions_at_entry = shard_versions(sharded)
             param.shard_copy = sharded._local_tensor.clone()
@@ -282,12 +211,12 @@ def to_sharded(params: Sequence[SummonedParam]) -> None:
 
 def inspect_slots(params: Sequence[SummonedParam],
                   exit_dtype: Callable[[SummonedParam], torch.dtype | None] | None = None) -> None:
-    """Record what each parameter's slots hold now (``current``): its full tensor, a replacement, or
-    ``MISSING``; with ``exit_dtype`` (under writeback), then judge each (``judge``). See [Note: exit checks]."""
+    """Record what each parameter's slots hold now (``current``); under writeback (``exit_dtype``), judge
+    each."""
     for param in params:
         full, scoped = param.full, param.scoped
         slots = scoped.slots
-        if len(slots) == 1:  # the common case, and every summon's: one slot still holding the full tensor
+        if len(slots) == 1:  # the common case: one slot still holding the full tensor
             module, name = slots[0]
             if (module._buffers if scoped.is_buffer else module._parameters).get(name) is full:
                 param.current = full
@@ -318,13 +247,8 @@ def carry_requires_grad(params: Sequence[SummonedParam]) -> None:
 
 
 def write_back(params: Sequence[SummonedParam], name: Callable[[SummonedParam], str], with_grads: bool) -> None:
-    """All or nothing: every parameter is checked before the first byte is written.
-
-    Under ``with_grads`` the gradients go into the same ``write_back_locals`` call as the parameters, so
-    every value of both is checked and made (their allocations included) before the first write: a
-    refusal, an out-of-memory error or an interrupt while a gradient's value is made writes no parameter
-    either. ``name`` names a parameter in messages. Reads what ``SummonedParam.judge`` recorded.
-    """
+    """All or nothing, by what ``judge`` recorded. Under ``with_grads`` the gradients go into the same
+    ``write_back_locals`` call, so a failure while a gradient's value is made writes no parameter either."""
     problems: list[str] = []
     items: list[tuple[DTensor, torch.Tensor, Dim0Layout | None]] = []
     for item in params:
@@ -345,7 +269,7 @@ def write_back(params: Sequence[SummonedParam], name: Callable[[SummonedParam], 
     if problems:
         raise WritebackRefusedError(
             "summon_full_params writeback refused, nothing written:\n  " + "\n  ".join(problems))
-    if with_grads:  # written with the parameters, in one call: see the docstring
+    if with_grads:
         for item in params:
             sharded_grad, full = item.sharded.grad, item.full
             if isinstance(sharded_grad, DTensor) and full is not None and full.grad is not None:
@@ -353,31 +277,12 @@ def write_back(params: Sequence[SummonedParam], name: Callable[[SummonedParam], 
     write_back_locals(items)
 
 
-# -- the writeback ---------------------------------------------------------------------------------
-# The local writeback: an edited full tensor back into this rank's shard, in place, with no collective.
-#
-# [Note: writeback needs no collective]
-# Every rank already holds the whole (possibly edited) full tensor inside the
-# context, so each rank copies rows ``[r * c, r * c + local_rows)`` of it into
-# its own local shard, in place. HSDP replicas hold identical full tensors and
-# so write identical shards. This is what FSDP1's ``_writeback_to_local_shard``
-# does with its flat parameter. Other placements (tensor parallel, strided,
-# ``Partial``) take their local value by a local redistribute.
-
-
 @torch.no_grad()
 def write_back_locals(items: Sequence[tuple[DTensor, torch.Tensor, Dim0Layout | None]]) -> None:
-    """Copy this rank's slice of each ``full`` into its ``dtensor``'s local shard, in place.
-
-    No collective. See [Note: writeback needs no collective]. ``layout`` is
-    the one the gather used, if it took the fast path. The fast-path copies
-    run as one foreach op.
-
-    Every shape is checked, and every source made (a conversion or a
-    redistribute allocates), before anything is written: a bad tensor, an
-    allocation failure or an interrupt leaves all shards as they were. The
-    write itself is one in-place copy into existing storage.
-    """
+    """Copy this rank's slice of each ``full`` into its ``dtensor``'s local shard, in place, with no
+    collective, as FSDP1's ``_writeback_to_local_shard`` does: every rank holds the whole full tensor. Every
+    shape is checked and every source made before anything is written: a bad tensor, an allocation failure
+    or an interrupt leaves all shards as they were."""
     for dtensor, full, _ in items:
         if full.shape != dtensor.shape:
             raise WritebackRefusedError(
@@ -386,7 +291,7 @@ def write_back_locals(items: Sequence[tuple[DTensor, torch.Tensor, Dim0Layout | 
             )
     destinations: list[torch.Tensor] = []
     sources: list[torch.Tensor] = []
-    for dtensor, full, layout in items:  # every source is computed before anything is written
+    for dtensor, full, layout in items:
         source = local_value(dtensor, full, layout)
         if source is not None:
             destinations.append(dtensor._local_tensor)
@@ -398,13 +303,8 @@ def write_back_locals(items: Sequence[tuple[DTensor, torch.Tensor, Dim0Layout | 
 def local_value(
     dtensor: DTensor, full: torch.Tensor, layout: Dim0Layout | None = None, dtype: torch.dtype | None = None,
 ) -> torch.Tensor | None:
-    """What this rank's shard of ``dtensor`` would hold for ``full``, in the shard's dtype (or
-    ``dtype``); None for an empty dim-0 shard.
-
-    The value writeback copies in, and the one exit compares with the shard
-    as it was at entry to tell an edit of the full tensor that no version
-    counter saw (``p.data.copy_(new)``).
-    """
+    """What this rank's shard of ``dtensor`` would hold for ``full``, in the shard's dtype (or ``dtype``);
+    None for an empty dim-0 shard."""
     local = dtensor._local_tensor
     if layout is None:
         layout = dim0_layout(dtensor)
@@ -419,12 +319,8 @@ _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int6
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor | None) -> bool:
-    """Whether two tensors hold the very same bits: a NaN equals itself, -0.0 differs from 0.0.
-
-    ``b`` None (no copy was kept) differs from anything. Floating tensors are
-    compared as integers of their width (as fast as a float compare, and exact
-    about NaN and signed zeros).
-    """
+    """Whether two tensors hold the very same bits (a NaN equals itself, -0.0 differs from 0.0); ``b``
+    None (no copy kept) differs from anything."""
     if b is None or a.shape != b.shape or a.dtype != b.dtype:
         return False
     if a.dtype.is_floating_point or a.dtype.is_complex:
@@ -434,13 +330,8 @@ def same_bits(a: torch.Tensor, b: torch.Tensor | None) -> bool:
 
 
 def _local_value(dtensor: DTensor, full: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """This rank's local tensor for ``full`` under ``dtensor``'s placements, with no communication.
-
-    Replicate -> Shard (plain or strided) is a local chunk. A ``Partial`` mesh
-    dim is written as a value whose reduction is ``full``: the full chunk on
-    coordinate 0 and zeros elsewhere for a sum, the full chunk everywhere for
-    avg, max and min.
-    """
+    """This rank's local tensor for ``full`` under ``dtensor``'s placements, with no communication. A
+    ``Partial`` dim gets a value whose reduction is ``full``: zeros off coordinate 0 for a sum."""
     local = dtensor._local_tensor
     mesh = dtensor.device_mesh
     placements = list(dtensor.placements)
@@ -464,12 +355,8 @@ def sharded_param(param: torch.Tensor) -> nn.Parameter | None:
 
 
 def original_params(param: torch.Tensor) -> list[nn.Parameter]:
-    """Every object the slots of a summoned ``param`` held outside contexts.
-
-    The sharded parameter and, for a unit a forward had left unsharded when
-    a map was built, FSDP2's unsharded parameter too. Empty if ``param`` is
-    not a live context's full parameter.
-    """
+    """Every object the slots of a live full ``param`` held outside contexts: the sharded parameter and,
+    if FSDP2 has one, its unsharded parameter (a map built after a forward holds it); else empty."""
     summoned = cast("SummonedParam | None", registry.record_of(param))
     if summoned is None:
         return []

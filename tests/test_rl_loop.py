@@ -1,4 +1,5 @@
-"""The RL loop as it runs: generation under ``torch.inference_mode()`` (2 gloo ranks). See [Note: inference mode].
+"""The RL loop as it runs: generation under ``torch.inference_mode()`` (2 gloo ranks).
+See ``_param.SummonedParam.may_hold_edits``.
 
 0.2 to 0.4.3 raised "Inference tensors do not track version counter" on every
 rank for any summon entered under inference mode; FSDP1 has no such failure.
