@@ -1,6 +1,5 @@
 """What is live on this rank: the contexts open in every thread, their slots and full tensors, and the
-lookups nesting, routing and the stream make of them. Claims on process groups and their health are
-``_health``'s.
+lookups nesting, routing and the stream make of them.
 """
 
 from __future__ import annotations
@@ -17,13 +16,8 @@ SlotKey = tuple[int, str]
 
 
 class Summoned(Protocol):
-    """What the registry reads of one summoned tensor's record (``_param.SummonedParam``).
-
-    Every rank records every tensor in scope, holder of full tensors or not
-    (``full`` is None where this rank holds none: ``rank0_only``): what a
-    nested call or a stream decides from the registry is then the same on
-    every rank (see [Note: every rank decides alike] in ``_summon``).
-    """
+    """What the registry reads of one summoned tensor's record (``_param.SummonedParam``), kept on every
+    rank, holder of full tensors or not ([Note: every rank decides alike] in ``_summon``)."""
 
     @property
     def full(self) -> torch.Tensor | None: ...
@@ -39,14 +33,8 @@ class Summoned(Protocol):
 
 
 class LiveContext(Protocol):
-    """What the registry reads of one live context (``_summon.DTensorSummon``, the context itself).
-
-    ``summoned`` is complete when the context is registered, on every rank
-    alike (see ``Summoned``); the registry
-    derives the slot keys and the full parameters from it when a rare lookup
-    asks (nesting, threads, ``sharded_param``), so that registering costs one
-    dict entry a call.
-    """
+    """What the registry reads of one live context (``_summon.DTensorSummon``). Lookups derive what they
+    need from ``summoned`` when they first ask, so that registering costs one dict entry a call."""
 
     @property
     def thread(self) -> int: ...
@@ -113,9 +101,8 @@ def owner_of(key: SlotKey) -> LiveContext | None:
 
 
 def summoned_at(key: SlotKey, value: object = None) -> Summoned | None:
-    """The record of the tensor a live context summoned into slot ``key``, or whose full or sharded
-    tensor is ``value``, what the slot holds (a tie made inside: see [Note: what a slot stands for]), if
-    any (on every rank alike): what the slot stands for, whatever this rank's slot holds."""
+    """The record of the tensor a live context summoned into slot ``key``, or whose full or sharded tensor
+    the slot holds (``value``): alike on every rank, whatever this rank's slot holds."""
     if not _live:
         return None
     for registered in list(_live.values()):
@@ -130,15 +117,10 @@ def summoned_at(key: SlotKey, value: object = None) -> Summoned | None:
 def holding(tensor: object) -> tuple[LiveContext, Summoned] | None:
     """The live context, and its record, whose full tensor or sharded DTensor is ``tensor`` itself.
 
-    [Note: what a slot stands for]
-    A slot no context swapped may still hold what a context summoned: a tie
-    made inside one (``side.weight = blocks[0].fc2.weight``) puts there the
-    full parameter where this rank holds full tensors and the shard where it
-    does not (``rank0_only``). Either stands for the same record, which every
-    rank keeps alike, so routing, scope and the stream read the slot through
-    the record, never through its type (see [Note: every rank decides alike]
-    in ``_summon``).
-    """
+    A tie made inside a context (``side.weight = blocks[0].fc2.weight``) puts in a slot no context swapped
+    the full parameter where this rank holds full tensors, the shard where it does not. Either stands for the
+    same record, kept alike on every rank, so routing, scope and the stream read such a slot through the
+    record, never its type."""
     if not _live or tensor is None:
         return None
     for registered in list(_live.values()):
@@ -149,8 +131,7 @@ def holding(tensor: object) -> tuple[LiveContext, Summoned] | None:
 
 
 def register(context: LiveContext) -> None:
-    """``context`` has gathered: its slots hold its full tensors where this rank holds them, and its
-    records are complete (see ``LiveContext``). Called on every rank, holder or not."""
+    """``context`` has gathered and its records are complete; on every rank, holder or not."""
     _live[id(context)] = _Registered(context)
 
 
