@@ -1,10 +1,6 @@
 """Which parameters a call covers: the ``recurse`` rule, ties, FSDP2 ownership, and the summon cache.
-
-A *slot* is a ``(module, attribute name)`` pair; a parameter tied across two
-modules has two slots (one ``_param.ScopedParam``). FSDP2 may hold a plain unsharded tensor in a slot (after
-forward) where the sharded DTensor is what we gather, so slots that FSDP2
-manages are resolved through its ``FSDPParam`` rather than the attribute.
-The cache is at ``CachedSummon`` ([Note: summon cache]).
+A slot FSDP2 manages may hold its plain unsharded tensor (after forward), so it is resolved through its
+``FSDPParam``, whose sharded DTensor is what is gathered.
 """
 
 from __future__ import annotations
@@ -28,8 +24,7 @@ from fsdp_shim._common import holds_distributed, scope_modules
 if TYPE_CHECKING:
     from fsdp_shim._gather.layout import BucketPlan
 
-#: A module holding summoned slots: the module, those slots (its tensors dict and the name), and
-#: whether FSDP2 manages one of them.
+#: A module, its summoned slots (its tensors dict and the name), and whether FSDP2 manages one of them.
 SlotOwner = tuple[nn.Module, list[tuple[dict[str, Any], str]], bool]
 
 
@@ -56,32 +51,23 @@ class Scope:
     root: nn.Module
     modules: list[nn.Module]
     params: list[ScopedParam]
-    #: FSDP2 groups owning a scoped parameter, with whether every one of their
-    #: parameters is summoned (by this call or an enclosing one).
+    #: FSDP2 groups owning a scoped parameter: is every one of their parameters summoned (here or enclosing)?
     groups: dict[fsdp2.FSDPParamGroup, bool] = field(default_factory=dict)
     states: list[fsdp2.FSDPState] = field(default_factory=list)
-    #: Slots in scope left to an enclosing context (already summoned).
-    enclosed: list[SlotKey] = field(default_factory=list)
-    #: ``states`` plus the states of every group a scoped parameter belongs to (``states_of``).
-    involved_states: list[fsdp2.FSDPState] | None = None
-    #: Whether a parameter slot in scope has no owner among ``states`` (owned by a state above the
-    #: scope, or by none: a plain parameter), so that finding its owner looked at every state.
+    enclosed: list[SlotKey] = field(default_factory=list)  # slots left to an enclosing context
+    involved_states: list[fsdp2.FSDPState] | None = None  # ``states_of``'s answer
+    #: A parameter slot in scope has no owner among ``states``, so every state was searched for it.
     owned_outside: bool = False
-    #: Whether FSDP2 manages every entry (no tensor-parallel-only DTensor, no DTensor buffer).
-    fsdp2_only: bool = False
-    #: Each entry's ``FSDPParam``, in order, where FSDP2 manages every one (``fsdp2_only``), else None.
-    managed: list[fsdp2.FSDPParam] | None = None
-    #: The modules holding the entries' slots, with those slots (``slot_owners``): worked out once a scope.
-    owners: list[SlotOwner] | None = None
-    owner_modules: list[nn.Module] = field(default_factory=list)  # the same modules, alone
-    #: The mesh each entry is gathered over, in order, where FSDP2's differs from the DTensor's own
-    #: (``_fsdp2.gather_mesh``: see [Note: the group is FSDP2's]); None where no entry is FSDP2's.
+    fsdp2_only: bool = False  # FSDP2 manages every entry
+    managed: list[fsdp2.FSDPParam] | None = None  # each entry's ``FSDPParam`` where ``fsdp2_only``
+    owners: list[SlotOwner] | None = None  # ``slot_owners``'s answer
+    owner_modules: list[nn.Module] = field(default_factory=list)
+    #: Each entry's gather mesh, FSDP2's where it differs from the DTensor's (``_fsdp2.gather_mesh``).
     meshes: list[Any] | None = None
 
 
 def slot_owners(scope: Scope) -> list[SlotOwner]:
-    """Every module holding a slot of ``scope``'s entries, with those slots: kept on the scope, which
-    a cached summon reuses."""
+    """Every module holding a slot of ``scope``'s entries, with those slots; kept on the scope."""
     owners = scope.owners
     if owners is None:
         by_module: dict[int, SlotOwner] = {}
@@ -120,14 +106,9 @@ def fsdp_slot_owners(states: Iterable[fsdp2.FSDPState]) -> _Owners:
 def tracked_sharded(
     fsdp_param: fsdp2.FSDPParam, group: fsdp2.FSDPParamGroup, module: nn.Module, name: str
 ) -> nn.Parameter | None:
-    """FSDP2's sharded parameter behind slot ``(module, name)``, which ``fsdp_param`` manages; None if
-    the slot holds something FSDP2 does not track (the refusal: ``_refusals.untracked_parameter``).
-
-    The one test of "is this slot still FSDP2's", for the summon and the
-    stream: both gather FSDP2's sharded parameter behind a slot, whatever
-    form the slot holds (resharded, unsharded, post-forward, or a live
-    context's full parameter), and both refuse where it holds something else.
-    """
+    """FSDP2's sharded parameter behind slot ``(module, name)``, whatever form the slot holds (resharded,
+    unsharded, post-forward, a live context's full parameter); None if it holds something FSDP2 does not
+    track. The one test of "is this slot still FSDP2's", for the summon and the stream."""
     value = module._parameters.get(name)
     sharded = fsdp2.sharded_param(fsdp_param)
     if value is sharded:  # the common answer, and every summon's
@@ -139,11 +120,8 @@ def tracked_sharded(
 
 
 def first_untracked_slot(entries: Iterable[ScopedParam], shardeds: Iterable[Any]) -> tuple[nn.Module, str] | None:
-    """The first slot of ``entries`` that ``tracked_sharded`` refuses, or None.
-
-    ``shardeds``: each entry's ``sharded()``, resolved by the caller: a slot
-    still holding it (the common answer) costs no call.
-    """
+    """The first slot of ``entries`` that ``tracked_sharded`` refuses, or None. ``shardeds``: each entry's
+    ``sharded()``."""
     for entry, sharded in zip(entries, shardeds, strict=True):
         fsdp_param = entry.fsdp_param
         if fsdp_param is None:
@@ -156,14 +134,14 @@ def first_untracked_slot(entries: Iterable[ScopedParam], shardeds: Iterable[Any]
 
 
 def has_distributed_params(modules: list[nn.Module]) -> bool:
-    """Whether ``collect_scope`` over ``modules`` (a ``scope_modules`` list) could find anything to gather:
-    ``_common.holds_distributed``, or a slot a live summon holds, or one FSDP2 manages."""
+    """Whether ``collect_scope`` over ``modules`` could find anything to gather: ``holds_distributed``, or a
+    slot a live summon holds or is tied to (whatever this rank's slot holds), or one FSDP2 manages."""
     if holds_distributed(modules):
         return True
-    if registry.has_live_slots() and any(  # a live summon's slots, whatever this rank's hold: every rank alike
+    if registry.has_live_slots() and any(
             registry.owner_of((id(m), name)) is not None or registry.holding(value) is not None
             for m in modules for name, value in (*m._parameters.items(), *m._buffers.items())):
-        return True  # a slot tied to a live summon's tensor too (see [Note: what a slot stands for])
+        return True
     owners = fsdp_slot_owners(fsdp2.all_fsdp_states()).by_slot  # unsharded slots hold plain tensors
     return any(slot_key(m, name) in owners for m in modules for name in m._parameters)
 
@@ -171,15 +149,9 @@ def has_distributed_params(modules: list[nn.Module]) -> bool:
 def enclosing_slots(
     root: nn.Module, recurse: bool, thread: int, modules: list[nn.Module] | None
 ) -> tuple[dict[SlotKey, registry.LiveContext], list[nn.Module]]:
-    """The slots of ``root``'s scope that this thread's live contexts hold, each with its context, and the
-    scope's modules (``scope_modules``; ``modules`` if the caller walked them already).
-
-    The slots those contexts swapped, and every other slot of the scope that
-    holds one of their tensors, full or sharded (a tie made inside one: see
-    [Note: what a slot stands for] in ``_registry``): a nested call leaves them
-    all to the enclosing context, on every rank alike, whichever form this
-    rank's slot holds.
-    """
+    """The slots of ``root``'s scope that this thread's live contexts swapped or that hold one of their
+    tensors (a tie made inside: ``_registry.holding``), each with its context, and the scope's modules. A
+    nested call leaves them all to the enclosing context, on every rank alike."""
     if modules is None:
         modules = scope_modules(root, recurse)
     mine = registry.slots_of_thread(thread)
@@ -197,19 +169,13 @@ def enclosing_slots(
 def collect_scope(
     root: nn.Module, recurse: bool, enclosing: Iterable[SlotKey] = (), modules: list[nn.Module] | None = None
 ) -> Scope:
-    """The DTensor parameters ``summon_full_params(root, recurse)`` covers.
-
-    ``enclosing`` holds the slots this thread's enclosing contexts already
-    swapped: they are full already and are left to those contexts.
-    ``modules``: ``scope_modules(root, recurse)`` if the caller walked the
-    tree already (routing does).
-    """
+    """The DTensor parameters ``summon_full_params(root, recurse)`` covers, but for the ``enclosing``
+    slots, left to this thread's enclosing contexts."""
     enclosing = set(enclosing)
     if modules is None:
         modules = scope_modules(root, recurse)
     states = list({id(s): s for s in (fsdp2.fsdp_state_of(m) for m in modules) if s is not None}.values())
-    # The units in scope usually own every slot; a submodule inside a unit is
-    # owned by a state above it, found only by looking at every state.
+    # A submodule inside a unit is owned by a state above the scope: found only by searching every state.
     owners = fsdp_slot_owners(states)
     by_slot = owners.by_slot
     look_outside = any(
@@ -290,10 +256,7 @@ def sharded_params(scope: Scope) -> list[DTensor]:
 
 
 def states_of(scope: Scope) -> list[fsdp2.FSDPState]:
-    """The FSDP2 states of the units in scope and of every group a scoped parameter belongs to.
-
-    Worked out once per call: entry's lazy init and the forward hooks both ask.
-    """
+    """The FSDP2 states of the units in scope and of every group a scoped parameter belongs to."""
     if scope.involved_states is not None:
         return scope.involved_states
     states = {id(state): state for state in scope.states}
@@ -313,10 +276,10 @@ Fingerprint = tuple[tuple[Any, ...], ...]
 
 
 def fingerprint(modules: list[nn.Module]) -> Fingerprint:
-    """The tree ``modules`` make: each one's class, parameter names and the types they hold,
-    buffers and children by name and identity. See [Note: summon cache]."""
+    """The tree ``modules`` make: each one's class, parameter names and the types they hold, buffers and
+    children by name and identity."""
     parts = []
-    for m in modules:  # every summon of a unit runs this: one flat tuple a module
+    for m in modules:  # one flat tuple a module: every summon of a unit runs this
         params, buffers, children = m._parameters, m._buffers, m._modules
         parts.append((type(m), *params, *map(type, params.values()), None, *buffers, *map(id, buffers.values()),
                       None, *children, *map(id, children.values())))
@@ -325,63 +288,32 @@ def fingerprint(modules: list[nn.Module]) -> Fingerprint:
 
 @dataclass(eq=False)
 class CachedSummon:
-    """What a summon of one unit worked out, reusable while ``matches``.
+    """What a summon of one unit worked out (scope, spec checks, bucket plan), reusable while ``matches``.
 
     [Note: summon cache]
-    Weight sync summons every FSDP2 unit, one at a time, at every step: the same
-    scope, spec checks and bucket plan each time, and on NCCL that loop costs
-    host time, not bandwidth. So a summon of a unit from outside any context
-    keeps what it worked out in a ``CachedSummon``, on the unit's FSDP2 state
-    (``_fsdp2.unit_summon_cache``: a cached summon holds its module, so a global map
-    would keep every model alive; the state lives as long as the module), keyed
-    by ``(id(module), recurse)``. A scope is a function of the modules in it
-    (classes, children, parameter and buffer slots) and of FSDP2's
-    ``FSDPParam``s, fixed from ``fully_shard`` on. A cached summon serves a call
-    only while all of this holds, and is replaced (or dropped) the first time it
-    does not:
-    - the same module object and the same ``recurse`` (the key);
-    - the same ``fingerprint``: each module's class (``fully_shard`` changes
-      it); its parameter slots by name and by the type of what they hold (a
-      forward that leaves a unit unsharded puts plain tensors there; a slot
-      added, emptied or filled); its buffers and children by name and identity;
-    - every object named only by identity still alive: it holds those
-      weakly (buffers, and children outside the scope, nested units), and a
-      freed one marks it stale, since its id may be reused. What it holds
-      is its scope, the modules it summons; a submodule removed from the tree
-      is let go when the next summon of the unit replaces it (FSDP2
-      itself holds every module whose parameters it manages);
-    - its scope owns every parameter slot in it. A scope with a slot owned by
-      a state above it, or by none, had its owner looked for among every
-      state, which any ``fully_shard`` may change: it is never stored, and a
-      cached summon for that key is dropped.
-    Never cached: a call inside an enclosing context of the same thread (its
-    scope depends on what is already summoned), and a module that is not a unit
-    (no state to keep it on). What can change while the tree stays the same
-    is checked on every call, cached or not: training state, threads, untracked
-    slots, the meta device, live groups. The spec checks (placements, meshes)
-    are skipped only for the very spec objects that passed last time
-    (``checked_groups``), and the bucket plan checks its own key
-    (``_gather.layout.bucket_plan``) against each call's tensors.
-
-    ``scope`` is shared between the calls that reuse it: nothing writes to it
-    after ``collect_scope`` but ``states_of``, which caches its answer there.
-    The spec checks and the gather fill in the rest the first time it
-    serves a call (``passed``, ``bucket_plan``).
+    Weight sync summons every unit at every step ([Note: hot path] in ``_summon``), so a summon from outside
+    any context keeps a ``CachedSummon`` on the unit's FSDP2 state (a global map would keep every model
+    alive), keyed by ``(id(module), recurse)``. A scope is a function of its modules and of FSDP2's
+    ``FSDPParam``s, fixed from ``fully_shard`` on; the cached summon serves only while
+    - ``fingerprint`` is the same: classes (``fully_shard`` changes them), parameter slots by name and held
+      type (a forward that leaves a unit unsharded puts plain tensors there), buffers and children by identity;
+    - every object named by identity is alive (held weakly: a freed one's id may be reused);
+    - its scope owns every parameter slot in it: an owner found by searching every state may change with any
+      ``fully_shard``, so such a scope is never stored.
+    Never cached: a call inside an enclosing context of the same thread, a module that is not a unit. What
+    may change under the same tree (training state, threads, untracked slots, the meta device, live groups)
+    is checked on every call; the spec checks are skipped only for the very spec objects that passed, and
+    the bucket plan checks its own key. Only ``states_of`` writes to the shared ``scope``.
     """
 
     scope: Scope
     recurse: bool
     fingerprint: Fingerprint
-    #: Weak references to the objects ``fingerprint`` names by id (buffers, children); a freed one
-    #: marks it ``stale``.
-    watched: list[weakref.ref[Any]] = field(default_factory=list)
+    watched: list[weakref.ref[Any]] = field(default_factory=list)  # what ``fingerprint`` names by id
     stale: bool = False
-    #: The DTensor specs the spec checks last passed, by entry, and whether they passed them for writeback too.
-    checked_specs: list[Any] | None = None
+    checked_specs: list[Any] | None = None  # the specs that last passed, for writeback too if ``checked_writeback``
     checked_writeback: bool = False
-    #: The process groups the call gathers over (every dim of every mesh in scope).
-    groups: list[dist.ProcessGroup] | None = None
-    #: The bucket plan of the last gather, checked against each call's tensors by its key.
+    groups: list[dist.ProcessGroup] | None = None  # every dim of every mesh in scope
     bucket_plan: BucketPlan | None = None
 
     def matches(self, module: nn.Module, recurse: bool) -> bool:
@@ -408,13 +340,10 @@ class CachedSummon:
 def cached_scope(
     module: nn.Module, recurse: bool, modules: list[nn.Module] | None
 ) -> tuple[Scope, CachedSummon | None]:
-    """The scope of a summon from outside any context, and the cached summon that serves it, if it
-    can have one: the stored one while it matches, else a new one (see [Note: summon cache]).
-
-    ``modules``: ``scope_modules(module, recurse)`` if the caller walked the tree already.
-    """
+    """The scope of a summon from outside any context, and the cached summon that serves it, if it can
+    have one: the stored one while it matches, else a new one."""
     cache = fsdp2.unit_summon_cache(module)
-    if cache is None:  # not a unit: nowhere to keep a cached summon, so none is worked out
+    if cache is None:  # not a unit: nowhere to keep one
         return collect_scope(module, recurse, modules=modules), None
     key = (id(module), recurse)
     cached = cache.get(key)
