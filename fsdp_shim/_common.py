@@ -1,15 +1,5 @@
-"""What the rooms share, from public torch alone (refusing mode imports it too): FSDP2's
-``_fsdp_common``, for the shim.
-
-- Units and routing: "is this an FSDP1 tree" (``is_fsdp1_tree``) and which implementation serves a
-  call (``route``: FSDP1's, the DTensor summon, or a null context), asked by both modes, the active
-  one through ``_summon.summon`` (which adds the registry's and FSDP2's records to "holds anything
-  distributed"); the public unit helpers (``fsdp_units``, ``is_fsdp_module``, ``param_fqn``), the
-  one-line replacement for FSDP1-era ``isinstance(m, FullyShardedDataParallel)``, never true of an
-  FSDP2 unit.
-- ``run_each``: the one loop of every error path's undo (each step runs; the first error is
-  raised after); ``refuse_arguments``: both modes' refusal of arguments FSDP1 does not take. The
-  errors callers catch by type are ``_errors``' (torch-free, for ``import fsdp_shim``).
+"""What the rooms share, from public torch alone (refusing mode imports it too): routing, shared by both
+modes, the public unit helpers, and the one loop of every error path's undo (``run_each``).
 """
 
 from __future__ import annotations
@@ -32,7 +22,7 @@ FSDP1_PREFIX = "_fsdp_wrapped_module."
 
 def is_fsdp1_tree(module: nn.Module, recurse: bool) -> bool:
     """Whether FSDP1 serves ``summon_full_params(module, recurse)``: the module is an FSDP1 wrapper, or,
-    with ``recurse``, holds one. The one test, for routing in both modes and for the stream's refusal."""
+    with ``recurse``, holds one."""
     if isinstance(module, FullyShardedDataParallel):
         return True
     return recurse and any(isinstance(m, FullyShardedDataParallel) for m in module.modules())
@@ -57,10 +47,8 @@ def scope_modules(root: nn.Module, recurse: bool) -> list[nn.Module]:
 
 
 def holds_distributed(modules: list[nn.Module]) -> bool:
-    """Whether ``modules`` (a ``scope_modules`` list) hold something distributed, by public torch alone:
-    a parameter or buffer slot holding a DTensor, or an FSDP2 unit among them (whose slots hold plain
-    tensors after a forward). The one predicate of both modes: the active mode adds only what the
-    registry and FSDP2's own records know (``_scope.has_distributed_params``)."""
+    """Whether ``modules`` hold something distributed, by public torch alone: a DTensor in a slot, or an
+    FSDP2 unit (whose slots hold plain tensors after a forward)."""
     return any(isinstance(m, FSDPModule) or any(isinstance(t, DTensor) for t in (*m._parameters.values(),
                                                                                  *m._buffers.values()))
                for m in modules)
@@ -69,18 +57,10 @@ def holds_distributed(modules: list[nn.Module]) -> bool:
 def route(
     module: nn.Module, recurse: bool, distributed: Callable[[list[nn.Module]], bool] = holds_distributed,
 ) -> tuple[Route, list[nn.Module] | None]:
-    """Which implementation serves ``summon_full_params(module, recurse)``, and the scope's modules if
-    the answer walked them (the summon reuses the walk).
-
-    FSDP1 trees go to FSDP1, untouched. An FSDP2 unit takes the DTensor path
-    (it validates its arguments, then may find nothing to gather). Any other
-    module takes it when ``distributed`` says its scope (``scope_modules``:
-    ``recurse`` honoured) holds something distributed, else gets a null
-    context, as FSDP1's is for a module without FSDP1 state. The module tree
-    and slot types are the same on every rank outside contexts; inside one,
-    the active mode's ``distributed`` also asks the registry, which
-    every rank keeps alike (see [Note: every rank decides alike] in ``_summon``).
-    """
+    """Which implementation serves ``summon_full_params(module, recurse)``: FSDP1's for FSDP1 trees, the
+    DTensor summon for an FSDP2 unit (which validates its arguments) or a scope ``distributed`` says holds
+    something distributed, else none; and the scope's modules if the answer walked them. Alike on every rank
+    ([Note: every rank decides alike] in ``_summon``)."""
     if is_fsdp1_tree(module, recurse):
         return "fsdp1", None
     if isinstance(module, FSDPModule):
@@ -90,10 +70,9 @@ def route(
 
 
 def refuse_arguments(fsdp1: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> NoReturn:
-    """Refuse arguments FSDP1's signature does not take, as both modes' wrappers do: with FSDP1's own
-    ``TypeError``, in its words, raised by binding them to ``fsdp1``, FSDP1's ``summon_full_params`` (a
-    ``contextmanager`` function: calling it binds its arguments and runs nothing of its body). Where this
-    FSDP1 takes them (a newer signature), the shim, which serves FSDP1's known arguments only, refuses."""
+    """Refuse arguments FSDP1's signature does not take with FSDP1's own ``TypeError``, by binding them to
+    ``fsdp1`` (a ``contextmanager`` function: calling it runs nothing of its body); those only a newer FSDP1
+    takes are refused too: the shim serves FSDP1's known arguments."""
     fsdp1(*args, **kwargs)
     raise TypeError(f"summon_full_params(): fsdp_shim serves FSDP1's arguments (module, recurse, writeback, "
                     f"rank0_only, offload_to_cpu, with_grads) only, not {len(args)} positional and {sorted(kwargs)}")
@@ -117,11 +96,8 @@ def fsdp_units(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
 
 def param_fqn(model: nn.Module, param: nn.Parameter) -> str:
-    """The first name under which ``param`` (this very object) is reachable in ``model`` now.
-
-    Inside ``summon_full_params`` the full parameters are new objects, so look
-    them up there, not in a map built before the context.
-    """
+    """The first name under which ``param`` (this very object) is reachable in ``model`` now (inside
+    ``summon_full_params`` the full parameters are new objects)."""
     for name, candidate in model.named_parameters(remove_duplicate=False):
         if candidate is param:
             return clean_fqn(name)
@@ -129,8 +105,8 @@ def param_fqn(model: nn.Module, param: nn.Parameter) -> str:
 
 
 def run_each(steps: Iterable[Callable[[], object] | None]) -> BaseException | None:
-    """Call every step (``None``: skipped), each even if one before it raised, ``KeyboardInterrupt`` too; return
-    the first error, for the caller to raise once all have run. Every undo of an error path runs so."""
+    """Call every step (``None``: skipped), each even if one before it raised, ``KeyboardInterrupt`` too;
+    return the first error, for the caller to raise once all have run."""
     first: BaseException | None = None
     for step in steps:
         if step is None:

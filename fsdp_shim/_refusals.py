@@ -1,14 +1,6 @@
-"""Every refusal the summon and the stream make, in the words they share: each raises before any
-change or collective, alike on every rank (see [Note: every rank decides alike] in ``_summon``).
-
-FSDP1's misuse gets FSDP1's exception types (``validate_args``,
-``refuse_busy``); what only FSDP2 and DTensor can get wrong (placements,
-the meta device, untracked parameters, another thread's slots) gets a
-``RuntimeError`` or ``NotImplementedError`` that names the parameter and
-says what to do. Process groups that cannot be used (destroyed, out of step,
-another thread's) are refused by ``_registry``, the room of group health
-(these checks ask it of the groups they find; the callers claim there). A
-refusal leaves everything as it was.
+"""Every refusal the summon and the stream make, in the words they share: each raises before any change or
+collective, alike on every rank. FSDP1's misuse gets FSDP1's exception types; what only FSDP2 and DTensor
+can get wrong gets an error that names the parameter and says what to do. Group health is ``_health``'s.
 """
 
 from __future__ import annotations
@@ -50,13 +42,12 @@ def validate_args(writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_
         )
     if writeback and rank0_only:
         raise NotImplementedError("writeback=True and rank0_only=True is not supported yet")
-    if offload_to_cpu and not rank0_only:
-        # FSDP1's warning, in its words and, as FSDP1 does, on every rank
+    if offload_to_cpu and not rank0_only:  # FSDP1's warning, on every rank as FSDP1's
         warnings.warn(OFFLOAD_WARNING, stacklevel=4)  # validate_args <- summon <- the patch's wrapper <- caller
 
 
-#: FSDP1's ``offload_to_cpu`` warning, word for word (``_unshard_param_utils._validate_unshard_params_args``,
-#: "the" and "unsharded" joined as there): code that filters FSDP1's warning filters ours.
+#: FSDP1's ``offload_to_cpu`` warning, word for word ("the" and "unsharded" joined as there): code that
+#: filters FSDP1's warning filters ours.
 OFFLOAD_WARNING = (
     "offload_to_cpu=True and rank0_only=False may result in the"
     "unsharded parameters being redundantly copied to CPU memory for "
@@ -72,19 +63,12 @@ FORWARD_BACKWARD_ERROR = "Cannot manually unshard parameters during forward/back
 def refuse_before_anything(
     module: nn.Module, scope: Scope, writeback: bool, thread: int, cached: CachedSummon | None = None,
 ) -> tuple[list[dist.ProcessGroup], list[DTensor]]:
-    """Every misuse this call can detect, before any collective or change, alike on every rank.
-
-    Returns the process groups the call gathers over (every dim of every
-    mesh in scope), checked alive: the engine does not check again; and each scoped
-    parameter's DTensor, as resolved now (``_prepare`` reuses them unless
-    FSDP2 adopts other ones). With a ``cached`` summon, the checks that
-    depend on a parameter's spec alone (placements, meshes) are skipped for
-    the specs it passed before (see [Note: summon cache] in ``_scope``); the
-    rest runs on every call, the gradients' checks too (a backward makes new
-    gradients).
-    """
+    """Every misuse this call can detect, before any collective or change, alike on every rank. Returns the
+    process groups the call gathers over, checked alive (the engine does not check again), and each
+    parameter's DTensor as resolved now. With ``cached``, the spec checks are skipped for the very specs it
+    passed before."""
     refuse_busy(lambda: f"summon_full_params({module_label(module)})", scope.states, list(scope.groups))
-    if registry.has_live_slots():  # a context open in any thread: are any of ours in another one's?
+    if registry.has_live_slots():
         for entry in scope.params:
             for slot in entry.slots:
                 owner = registry.owner_of(slot_key(*slot))
@@ -111,8 +95,7 @@ def refuse_before_anything(
         groups = refuse_placements(named, writeback, scope.meshes)
         if cached is not None:
             cached.passed(specs, writeback, groups)
-    # Gradients are rank-local: what they need is agreed by every rank after entry (``_grads.agreed_grads``).
-    return groups, shardeds
+    return groups, shardeds  # gradients are rank-local: ``_grads.agreed_grads`` checks them after agreeing
 
 
 def on_meta_device(call: str, fqn: str) -> RuntimeError:
@@ -135,13 +118,9 @@ def refuse_placements(
     named: Iterable[tuple[Callable[[], str], DTensor]], writeback: bool, gather_meshes: Meshes = None,
 ) -> list[dist.ProcessGroup]:
     """Every placement this torch cannot gather (or, under ``writeback``, write back), and every dead or
-    out-of-step group, refused before anything moves; the process groups the DTensors gather over.
-
-    ``named``: each DTensor with a function that names it (worked out only to raise).
-    ``gather_meshes``: the mesh each is gathered over, by position, where its owner says (FSDP2's:
-    see [Note: the group is FSDP2's] in ``_fsdp2``); else its own. The summon and the stream both
-    ask here, so they refuse the same things in the same words.
-    """
+    out-of-step group, refused before anything moves; returns the process groups the DTensors gather over.
+    ``named``: each DTensor with a function naming it; ``gather_meshes``: the mesh each is gathered over,
+    where it is not its own (FSDP2's)."""
     meshes: dict[int, tuple[Callable[[], str], DeviceMesh]] = {}  # one name a mesh
     for index, (name, dtensor) in enumerate(named):
         placements = dtensor.placements
@@ -152,7 +131,7 @@ def refuse_placements(
             raise NotImplementedError(f"cannot summon {name()!r}: {reason}")
         local = dtensor._local_tensor
         if type(local) is not Tensor and hasattr(local, "fsdp_pre_all_gather") and cast_wrapper_master(local) is None:
-            raise gather_extension(name(), type(local))  # see [Note: all-gather extensions]
+            raise gather_extension(name(), type(local))
         mesh = None if gather_meshes is None else gather_meshes[index]
         if mesh is None:
             mesh = dtensor.device_mesh
@@ -164,24 +143,14 @@ def refuse_placements(
 
 
 def gather_extension(fqn: str, subclass: type) -> NotImplementedError:
-    """The refusal of a tensor subclass that FSDP2 gathers through its all-gather extension.
+    """The refusal of a tensor subclass FSDP2 gathers through its all-gather extension
+    (``fsdp_pre_all_gather``), which says how training moves it, not what its values are.
 
-    [Note: all-gather extensions]
-    A local shard whose class defines ``fsdp_pre_all_gather`` (and
-    ``fsdp_post_all_gather``) is gathered by FSDP2 through that extension,
-    so the hook says how training moves it, not what its values are; what
-    the subclass holds decides. A cast wrapper (torchao's float8 training
-    weights: one plain inner master of the shard's own dtype, shape and
-    device, beside scalar scales at most: ``_compat.cast_wrapper_master``)
-    is served as that master: the engine reads it (``_compat.gathered_local``)
-    as it reads a plain shard, exact, and a writeback copies into the shard
-    in place, through the subclass, into the master, so the parameter, its
-    shard and its subclass stay. Anything else (torchao's ``NF4Tensor`` for
-    QLoRA: quantized inner tensors of other shapes) is refused here, as a
-    plain all-gather of it fails inside the subclass naming no parameter;
-    ``FSDPModule.unshard()`` gathers such a unit as FSDP2 does. Both read
-    types and metadata only: alike on every rank, before any collective.
-    """
+    A cast wrapper (torchao's float8 weights: one plain inner master of the shard's dtype, shape and device,
+    beside scalar scales: ``_compat.cast_wrapper_master``) is not refused: it is gathered as that master,
+    exactly, and written back in place through the subclass. Anything else (torchao's ``NF4Tensor``) is
+    refused, since a plain all-gather of it fails inside the subclass naming no parameter. Both tests read
+    types and metadata only: alike on every rank."""
     return NotImplementedError(
         f"cannot summon {fqn!r}: it is a {subclass.__module__}.{subclass.__qualname__}, a tensor subclass that "
         "FSDP2 gathers through its all-gather extension (fsdp_pre_all_gather / fsdp_post_all_gather); "
@@ -203,7 +172,7 @@ def refuse_writeback_inside_no_writeback(module: nn.Module, enclosing: Iterable[
 
 def refuse_grad_layouts(call: str, name: str, plain: type | None = None) -> RuntimeError:
     """The ``with_grads`` refusal of a gradient laid out otherwise than its parameter: ``plain``, the type
-    of a plain tensor beside a DTensor parameter; else laid out alike on no two ranks (``_grads.agreed_grads``)."""
+    of a plain tensor beside a DTensor parameter; else laid out differently across ranks."""
     if plain is not None:
         return RuntimeError(f"{call} refused: {name!r} is a plain {plain.__name__}, not a DTensor like its "
                             "parameter. Nothing was gathered.")
