@@ -1,10 +1,4 @@
-"""Gradients under ``with_grads``: which exist, agreed by every rank, then gathered.
-
-Which gradients exist is rank-local (``.grad``), and the collectives a call runs must not be
-(see [Note: every rank decides alike] in ``_summon``): the ranks agree first, in one small
-all-reduce a mesh (``agree_on_grads``), then the agreed gradients are gathered
-like the parameters, into full gradients by scope position.
-"""
+"""Gradients under ``with_grads``: which exist, agreed by every rank, then gathered like the parameters."""
 
 from __future__ import annotations
 
@@ -34,29 +28,18 @@ __all__ = ["agreed_grads", "gather_grads"]
 def agreed_grads(
     module: nn.Module, scope: Scope, dtensors: list[DTensor], writeback: bool, owner: LiveContext, posted: health.Call,
 ) -> tuple[list[tuple[int, DTensor]], list[dist.ProcessGroup], BaseException | None]:
-    """The gradients to gather under ``with_grads``, as every rank agrees (one small all-reduce a mesh), and
-    the process groups of those on another mesh, claimed for ``owner`` (its release gives them back), and
-    what making FSDP1's zeros raised on this rank, if anything (an allocation failure after a collective: the
-    parameters' gather agrees on it before it gathers, see [Note: allocate, agree, gather] in ``_gather.engine``).
+    """The gradients to gather, as every rank agrees; the process groups of those on another mesh, claimed
+    for ``owner``; and what making FSDP1's zeros raised on this rank, if anything (the parameters' gather
+    agrees on it before it gathers).
 
-    The agreement is the call's first collective: ``posted`` says so from the moment it is attempted, and
-    any fault from then on marks the call's groups (see [Note: a one-sided fault leaves its own mark] in
-    ``_health``), but for a refusal made from the agreed answer: every rank makes it alike, the
-    ranks stay in step, and it is raised once nothing else can fail.
-
-    Which gradients exist is rank-local (a rank whose parameter took no
-    part in the backward has none), and the buckets a gather runs must be
-    the same on every rank. So, as FSDP1's ``unshard_grad`` does, the ranks
-    agree first: a gradient that no rank of its parameter's mesh has stays
-    ``None``; one that some ranks lack is gathered with zeros there (and is
-    ``None`` again on those ranks after exit). A gradient on another layout
-    than its parameter (mesh, placements, shape or dtype) is gathered by its
-    own spec where every rank has one laid out the same way, and refused on
-    every rank otherwise: zeros could not be given its layout, and differing
-    layouts gather differently.
-    """
+    Which gradients exist is rank-local, and the buckets a gather runs must not be, so the ranks agree first,
+    as FSDP1's ``unshard_grad`` does: a gradient no rank of its mesh has stays ``None``; one some ranks lack
+    is gathered with zeros there. One laid out otherwise than its parameter is gathered by its own spec where
+    every rank lays it out alike, else refused everywhere (zeros could not take its layout). The agreement is
+    the call's first collective: a fault from then on marks the call's groups, but a refusal made from the
+    agreed answer is alike on every rank, keeps them in step, and is raised once nothing else can fail."""
     by_mesh: dict[int, list[int]] = {}
-    meshes = scope.meshes  # FSDP2's, where they differ from the specs' (see [Note: the group is FSDP2's])
+    meshes = scope.meshes
     agreement: list[Any] = []  # the meshes the agreement runs over
     for index, dtensor in enumerate(dtensors):
         mesh = dtensor.device_mesh if meshes is None or meshes[index] is None else meshes[index]
@@ -65,7 +48,7 @@ def agreed_grads(
         by_mesh.setdefault(id(mesh), []).append(index)
     flags = _local_flags(dtensors, by_mesh)  # allocated before the first collective
     call = f"summon_full_params({module_label(module)}, with_grads=True)"
-    refusal: BaseException | None = None  # decided from the agreed answer: alike on every rank
+    refusal: BaseException | None = None
     failure: BaseException | None = None
     groups: list[dist.ProcessGroup] = []
     try:
@@ -78,7 +61,7 @@ def agreed_grads(
             grad = dtensors[index].grad
             def name(i: int = index) -> str:
                 return f"{slot_fqn(module, scope.params[i].slots[0])}.grad"
-            if other_layout:  # refused alike: every rank knows what every other holds
+            if other_layout:
                 if missing or not one_layout:
                     refusal = refuse_grad_layouts(call, name())
                 elif not isinstance(grad, DTensor):
@@ -87,14 +70,13 @@ def agreed_grads(
                     break
                 foreign.append((name, cast(DTensor, grad)))
             chosen.append((index, grad))  # None: FSDP1's zeros, made below
-        if refusal is None:
-            # gradients on another mesh: their groups are checked, then claimed
+        if refusal is None:  # gradients on another mesh: their groups checked, then claimed
             try:
                 groups = refuse_placements(foreign, writeback=writeback) if foreign else []
             except (NotImplementedError, DestroyedGroupError, GroupOutOfStepError) as refused:  # before any gather
                 refusal = refused
         if refusal is None:
-            try:  # no communication
+            try:
                 chosen = [(i, torch.zeros_like(dtensors[i]) if g is None else g) for i, g in chosen]
             except BaseException as error:  # noqa: BLE001  # KeyboardInterrupt too: agreed on, then raised as itself
                 failure, chosen = error, []
@@ -114,8 +96,7 @@ def gather_grads(
     receiver: Receiver, collective_bytes: int | None, posted: health.Call, meshes: list[Any] | None = None,
     behind: collections.deque[Callable[[], object]] | None = None,
 ) -> dict[int, torch.Tensor]:
-    """Gather the agreed gradients (``agreed_grads``): full gradients by scope position,
-    over their parameters' ``meshes`` (the scope's)."""
+    """Gather the agreed gradients: full gradients by scope position, over their parameters' ``meshes``."""
     gathered = gather_full_tensors(
         [grad for _, grad in grads],
         holds_fulls=holds_fulls,
@@ -158,8 +139,8 @@ _NO_CODE = -(1 << 62)
 
 
 def _local_flags(dtensors: Sequence[DTensor], by_mesh: dict[int, list[int]]) -> list[torch.Tensor]:
-    """What this rank holds as each parameter's gradient, five numbers a parameter, one tensor a mesh
-    (``agree_on_grads`` says what they mean), on the device its collectives run on."""
+    """What this rank holds as each parameter's gradient, five numbers a parameter (``agree_on_grads``),
+    one tensor a mesh, on the device its collectives run on."""
     out: list[torch.Tensor] = []
     for indices in by_mesh.values():
         local: list[int] = []
@@ -167,7 +148,7 @@ def _local_flags(dtensors: Sequence[DTensor], by_mesh: dict[int, list[int]]) -> 
             param = dtensors[index]
             grad = param.grad
             other = grad is not None and not _laid_out_as(grad, param)
-            code = None if grad is None else _layout_code(grad)  # every present one: are they all alike?
+            code = None if grad is None else _layout_code(grad)
             local += [grad is None, grad is not None, other,
                       _NO_CODE if code is None else code, _NO_CODE if code is None else -code]
         out.append(torch.tensor(local, dtype=torch.int64).to(comm_device_of(dtensors[indices[0]])))
@@ -178,16 +159,9 @@ def agree_on_grads(
     dtensors: Sequence[DTensor], by_mesh: dict[int, list[int]], flags: list[torch.Tensor], meshes: Meshes,
     posted: health.Call,
 ) -> dict[int, GradPresence]:
-    """Every rank's view of which of ``dtensors`` have gradients, made the same on every rank.
-
-    A collective: one ``all_reduce(MAX)`` of ``flags`` (``_local_flags``: five numbers a parameter)
-    over each dim of each mesh in ``by_mesh`` (positions in ``dtensors``, grouped by mesh, in the
-    caller's order), which reduces over the whole mesh: missing somewhere, present somewhere, laid out
-    otherwise than the parameter somewhere, and the largest and (negated) smallest code of the present
-    gradients' layouts (equal: one layout on every rank). What a rank holds decides nothing about the
-    collectives that follow: only the agreed answer does. As FSDP1's ``unshard_grad`` all-reduces its
-    count of missing gradients. ``posted`` is set before the first all-reduce is attempted.
-    """
+    """Which of ``dtensors`` have gradients, the same on every rank: one ``all_reduce(MAX)`` of ``flags``
+    over each dim of each mesh gives, per parameter, missing somewhere, present somewhere, laid out otherwise
+    somewhere, and the largest and negated smallest layout code (equal: one layout everywhere)."""
     agreed: dict[int, GradPresence] = {}
     for indices, mesh_flags in zip(by_mesh.values(), flags, strict=True):
         mesh = None if meshes is None else meshes[indices[0]]  # its owner's, where it says (see ``Meshes``)
