@@ -17,7 +17,7 @@ from fsdp_shim.tools.models import LMConfig, TinyLM, build_lm, shard_lm, tokens_
 
 __all__ = [
     "LMConfig", "TinyLM", "build_lm", "shard_lm", "tokens_for",
-    "assert_params_equal", "full_state", "mesh1d", "patched", "snapshot",
+    "assert_params_equal", "full_state", "mesh1d", "patched", "reference_and_sharded", "snapshot",
     "assert_unchanged", "rank", "patch_state_restored", "counting_collectives", "wrapping_dist",
 ]
 
@@ -28,6 +28,11 @@ def rank() -> int:
 
 def mesh1d():
     return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def reference_and_sharded(**shard_kwargs) -> tuple[TinyLM, TinyLM]:
+    """A reference and a ``shard_lm`` copy (``shard_kwargs``: its keywords) of one seed: equal to start."""
+    return build_lm(), shard_lm(build_lm(), **shard_kwargs)
 
 
 @contextlib.contextmanager

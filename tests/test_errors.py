@@ -1,6 +1,6 @@
 """The typed errors: public, and each a ``RuntimeError``, so that ``except RuntimeError`` written against
 earlier releases still catches what it caught (the raising tests check each type where it is raised:
-test_one_sided, test_fail_safe, test_misuse, test_every_rank_alike, test_patching)."""
+test_one_sided, test_fail_safe, test_param, test_health, test_every_rank_alike, test_patching)."""
 
 from __future__ import annotations
 

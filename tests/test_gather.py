@@ -1,14 +1,17 @@
-"""The gather engine: bucket boundaries, fast and fallback paths, local writeback."""
+"""The gather engine: bucket boundaries, fast and fallback paths, local writeback; who receives under
+``rank0_only`` on HSDP."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from _helpers import mesh1d
+from _helpers import build_lm, mesh1d, patched, shard_lm
 from fsdp_shim._compat import STRIDED_SHARD_FULL_TENSOR_BROKEN
 from fsdp_shim._param import write_back_locals
 from fsdp_shim._gather.engine import AllGatherFlight, InPlace, gather_full_tensors, start_gather
@@ -372,3 +375,17 @@ def rank_one_unit_takes_one_collective():
 
 def test_one_unit_takes_one_collective(dist_run):
     dist_run(2, rank_one_unit_takes_one_collective)
+
+
+def rank_hsdp_rank0_only_is_rank0_of_every_shard_group():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    ref, model = build_lm(), shard_lm(build_lm(), mesh)
+    with patched(), FSDP.summon_full_params(model, writeback=False, rank0_only=True):
+        full = not isinstance(model.embed.weight, DTensor)
+        if full:
+            assert torch.equal(model.embed.weight, ref.embed.weight)
+    return full
+
+
+def test_hsdp_rank0_only_matches_fsdp1(dist_run):
+    assert dist_run(4, rank_hsdp_rank0_only_is_rank0_of_every_shard_group) == [True, False, True, False]

@@ -1,11 +1,29 @@
 """``_group``: what a summoned group changes on FSDP2's state and its units, undone exactly by
-``release``; and ``refuse_forwards``, on a real 2-rank FSDP2 model."""
+``release``; and ``refuse_forwards``, on a real 2-rank FSDP2 model. Then, through
+``FSDP.summon_full_params``: forwards inside (``generate``, and those refused), a backward through them
+refused, ``state_dict`` and ``load_state_dict`` inside, a conversion other than through a module."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+
+from _helpers import (
+    LMConfig,
+    assert_params_equal,
+    assert_unchanged,
+    full_state,
+    patched,
+    snapshot,
+    tokens_for,
+)
+from _helpers import reference_and_sharded as _models
 
 
 def _fsdp2_view(unit: nn.Module, group) -> tuple:
@@ -81,3 +99,150 @@ def rank_hook_sites_are_kept_only_once_fsdp2_registered_them():
 def test_hook_sites_are_kept_only_once_fsdp2_registered_them(dist_run):
     # two parameters' load post-hooks; then the module's state-dict save and load pre-hooks too
     assert dist_run(2, rank_hook_sites_are_kept_only_once_fsdp2_registered_them) == [(2, False, 4, True)] * 2
+
+
+def rank_a_conversion_other_than_through_a_module_warns():
+    _, model = _models()
+    before = snapshot(model)
+    with patched(), warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with FSDP.summon_full_params(model, writeback=False):
+            fc1 = model.blocks[0].fc1
+            fc1.weight.data = fc1.weight.data.double()  # no module's .to(): the shard cannot follow
+    assert_unchanged(model, before)
+    return [str(w.message) for w in record if "was converted to torch.float64" in str(w.message)]
+
+
+def test_a_conversion_other_than_through_a_module_warns(dist_run):
+    (message,), others = dist_run(2, rank_a_conversion_other_than_through_a_module_warns)  # once, on rank 0
+    assert others == [] and message.startswith("blocks.0.fc1.weight was converted to torch.float64")
+
+
+def rank_forward_inside_context(mixed: bool, first_forward_inside: bool):
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if mixed else None
+    ref, model = _models(mp_policy=mp)
+    tokens = tokens_for(LMConfig())
+    if not first_forward_inside:
+        model(tokens)  # leaves the root unsharded
+    expected = None
+    if mixed:  # FSDP2's own numerics, no context
+        expected = _models(mp_policy=mp)[1].generate(tokens, 4)
+    with patched():
+        with FSDP.summon_full_params(model, writeback=False, recurse=False):
+            got = model.generate(tokens, 4)
+            assert model.embed.weight.dtype == torch.float32
+            assert not isinstance(model.embed.weight, DTensor)
+            assert torch.equal(model.embed.weight, ref.embed.weight)
+        with FSDP.summon_full_params(model, writeback=False):
+            got_all = model.generate(tokens, 4)
+            assert_params_equal(model, ref)
+    want = expected if mixed else ref.generate(tokens, 4)
+    assert torch.equal(got, want) and torch.equal(got_all, want)
+    # training continues and matches the reference
+    if not mixed:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        for _ in range(2):
+            for m, o in ((model, opt), (ref, ref_opt)):
+                m(tokens).pow(2).mean().backward()
+                o.step()
+                o.zero_grad()
+        got = full_state(model)
+        for name, value in ref.named_parameters():
+            assert torch.equal(got[name], value), name
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16-policy"])
+@pytest.mark.parametrize("first_forward_inside", [False, True], ids=["after-forward", "first-forward-inside"])
+def test_generate_inside_context_matches_reference(dist_run, mixed, first_forward_inside):
+    dist_run(2, rank_forward_inside_context, mixed, first_forward_inside)
+
+
+def rank_state_dict_hooks_and_repeated_use():
+    ref, model = _models()
+    tokens = tokens_for(LMConfig())
+    with patched():
+        for _ in range(3):
+            model(tokens)
+            with FSDP.summon_full_params(model, writeback=False):
+                sd = model.state_dict()
+                assert all(torch.equal(sd[k], v) for k, v in ref.state_dict().items())
+        sd = model.state_dict()  # outside: FSDP2's sharded state dict again
+        assert all(isinstance(v, DTensor) for v in sd.values())
+
+
+def test_state_dict_inside_is_full_and_outside_sharded(dist_run):
+    dist_run(2, rank_state_dict_hooks_and_repeated_use)
+
+
+def rank_unsupported_forwards_raise_on_every_rank():
+    _, model = _models()
+    tokens = tokens_for(LMConfig())
+    before = snapshot(model)
+    with patched():
+        with FSDP.summon_full_params(model, writeback=False, rank0_only=True):
+            with pytest.raises(RuntimeError, match="rank0_only=True"):
+                model(tokens)
+        with FSDP.summon_full_params(model.blocks[0].fc1, writeback=False):
+            with pytest.raises(RuntimeError, match="only some of its parameters"):
+                model(tokens)  # refused before the root's pre-forward: FSDP2 state untouched
+            with pytest.raises(RuntimeError, match="only some of its parameters"):
+                model.blocks[0](torch.randn(2, 8, LMConfig().width))
+            assert isinstance(model.blocks[0].fc2.weight, DTensor)
+            assert not isinstance(model.blocks[0].fc1.weight, DTensor)
+    assert_unchanged(model, before)
+    model(tokens)  # FSDP2 still works
+
+
+def rank_backward_through_a_summoned_unit_raises_clearly():
+    ref, model = _models()
+    tokens = tokens_for(LMConfig())
+    before = snapshot(model)
+    with patched():
+        with FSDP.summon_full_params(model, writeback=False, recurse=False):
+            loss = model(tokens).sum()
+            with pytest.raises(RuntimeError, match="backward through outputs of FSDP unit FSDPTinyLM"):
+                loss.backward()
+        with torch.no_grad():
+            assert torch.equal(model(tokens), ref(tokens))  # forward inside built no state
+    model.reshard()
+    assert_unchanged(model, before)
+    for m in (model, ref):
+        m(tokens).sum().backward()
+    got = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    assert all(torch.equal(got[n], p.grad) for n, p in ref.named_parameters())
+
+
+def test_backward_through_a_summoned_unit_raises_clearly(dist_run):
+    dist_run(2, rank_backward_through_a_summoned_unit_raises_clearly)
+
+
+def test_forwards_that_would_desynchronise_ranks_raise(dist_run):
+    dist_run(2, rank_unsupported_forwards_raise_on_every_rank)
+
+
+def rank_load_state_dict_inside_loads_full_weights(forward_first: bool):
+    ref, model = _models()
+    tokens = tokens_for(LMConfig())
+    if forward_first:  # FSDP2 registers its state-dict hooks at lazy init
+        model(tokens)
+        model.reshard()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.mul_(-1.5)
+    target = {k: v.clone() for k, v in ref.state_dict().items()}
+    sharded = {n: p for n, p in model.named_parameters()}
+    before = snapshot(model)
+    with patched(), FSDP.summon_full_params(model, writeback=True):
+        model.load_state_dict(target)  # full tensors into full parameters
+        assert_params_equal(model, ref)
+    assert_unchanged(model, before, values=False)
+    assert all(p is sharded[n] for n, p in model.named_parameters())
+    got = full_state(model)
+    assert all(torch.equal(got[n], p) for n, p in ref.named_parameters())
+    assert torch.equal(model(tokens), ref(tokens))  # FSDP2 adopted nothing it should not have
+
+
+@pytest.mark.parametrize("forward_first", [False, True])
+def test_load_state_dict_inside_writes_a_full_checkpoint_into_shards(dist_run, forward_first):
+    dist_run(2, rank_load_state_dict_inside_loads_full_weights, forward_first)

@@ -1,12 +1,22 @@
 """``_health``: claims on process groups, per thread and per owner (no process group is needed: claims key
-groups by identity); out of step and destroyed groups on real groups; the run-ahead record, per group."""
+groups by identity); out of step and destroyed groups on real groups; the run-ahead record, per group;
+through ``FSDP.summon_full_params``, a group another thread's context uses, and a destroyed one, refused."""
 
 from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+import fsdp_shim
+from _helpers import patched
+from _helpers import reference_and_sharded as _models
 from fsdp_shim import _health as health
 
 
@@ -106,3 +116,55 @@ def rank_the_run_ahead_record_is_kept_per_process_group():
 
 def test_the_run_ahead_record_is_kept_per_process_group(dist_run):
     assert dist_run(2, rank_the_run_ahead_record_is_kept_per_process_group) == [1, 1]
+
+
+def rank_another_thread_on_the_same_group_is_refused():
+    _, model = _models()
+    entered, release = threading.Event(), threading.Event()
+
+    errors: list[BaseException] = []
+
+    def unit_zero():
+        try:
+            with FSDP.summon_full_params(model.blocks[0], writeback=False):
+                entered.set()
+                release.wait(30)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    with patched():
+        holder = threading.Thread(target=unit_zero)
+        holder.start()
+        assert entered.wait(30)
+        try:
+            with pytest.raises(RuntimeError, match="same process group"):
+                with FSDP.summon_full_params(model.blocks[1], writeback=False):  # disjoint slots, same group
+                    pass
+        finally:
+            release.set()
+            holder.join(30)
+    assert not holder.is_alive() and not errors, errors
+
+
+def test_another_thread_on_the_same_process_group_is_refused(dist_run):
+    dist_run(2, rank_another_thread_on_the_same_group_is_refused)
+
+
+def rank_destroyed_group_fails_clearly():
+    group = dist.new_group(list(range(dist.get_world_size())))
+    # a dim name of its own: torch maps nameless meshes over the same ranks to the first one made
+    mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("destroyed",))
+    model = nn.Linear(4, 4)
+    model.weight = nn.Parameter(distribute_tensor(model.weight.detach().clone(), mesh, [Shard(0)]))
+    with patched():
+        with FSDP.summon_full_params(model, writeback=False):
+            assert model.weight.shape == (4, 4)
+        dist.destroy_process_group(group)
+        with pytest.raises(fsdp_shim.DestroyedGroupError, match="destroyed"):
+            with FSDP.summon_full_params(model, writeback=False):
+                pass
+    assert isinstance(model.weight, DTensor)
+
+
+def test_a_destroyed_process_group_fails_clearly(dist_run):
+    dist_run(2, rank_destroyed_group_fails_clearly)

@@ -1,4 +1,5 @@
-"""The patch lifecycle (wrapt) and dispatch, in this process."""
+"""The patch lifecycle (wrapt) and dispatch, in this process; the ``fully_shard`` guard the patch installs,
+on two gloo ranks."""
 
 from __future__ import annotations
 
@@ -9,11 +10,15 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import torch.nn as nn
 import wrapt
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import fully_shard
 
 import fsdp_shim
+from _helpers import LMConfig, assert_unchanged, full_state, patch_state_restored, patched, snapshot, tokens_for
+from _helpers import reference_and_sharded as _models
 from fsdp_shim import _versions
 from fsdp_shim._common import is_fsdp1_tree
 from fsdp_shim._summon import summon
@@ -312,3 +317,34 @@ def test_arguments_fsdp1_does_not_take_are_refused_in_fsdp1s_words(mode):
     finally:
         fsdp_shim.unpatch()  # the fixture patches again, in active mode: refusing mode never outlives this test
     assert all(m.startswith("FullyShardedDataParallel.summon_full_params()") for m in fsdp1), fsdp1
+
+
+def rank_fully_shard_inside_is_refused():
+    ref, model = _models()
+    tokens = tokens_for(LMConfig())
+    before = snapshot(model)
+    with patched(), FSDP.summon_full_params(model, writeback=True):
+        with pytest.raises(RuntimeError, match=r"fully_shard\(\) inside summon_full_params"):
+            fully_shard(model.embed)
+        assert not hasattr(model.embed, "_get_fsdp_state")  # untouched: no state, no class swap
+    assert_unchanged(model, before)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
+    for _ in range(2):
+        for m, optimizer in zip((model, ref), optimizers):
+            m(tokens).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    got = full_state(model)
+    assert all(torch.equal(got[n], p) for n, p in ref.named_parameters())
+    fully_shard(nn.Linear(2, 2))  # outside, fully_shard works
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState  # noqa: PLC0415
+
+    with patch_state_restored():  # the guard is part of the patch: in with patch(), out with unpatch()
+        fsdp_shim.unpatch()
+        assert not hasattr(FSDPState.__init__, "__wrapped__")
+        fsdp_shim.patch()
+        assert hasattr(FSDPState.__init__, "__wrapped__")
+
+
+def test_fully_shard_inside_the_context_is_refused(dist_run):
+    dist_run(2, rank_fully_shard_inside_is_refused)

@@ -1,16 +1,22 @@
 """``_scope``: what a call covers, and the cached summon of a unit.
 
 Checked here, where it lives: every parameter once in tree order (a tie once, with both slots), the
-FSDP2 groups it touches and whether each is summoned whole, and the cache's validity. The summon's
-own tests check that it uses them (``test_summon``, ``test_summon_cache``). Two gloo ranks.
+FSDP2 groups it touches and whether each is summoned whole, and the cache's validity; through
+``FSDP.summon_full_params``, what ``recurse=False`` covers, ``ignored_params`` left out, DTensor buffers
+taken in. The summon's own tests check that it uses them (``test_summon``, ``test_summon_cache``). Two
+gloo ranks.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from _helpers import build_lm, shard_lm
+from _helpers import assert_params_equal, assert_unchanged, build_lm, mesh1d, patched, shard_lm, snapshot
+from _helpers import reference_and_sharded as _models
 from fsdp_shim import _fsdp2, _scope
 
 
@@ -57,3 +63,85 @@ def rank_a_cached_summon_serves_while_the_unit_is_unchanged():
 
 def test_a_cached_summon_serves_while_the_unit_is_unchanged(dist_run):
     dist_run(2, rank_a_cached_summon_serves_while_the_unit_is_unchanged)
+
+
+def rank_recurse_false_is_the_units_own_parameters():
+    ref, model = _models()
+    with patched():
+        with FSDP.summon_full_params(model, recurse=False, writeback=False):
+            full = {n for n, p in model.named_parameters() if not isinstance(p, DTensor)}
+            assert full == {"embed.weight", "norm.weight", "norm.bias"}  # lm_head is tied
+            assert isinstance(model.blocks[0].qkv.weight, DTensor)
+            assert torch.equal(model.embed.weight, ref.embed.weight)
+        with FSDP.summon_full_params(model.blocks[1], recurse=False, writeback=False):
+            full = {n for n, p in model.named_parameters() if not isinstance(p, DTensor)}
+            assert full == {f"blocks.1.{n}" for n, _ in ref.blocks[1].named_parameters()}
+            assert_params_equal(model.blocks[1], ref.blocks[1])
+        # a plain container: recurse=True covers its sharded blocks ...
+        with FSDP.summon_full_params(model.blocks, writeback=False):
+            assert_params_equal(model.blocks, ref.blocks)
+            assert isinstance(model.embed.weight, DTensor)
+        # ... and recurse=False does not descend into them (FSDP1: null context)
+        with FSDP.summon_full_params(model.blocks, recurse=False, writeback=False):
+            assert all(isinstance(p, DTensor) for p in model.blocks.parameters())
+        # a plain submodule inside a unit
+        with FSDP.summon_full_params(model.blocks[0].fc1, writeback=False):
+            assert_params_equal(model.blocks[0].fc1, ref.blocks[0].fc1)
+            assert isinstance(model.blocks[0].fc2.weight, DTensor)
+
+
+def test_recurse_false_is_the_units_own_parameters(dist_run):
+    dist_run(2, rank_recurse_false_is_the_units_own_parameters)
+
+
+def rank_ignored_params_stay_plain_and_untouched():
+    ref = build_lm()
+    model = build_lm()
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block, ignored_params={block.norm1.weight})
+    fully_shard(model)
+    ignored = model.blocks[0].norm1.weight
+    assert type(ignored) is nn.Parameter
+    before = snapshot(model)
+    with patched(), FSDP.summon_full_params(model, writeback=True):
+        assert model.blocks[0].norm1.weight is ignored  # not ours to swap
+        assert_params_equal(model, ref)
+    assert_unchanged(model, before)
+
+
+def test_ignored_params_stay_plain_and_untouched(dist_run):
+    dist_run(2, rank_ignored_params_stay_plain_and_untouched)
+
+
+class Scaled(nn.Module):
+    def __init__(self, mesh: DeviceMesh | None):
+        super().__init__()
+        torch.manual_seed(2)
+        self.linear = nn.Linear(4, 6)
+        self.register_buffer("scale", torch.randn(6))
+        if mesh is not None:
+            self.linear.weight = nn.Parameter(distribute_tensor(self.linear.weight.detach(), mesh, [Shard(0)]))
+            self.linear.bias = nn.Parameter(distribute_tensor(self.linear.bias.detach(), mesh, [Replicate()]))
+            self.scale = distribute_tensor(self.scale, mesh, [Shard(0)])
+
+    def forward(self, x):
+        return self.linear(x) * self.scale
+
+
+def rank_dtensor_buffers_are_gathered_like_parameters():
+    ref, model = Scaled(None), Scaled(mesh1d())
+    buffer = model.scale
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    with patched():
+        with FSDP.summon_full_params(model, writeback=True):
+            assert not isinstance(model.scale, DTensor) and torch.equal(model.scale, ref.scale)
+            assert torch.equal(model(x), ref(x))  # used to fail: mixed torch.Tensor and DTensor
+            model.scale.mul_(2.0)
+    assert model.scale is buffer
+    assert torch.equal(buffer.full_tensor(), ref.scale * 2.0)
+
+
+def test_dtensor_buffers_are_gathered_like_parameters(dist_run):
+    dist_run(2, rank_dtensor_buffers_are_gathered_like_parameters)

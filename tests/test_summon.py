@@ -1,4 +1,7 @@
-"""FSDP1 semantics of summon_full_params, exercised on FSDP2 models (2 gloo ranks).
+"""FSDP1 semantics of summon_full_params, exercised on FSDP2 models (2 gloo ranks): what the whole
+context does across its rooms (values, writeback, rank0_only, offload, exits, nesting, units a forward
+left unsharded). What one room decides is checked in that room's file (``test_scope``, ``test_param``,
+``test_group``, ``test_grads``, ``test_refusals``, ...).
 
 Each ``rank_*`` function runs on every rank; the ``test_*`` function names the
 FSDP1 behaviour it proves.
@@ -10,7 +13,6 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -24,14 +26,11 @@ from _helpers import (
     full_state,
     patched,
     rank,
+    reference_and_sharded as _models,
     shard_lm,
     snapshot,
     tokens_for,
 )
-
-
-def _models(**shard_kwargs):
-    return build_lm(), shard_lm(build_lm(), **shard_kwargs)
 
 
 # --------------------------------------------------------------------------- scope and values
@@ -49,35 +48,6 @@ def rank_recurse_true_gives_full_reference_values():
 
 def test_recurse_true_gives_full_reference_values(dist_run):
     dist_run(2, rank_recurse_true_gives_full_reference_values)
-
-
-def rank_recurse_false_is_the_units_own_parameters():
-    ref, model = _models()
-    with patched():
-        with FSDP.summon_full_params(model, recurse=False, writeback=False):
-            full = {n for n, p in model.named_parameters() if not isinstance(p, DTensor)}
-            assert full == {"embed.weight", "norm.weight", "norm.bias"}  # lm_head is tied
-            assert isinstance(model.blocks[0].qkv.weight, DTensor)
-            assert torch.equal(model.embed.weight, ref.embed.weight)
-        with FSDP.summon_full_params(model.blocks[1], recurse=False, writeback=False):
-            full = {n for n, p in model.named_parameters() if not isinstance(p, DTensor)}
-            assert full == {f"blocks.1.{n}" for n, _ in ref.blocks[1].named_parameters()}
-            assert_params_equal(model.blocks[1], ref.blocks[1])
-        # a plain container: recurse=True covers its sharded blocks ...
-        with FSDP.summon_full_params(model.blocks, writeback=False):
-            assert_params_equal(model.blocks, ref.blocks)
-            assert isinstance(model.embed.weight, DTensor)
-        # ... and recurse=False does not descend into them (FSDP1: null context)
-        with FSDP.summon_full_params(model.blocks, recurse=False, writeback=False):
-            assert all(isinstance(p, DTensor) for p in model.blocks.parameters())
-        # a plain submodule inside a unit
-        with FSDP.summon_full_params(model.blocks[0].fc1, writeback=False):
-            assert_params_equal(model.blocks[0].fc1, ref.blocks[0].fc1)
-            assert isinstance(model.blocks[0].fc2.weight, DTensor)
-
-
-def test_recurse_false_is_the_units_own_parameters(dist_run):
-    dist_run(2, rank_recurse_false_is_the_units_own_parameters)
 
 
 def rank_original_dtype_and_requires_grad_are_kept():
@@ -150,7 +120,7 @@ def test_writeback_of_tied_head_reaches_embedding(dist_run):
     dist_run(2, rank_tied_head_edit_with_full_like_mask)
 
 
-# --------------------------------------------------------------------------- rank0_only / offload / grads
+# --------------------------------------------------------------------------- rank0_only / offload
 def rank_rank0_only_other_ranks_keep_shards():
     ref, model = _models()
     before = snapshot(model)
@@ -203,105 +173,7 @@ def test_offload_to_cpu_full_params_on_cpu_and_warning(dist_run):
     assert dist_run(2, rank_offload_to_cpu_warns_like_fsdp1) == [None, None]
 
 
-def rank_a_conversion_other_than_through_a_module_warns():
-    _, model = _models()
-    before = snapshot(model)
-    with patched(), warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        with FSDP.summon_full_params(model, writeback=False):
-            fc1 = model.blocks[0].fc1
-            fc1.weight.data = fc1.weight.data.double()  # no module's .to(): the shard cannot follow
-    assert_unchanged(model, before)
-    return [str(w.message) for w in record if "was converted to torch.float64" in str(w.message)]
-
-
-def test_a_conversion_other_than_through_a_module_warns(dist_run):
-    (message,), others = dist_run(2, rank_a_conversion_other_than_through_a_module_warns)  # once, on rank 0
-    assert others == [] and message.startswith("blocks.0.fc1.weight was converted to torch.float64")
-
-
-def rank_with_grads():
-    ref, model = _models()
-    tokens = tokens_for(LMConfig())
-    with patched():
-        with FSDP.summon_full_params(model, writeback=False, with_grads=True):
-            assert all(p.grad is None for p in model.parameters())  # missing stays None
-        model(tokens).sum().backward()
-        ref(tokens).sum().backward()
-        model.blocks[0].fc1.bias.grad = None  # one missing gradient among present ones
-        ref.blocks[0].fc1.bias.grad = None
-        before = snapshot(model)
-        with FSDP.summon_full_params(model, writeback=False, with_grads=True):
-            for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
-                if r.grad is None:
-                    assert p.grad is None, name
-                else:
-                    assert p.grad is not None and not isinstance(p.grad, DTensor), name
-                    torch.testing.assert_close(p.grad, r.grad, rtol=0, atol=1e-6)
-            with torch.no_grad():
-                for p in model.parameters():
-                    if p.grad is not None:
-                        p.grad.fill_(3.0)
-        assert_unchanged(model, before)  # writeback=False: gradients untouched
-        with FSDP.summon_full_params(model, writeback=True, with_grads=True):
-            model.blocks[1].fc2.weight.grad.fill_(5.0)
-        grad = model.blocks[1].fc2.weight.grad
-        assert isinstance(grad, DTensor) and torch.all(grad.full_tensor() == 5.0)
-
-
-def test_with_grads_gathers_and_writes_back_gradients(dist_run):
-    dist_run(2, rank_with_grads)
-
-
-# --------------------------------------------------------------------------- misuse
-def rank_misuse_raises_fsdp1_types_before_any_swap():
-    _, model = _models()
-    before = snapshot(model)
-    with patched():
-        with pytest.raises(NotImplementedError, match="rank0_only"):
-            with FSDP.summon_full_params(model, writeback=True, rank0_only=True):
-                pass
-        with pytest.raises(NotImplementedError, match="with_grads"):
-            with FSDP.summon_full_params(model, with_grads=True, offload_to_cpu=True):
-                pass
-        with pytest.raises(TypeError, match="nn.Module"):
-            FSDP.summon_full_params("model")
-        seen = []
-
-        def hook(module, args):
-            with pytest.raises(AssertionError, match="TinyLM.*forward/backward"):
-                with FSDP.summon_full_params(model):
-                    pass
-            with pytest.raises(AssertionError, match="FSDPBlock.*forward/backward.*FORWARD"):
-                with FSDP.summon_full_params(model.blocks[1]):  # idle itself, but its root is not
-                    pass
-            seen.append(True)
-
-        handle = model.blocks[0].register_forward_pre_hook(hook)
-        model(tokens_for(LMConfig()))
-        handle.remove()
-        assert seen
-
-        def backward_hook(module, grad_output):
-            with pytest.raises(AssertionError, match="FSDPBlock.*forward/backward.*BACKWARD"):
-                with FSDP.summon_full_params(model.blocks[1]):
-                    pass
-            seen.append(True)
-
-        handle = model.blocks[1].register_full_backward_pre_hook(backward_hook)
-        model(tokens_for(LMConfig())).sum().backward()
-        handle.remove()
-        assert len(seen) == 2
-        model.zero_grad(set_to_none=True)
-    model.reshard()
-    assert_unchanged(model, before)
-
-
-def test_misuse_raises_what_fsdp1_raises(dist_run):
-    dist_run(2, rank_misuse_raises_fsdp1_types_before_any_swap)
-
-
-# --------------------------------------------------------------------------- exceptions and forwards inside
+# --------------------------------------------------------------------------- exits, nesting, units left unsharded
 def rank_exception_in_body_restores_everything():
     ref, model = _models()
     before = snapshot(model)
@@ -325,46 +197,6 @@ def rank_exception_in_body_restores_everything():
 
 def test_exception_in_body_restores_objects_and_state(dist_run):
     dist_run(2, rank_exception_in_body_restores_everything)
-
-
-def rank_forward_inside_context(mixed: bool, first_forward_inside: bool):
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if mixed else None
-    ref, model = _models(mp_policy=mp)
-    tokens = tokens_for(LMConfig())
-    if not first_forward_inside:
-        model(tokens)  # leaves the root unsharded
-    expected = None
-    if mixed:  # FSDP2's own numerics, no context
-        expected = _models(mp_policy=mp)[1].generate(tokens, 4)
-    with patched():
-        with FSDP.summon_full_params(model, writeback=False, recurse=False):
-            got = model.generate(tokens, 4)
-            assert model.embed.weight.dtype == torch.float32
-            assert not isinstance(model.embed.weight, DTensor)
-            assert torch.equal(model.embed.weight, ref.embed.weight)
-        with FSDP.summon_full_params(model, writeback=False):
-            got_all = model.generate(tokens, 4)
-            assert_params_equal(model, ref)
-    want = expected if mixed else ref.generate(tokens, 4)
-    assert torch.equal(got, want) and torch.equal(got_all, want)
-    # training continues and matches the reference
-    if not mixed:
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-        for _ in range(2):
-            for m, o in ((model, opt), (ref, ref_opt)):
-                m(tokens).pow(2).mean().backward()
-                o.step()
-                o.zero_grad()
-        got = full_state(model)
-        for name, value in ref.named_parameters():
-            assert torch.equal(got[name], value), name
-
-
-@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16-policy"])
-@pytest.mark.parametrize("first_forward_inside", [False, True], ids=["after-forward", "first-forward-inside"])
-def test_generate_inside_context_matches_reference(dist_run, mixed, first_forward_inside):
-    dist_run(2, rank_forward_inside_context, mixed, first_forward_inside)
 
 
 def rank_unsharded_units_are_summoned_from_master_weights():
@@ -473,23 +305,6 @@ def test_nested_contexts_restore_everything(dist_run):
     dist_run(2, rank_nesting_child_inside_parent_and_parent_inside_child)
 
 
-def rank_state_dict_hooks_and_repeated_use():
-    ref, model = _models()
-    tokens = tokens_for(LMConfig())
-    with patched():
-        for _ in range(3):
-            model(tokens)
-            with FSDP.summon_full_params(model, writeback=False):
-                sd = model.state_dict()
-                assert all(torch.equal(sd[k], v) for k, v in ref.state_dict().items())
-        sd = model.state_dict()  # outside: FSDP2's sharded state dict again
-        assert all(isinstance(v, DTensor) for v in sd.values())
-
-
-def test_state_dict_inside_is_full_and_outside_sharded(dist_run):
-    dist_run(2, rank_state_dict_hooks_and_repeated_use)
-
-
 def rank_direct_api_without_patch():
     import fsdp_shim
 
@@ -518,116 +333,6 @@ def rank_plain_module_is_null_context():
 
 def test_module_without_dtensors_is_null_context(dist_run):
     dist_run(2, rank_plain_module_is_null_context)
-
-
-def rank_unsupported_forwards_raise_on_every_rank():
-    _, model = _models()
-    tokens = tokens_for(LMConfig())
-    before = snapshot(model)
-    with patched():
-        with FSDP.summon_full_params(model, writeback=False, rank0_only=True):
-            with pytest.raises(RuntimeError, match="rank0_only=True"):
-                model(tokens)
-        with FSDP.summon_full_params(model.blocks[0].fc1, writeback=False):
-            with pytest.raises(RuntimeError, match="only some of its parameters"):
-                model(tokens)  # refused before the root's pre-forward: FSDP2 state untouched
-            with pytest.raises(RuntimeError, match="only some of its parameters"):
-                model.blocks[0](torch.randn(2, 8, LMConfig().width))
-            assert isinstance(model.blocks[0].fc2.weight, DTensor)
-            assert not isinstance(model.blocks[0].fc1.weight, DTensor)
-    assert_unchanged(model, before)
-    model(tokens)  # FSDP2 still works
-
-
-def rank_backward_through_a_summoned_unit_raises_clearly():
-    ref, model = _models()
-    tokens = tokens_for(LMConfig())
-    before = snapshot(model)
-    with patched():
-        with FSDP.summon_full_params(model, writeback=False, recurse=False):
-            loss = model(tokens).sum()
-            with pytest.raises(RuntimeError, match="backward through outputs of FSDP unit FSDPTinyLM"):
-                loss.backward()
-        with torch.no_grad():
-            assert torch.equal(model(tokens), ref(tokens))  # forward inside built no state
-    model.reshard()
-    assert_unchanged(model, before)
-    for m in (model, ref):
-        m(tokens).sum().backward()
-    got = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-    assert all(torch.equal(got[n], p.grad) for n, p in ref.named_parameters())
-
-
-def test_backward_through_a_summoned_unit_raises_clearly(dist_run):
-    dist_run(2, rank_backward_through_a_summoned_unit_raises_clearly)
-
-
-def test_forwards_that_would_desynchronise_ranks_raise(dist_run):
-    dist_run(2, rank_unsupported_forwards_raise_on_every_rank)
-
-
-def rank_load_state_dict_inside_loads_full_weights(forward_first: bool):
-    ref, model = _models()
-    tokens = tokens_for(LMConfig())
-    if forward_first:  # FSDP2 registers its state-dict hooks at lazy init
-        model(tokens)
-        model.reshard()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.mul_(-1.5)
-    target = {k: v.clone() for k, v in ref.state_dict().items()}
-    sharded = {n: p for n, p in model.named_parameters()}
-    before = snapshot(model)
-    with patched(), FSDP.summon_full_params(model, writeback=True):
-        model.load_state_dict(target)  # full tensors into full parameters
-        assert_params_equal(model, ref)
-    assert_unchanged(model, before, values=False)
-    assert all(p is sharded[n] for n, p in model.named_parameters())
-    got = full_state(model)
-    assert all(torch.equal(got[n], p) for n, p in ref.named_parameters())
-    assert torch.equal(model(tokens), ref(tokens))  # FSDP2 adopted nothing it should not have
-
-
-@pytest.mark.parametrize("forward_first", [False, True])
-def test_load_state_dict_inside_writes_a_full_checkpoint_into_shards(dist_run, forward_first):
-    dist_run(2, rank_load_state_dict_inside_loads_full_weights, forward_first)
-
-
-def rank_ignored_params_stay_plain_and_untouched():
-    ref = build_lm()
-    model = build_lm()
-    from torch.distributed.fsdp import fully_shard
-
-    for block in model.blocks:
-        fully_shard(block, ignored_params={block.norm1.weight})
-    fully_shard(model)
-    ignored = model.blocks[0].norm1.weight
-    assert type(ignored) is nn.Parameter
-    before = snapshot(model)
-    with patched(), FSDP.summon_full_params(model, writeback=True):
-        assert model.blocks[0].norm1.weight is ignored  # not ours to swap
-        assert_params_equal(model, ref)
-    assert_unchanged(model, before)
-
-
-def test_ignored_params_stay_plain_and_untouched(dist_run):
-    dist_run(2, rank_ignored_params_stay_plain_and_untouched)
-
-
-def rank_writeback_of_a_reshaped_parameter_fails_cleanly():
-    _, model = _models()
-    before = snapshot(model)
-    with patched():
-        with pytest.raises(RuntimeError, match="writeback keeps the original shape"):
-            with FSDP.summon_full_params(model, writeback=True):
-                with torch.no_grad():
-                    model.blocks[0].fc1.weight.add_(1.0)  # would persist, were the shapes sound
-                model.blocks[1].fc2.bias.data = torch.zeros(3)
-    assert_unchanged(model, before)  # nothing half-written, every object back
-
-
-def test_writeback_of_a_reshaped_parameter_fails_cleanly(dist_run):
-    dist_run(2, rank_writeback_of_a_reshaped_parameter_fails_cleanly)
 
 
 def rank_summon_between_forward_and_backward_copies_units_left_unsharded(writeback: bool):
