@@ -14,7 +14,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from _helpers import build_lm, mesh1d, patched, shard_lm
 from fsdp_shim._compat import STRIDED_SHARD_FULL_TENSOR_BROKEN
 from fsdp_shim._param import write_back_locals
-from fsdp_shim._gather.engine import AllGatherFlight, InPlace, gather_full_tensors, start_gather
+from fsdp_shim._gather import engine
+from fsdp_shim._gather.engine import AllGatherFlight, InPlace
+from fsdp_shim._health import Call
 from fsdp_shim._gather.layout import (
     BUCKET_ENV,
     DEFAULT_BUCKET_MB,
@@ -24,6 +26,17 @@ from fsdp_shim._gather.layout import (
     split_into_buckets,
 )
 from fsdp_shim._refusals import refuse_placements
+
+
+def gather_full_tensors(dtensors, **kwargs):
+    """The engine's summon gather, as a call of its own (its record: ``_health.Call``)."""
+    return engine.gather_full_tensors(dtensors, posted=Call(), **kwargs)
+
+
+def start_gather(dtensors, **kwargs):
+    """The engine's stream gather, as a call of its own."""
+    return engine.start_gather(dtensors, posted=Call(), **kwargs)
+
 
 DEFAULT = bucket_cap().bucket_bytes
 
@@ -189,7 +202,7 @@ def test_offload_moves_results_to_cpu(dist_run):
 
 def test_bucket_size_from_keyword_env_and_default(monkeypatch):
     monkeypatch.delenv(BUCKET_ENV, raising=False)
-    assert bucket_cap() == (int(DEFAULT_BUCKET_MB * 2**20), UNCAPPED)  # [Note: one unit, one collective]
+    assert bucket_cap() == (int(DEFAULT_BUCKET_MB * 2**20), UNCAPPED)  # ``layout.UNCAPPED``
     monkeypatch.setenv(BUCKET_ENV, "0.5")
     assert bucket_cap() == (2**19, None)  # a chosen size holds for one unit too
     assert bucket_cap(2).bucket_bytes == 2 * 2**20  # the keyword wins
@@ -213,8 +226,6 @@ def rank_receivers_deliver_to_exactly_the_ranks_named():
 
 
 def _deliver_to_exactly_the_ranks_named(mesh, fulls, dtensors, shard_rank):
-    from fsdp_shim._gather.engine import start_gather
-
     for receiver, keeps in (("all", True), ("group_rank0", shard_rank == 0), ("global_rank0", dist.get_rank() == 0)):
         got, _, _ = gather_full_tensors(dtensors, holds_fulls=keeps, receiver=receiver, bucket_bytes=300)
         for full, out in zip(fulls, got):
@@ -303,10 +314,10 @@ def rank_summon_window_holds_two_buckets_at_most():
 
     _engine._finish_bucket = recording
     try:
-        gather = _engine.BucketGather(dtensors, bucket_bytes=64, ahead=1)  # one tensor a bucket
+        gather = _engine.BucketGather(dtensors, bucket_bytes=64, ahead=1, posted=Call())  # one tensor a bucket
         assert len(gather._flights) == 1
         got = gather.finish(holds_fulls=True).tensors
-        whole = _engine.BucketGather(dtensors, bucket_bytes=64)  # the stream's: every bucket at once
+        whole = _engine.BucketGather(dtensors, bucket_bytes=64, posted=Call())  # the stream's: every bucket at once
         assert len(whole._flights) == len(specs)
         whole.finish(holds_fulls=True)
     finally:
@@ -320,7 +331,7 @@ def test_summon_window_holds_two_buckets_at_most(dist_run):
 
 
 def rank_one_unit_takes_one_collective():
-    """[Note: one unit, one collective]: on the all-gather path a per-unit summon packs its unit's
+    """``layout.UNCAPPED``: on the all-gather path a per-unit summon packs its unit's
     tensors below the cap in one collective, as FSDP2's unshard() does, even where they add up to more
     than the cap, unless a bucket size is chosen; a tensor above the cap gets a collective of its own,
     whose output is its full tensor (held once, never copied out of a flat buffer); a summon of several
