@@ -1,16 +1,11 @@
 """Group health: which thread claims each process group, which groups are out of step, destroyed or
 unguarded on NCCL, and how far a rank may run ahead of its group. Every summon and stream asks here before its
-first collective and records here what it leaves part way; the engine (``_gather``) decides none of it.
+first collective and marks here what it leaves part way; the engine (``_gather``) decides none of it.
 
 [Note: threads]
-Contexts are per thread. Nesting (a context inside another) is a property of
-one thread: a nested call leaves the slots its own thread's enclosing context
-swapped to that context. A context in another thread is never nested: its
-slots are refused, and so is any process group it is using, because two
-threads issuing collectives on one group interleave them (the ranks then
-disagree, corrupt each other's buffers or abort). The rule is FSDP's own: one
-thread per rank calls collectives. Every refusal comes before any collective
-or change.
+Contexts are per thread: a nested call is one thread's. Another thread's slots are refused, and so is any
+process group it is using: two threads issuing collectives on one group interleave them (FSDP's own rule: one
+thread per rank calls collectives). Every refusal comes before any collective or change.
 """
 
 from __future__ import annotations
@@ -62,16 +57,13 @@ def has_live_context(thread: int) -> bool:
 
 def claim(owner: object, thread: int, groups: Sequence[dist.ProcessGroup], call: Callable[[], str], *,
           context: bool = False) -> None:
-    """Claim ``groups`` for ``owner`` (a context, or a stream) in ``thread``; a second claim of the same
-    owner adds to its first. Refused, claiming nothing, if another thread's owner holds one of them
-    ([Note: threads]); ``call()`` names the call (worked out only to raise).
+    """Claim ``groups`` for ``owner`` (a context, or a stream) in ``thread``, adding to its earlier claim; refused,
+    claiming nothing, if another thread's owner holds one ([Note: threads]). ``call()`` names the call.
 
     [Note: claims]
-    A claim is one record per owner, made by one dict store and given back by
-    one dict pop (``release``): an interrupt lands before or after either,
-    never inside, so no claim is half made or half given back, and a second
-    release finds nothing. So an owner releases in a ``finally`` whether or
-    not its claim was made, and on every path.
+    One record per owner, made by one dict store and given back by one dict pop (``release``): an interrupt
+    lands before or after either, never inside, and a second release finds nothing. So an owner releases in a
+    ``finally`` on every path, claimed or not.
     """
     ids = frozenset(map(id, groups))
     with _lock:
@@ -101,11 +93,8 @@ _out_of_step: weakref.WeakKeyDictionary[dist.ProcessGroup, tuple[str, list[objec
 
 
 def mark_part_way(groups: Iterable[dist.ProcessGroup], error: BaseException) -> None:
-    """Record that this rank left a call's gathers over ``groups`` part way: a collective posted, not all of them.
-
-    See [Note: a one-sided fault leaves its own mark]: the other ranks may have posted
-    collectives this rank never will, so every group of the call is out of step on this rank.
-    """
+    """Record that this rank left a call's gathers over ``groups`` part way ([Note: a one-sided fault leaves its
+    own mark]): the other ranks may have posted collectives this rank never will."""
     for group in groups:
         mark_out_of_step(group, error, part_way=True)
 
@@ -113,30 +102,15 @@ def mark_part_way(groups: Iterable[dist.ProcessGroup], error: BaseException) -> 
 def mark_out_of_step(
     group: dist.ProcessGroup, error: BaseException, buffers: Iterable[object] = (), part_way: bool = False,
 ) -> None:
-    """Record that a collective posted on ``group`` failed to complete.
+    """Record that a collective posted on ``group`` may never complete, holding its ``buffers``.
 
     [Note: out of step]
-    A collective whose wait raises (a timeout, a peer that died or never
-    posted its side) leaves the group out of step: this rank has a posted
-    collective the others will never match, or they have one this rank
-    never posted, and c10d has no way to withdraw either. The next
-    collective on the group would pair with the wrong one, hang until it
-    times out, or corrupt memory. So the group is recorded here, and every
-    later summon or stream over it refuses at once (``require_live_groups``),
-    as FSDP1 and FSDP2 would hang. A fault that hits every rank alike
-    before a call's first collective (a summon's allocations, which the
-    ranks agree on: [Note: allocate, agree, gather] in ``_gather.engine``)
-    leaves nothing posted, nothing recorded, and the group usable; a launch
-    that raises counts as posted ([Note: posted from the attempt]).
-    The failed collective's ``buffers`` are held here for as long as the
-    group lives: the transport may still write a late peer's data into a
-    collective it gave up waiting for (gloo does: it aborts the process on
-    a size mismatch, measured, and would write into freed memory on a
-    match), so they are never freed under it. A rank that left a call's
-    gathers part way records its groups too, its own collectives all waited
-    for (see [Note: a one-sided fault leaves its own mark]).
-    The only recovery is a new process group: ``destroy_process_group`` of
-    this one and a model sharded on a new one, or a restarted job.
+    A collective whose wait raised (a timeout, a dead peer) or that a call left part way cannot be withdrawn:
+    the group's next collective would pair with the wrong one, hang or corrupt memory. So every later summon
+    or stream over it refuses at once (``require_live_groups``) where FSDP1 and FSDP2 would hang. The buffers
+    are held for as long as the group lives: gloo still writes a late peer's data into a collective it gave up
+    on. The only recovery is a new process group, or a restarted job. A fault on every rank alike before a
+    call's first collective posts nothing and marks nothing.
     """
     what = f"{type(error).__name__}: {error}".splitlines()[0][:200]
     if part_way:
@@ -160,26 +134,12 @@ def nccl_fault_rule(env: Mapping[str, str]) -> NcclFaultRule:
     """What stops an NCCL all-gather that failed (a timeout, a dead peer) from being read as arrived.
 
     [Note: faults on NCCL]
-    On gloo ``work.wait()`` blocks the host and raises on a timeout or a dead
-    peer, and the summon's fault rules rest on that (see [Note: faults] in
-    ``_summon``). On NCCL it only makes the current stream wait, and raises
-    nothing. What guards the values there is one of:
-    - ``"watchdog"``, torch's default (``TORCH_NCCL_ASYNC_ERROR_HANDLING`` 1
-      or 3, or unset): NCCL's watchdog tears the process down when a
-      collective fails or times out, so nothing is written back to the
-      shards: the job dies, loudly. It does not stop what the host already
-      queued on the GPU behind the failed gather (the body's broadcast to an
-      inference engine) from running on partial values before the abort:
-      what was sent then is the receiver's to discard.
-    - ``"blocking_wait"`` (``TORCH_NCCL_BLOCKING_WAIT=1``): ``wait()`` blocks
-      and raises as on gloo, so gloo's rules hold: nothing written back, the
-      group recorded out of step.
-    - ``"unguarded"`` (async error handling 0 or 2 without blocking wait, as
-      some fault-tolerant stacks set): a failed all-gather's output could be
-      read, and under ``writeback=True`` copied into the training shards.
-      The shim warns once per process, naming the group's backend as the
-      user spelled it (see [Note: NCCL as torch resolves it] in ``_compat``).
-    Torch's older spellings (``NCCL_BLOCKING_WAIT``, ``NCCL_ASYNC_ERROR_HANDLING``) count too.
+    On gloo ``wait()`` blocks and raises; on NCCL it raises nothing. What guards the values there:
+    ``"watchdog"`` (torch's default: async error handling 1, 3 or unset) tears the process down, so nothing is
+    written back (work already queued behind the gather still runs on partial values: the receiver's to
+    discard); ``"blocking_wait"`` (``TORCH_NCCL_BLOCKING_WAIT=1``) raises as gloo does; ``"unguarded"`` (async
+    error handling 0 or 2, no blocking wait) could hand out, or write back, values that never arrived: the shim
+    warns once. Torch's older spellings (``NCCL_*``) count too.
     """
     def value(name: str, default: str) -> str:
         return env.get(f"TORCH_{name}", env.get(name, default)).strip()
@@ -207,11 +167,7 @@ def unguarded_nccl_warning(spelling: str, env: Mapping[str, str]) -> str:
 
 
 def serves_cuda_with_nccl(group: dist.ProcessGroup) -> tuple[bool, str]:
-    """Whether NCCL serves ``group``'s CUDA tensors, and the group's backend as its creator spelled it.
-
-    Asks the group for the backend that serves CUDA tensors (``_fsdp2.cuda_backend_name``); where it
-    cannot answer, resolves the spelling (``_compat.cuda_backend_of``).
-    """
+    """Whether NCCL serves ``group``'s CUDA tensors (the group's answer, else the spelling's), and the spelling."""
     spelling = str(dist.get_backend(group))
     backend = fsdp2.cuda_backend_name(group)
     if backend is None:
@@ -234,10 +190,8 @@ def warn_if_unguarded(groups: Iterable[dist.ProcessGroup]) -> None:
 
 
 def require_live_groups(groups: Iterable[dist.ProcessGroup], user: Callable[[], str]) -> None:
-    """A destroyed, foreign or out-of-step process group fails here, clearly, not inside a collective.
-
-    ``user()``: what gathers over ``groups``, as the message names it (worked out only to raise).
-    """
+    """A destroyed, foreign or out-of-step process group fails here, clearly, not inside a collective;
+    ``user()`` names what gathers over it."""
     for group in groups:
         if not fsdp2.is_live_group(group):
             raise destroyed_group(user)
@@ -265,38 +219,23 @@ def live_mesh_dim_groups(mesh: DeviceMesh, user: Callable[[], str]) -> list[dist
 
 
 class Call:
-    """One summon's or stream's record, made by the call and written by the engine: whether a collective was
-    posted yet (``any``), and each one posted that may never complete (``lost``: its group marked out of step,
-    its buffers held).
-
-    ``any`` is a class attribute until the first post sets it (see [Note: hot path] in ``_summon``); it is set
-    from the attempt ([Note: posted from the attempt] in ``_gather.engine``), and by ``_grads.agreed_grads``
-    once the gradients' agreement commits every rank to gather.
+    """One summon's or stream's record, passed to the engine: whether a collective was attempted yet (``any``:
+    a class attribute until then), and each one that may never complete (``lost``: marked out of step).
 
     [Note: a one-sided fault leaves its own mark]
-    A fault on one rank (most likely an out-of-memory error while staging: the
-    ranks' free memory differs) may raise after some of the call's collectives
-    were posted. The other ranks go on to post the rest, and c10d cannot
-    withdraw either side, so this rank's next collective on the group would
-    pair with a peer's stale one: gloo aborts the process, NCCL, which checks
-    no sizes, hangs, corrupts memory or, where the shapes match, hands over
-    another parameter's shards. This rank cannot tell a one-sided fault from
-    one that hit every rank alike. So whatever leaves a call's gathers part way
-    (any ``BaseException``) after it posted a collective, and before it posted
-    the last one it planned, marks every group of the call out of step on this
-    rank (``mark_part_way``); its next summon or stream there is refused at once,
-    before any collective. The call (``_summon``, ``_stream``) knows when its last
-    collective is posted and marks. A fault before the call's first collective
-    leaves nothing posted and marks nothing: if it hit every rank alike, the
-    group is still usable.
+    A fault on one rank (an out-of-memory error while staging: free memory differs) may raise after some of the
+    call's collectives were posted; the others post the rest, and this rank's next collective would pair with a
+    stale one (gloo aborts; NCCL hangs, corrupts, or hands over another tensor's shards). A rank cannot tell a
+    one-sided fault from one on every rank, so whatever leaves a call part way after its first collective marks
+    every group of the call (``mark_part_way``): the call knows when its last collective is posted. Before the
+    first collective nothing is marked: a fault on every rank alike leaves the group usable.
     """
 
     any = False
     lost = staticmethod(mark_out_of_step)
 
 
-#: Each process group's last summons that received nothing, as what blocks the host until each one's last
-#: collective has completed, oldest first (see [Note: bounded run-ahead] in ``_gather.engine``).
+#: Each group's last summons that received nothing: what blocks until each completed ([Note: bounded run-ahead]).
 _behind: weakref.WeakKeyDictionary[dist.ProcessGroup, collections.deque[Callable[[], object]]] = (
     weakref.WeakKeyDictionary())
 

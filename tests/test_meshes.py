@@ -226,7 +226,7 @@ def test_strided_shard_parameter_is_exact_or_refused_by_name(dist_run):
 
 # --------------------------------------------------------------------------- a shard group of one
 def rank_shard_group_of_one(mesh_shape: tuple[int, ...]):
-    """One rank per shard group ([Note: a group of one]): a world of one, or HSDP with one shard per replica."""
+    """One rank per shard group (``engine._start_alone``): a world of one, or HSDP with one shard per replica."""
     names = ("replicate", "shard")[-len(mesh_shape):]
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     ref, model = build_lm(), shard_lm(build_lm(), mesh)

@@ -1,16 +1,12 @@
-"""The gather engine: DTensors in, full tensors out, one bucket or one batch in flight.
+"""The gather engine (FSDP2's ``_fsdp_collectives``, for buckets): DTensors in, full tensors out.
 
-Owns a bucket's staging (``stage_bucket``: its output allocated, its copy-in, its all-gather held until
-launched), its record in flight (``InPlace``, ``AllGatherFlight``), the launch, the copy-out, the
-``full_tensor()`` fallback, and the one driver (``BucketGather``) the summon (``gather_full_tensors``) and
-the stream (``start_gather``) use: FSDP2's ``_fsdp_collectives``, for buckets. Nothing here knows about
-modules, FSDP state or swapping; ``_summon`` and ``_stream`` decide *what* to gather and where it goes.
+Stages a bucket (``stage_bucket``: output, copy-in), launches, waits and copies out, with the ``full_tensor()``
+fallback, through one driver (``BucketGather``) that the summon (``gather_full_tensors``) and the stream
+(``start_gather``) share. It knows nothing of modules or FSDP state, and keeps nothing between calls.
 
-Invariants: every posted work is waited for, whatever raises (``_wait_all``); no rank runs more than two
-buckets or batches past the last one it saw complete (``completion``); what a call posted, and what may never
-complete, is written on the call's record (``Posted``), whose owner marks its groups: the engine decides
-nothing of group health and keeps no state between calls. Each mechanism is a note beside its code;
-``docs/gather-engine.md`` maps them, with the measurements behind each.
+Invariants: every posted work is waited for, whatever raises; no rank runs more than two buckets or batches
+past the last one it saw complete; what a call posted, and what may never complete, goes on the call's record
+(``Posted``), whose owner marks its groups. ``docs/gather-engine.md`` maps the notes and their measurements.
 """
 
 from __future__ import annotations
@@ -51,9 +47,8 @@ _ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "al
 
 
 def all_gather_single(*args: Any, **kwargs: Any) -> Any:
-    """``dist.all_gather_single`` (``all_gather_into_tensor`` before 2.13), looked up on ``torch.distributed``
-    at each call: whatever wraps the boundary (a tracer, the tests' fault injection) sees the shim's
-    collectives too."""
+    """``dist.all_gather_single`` (``all_gather_into_tensor`` before 2.13), looked up at each call: whatever
+    wraps ``torch.distributed`` (a tracer, the tests' faults) sees the shim's collectives too."""
     return getattr(dist, _ALL_GATHER)(*args, **kwargs)
 
 
@@ -67,13 +62,8 @@ class Waitable(Protocol):
 
 @dataclass(eq=False)
 class InFlight:
-    """A staged bucket, in one of two shapes (``InPlace``, ``AllGatherFlight``); its collective until it is in.
-
-    ``work`` is its launched collective (``None`` where there is none, or
-    until it is launched); everything the collective reads or writes is
-    held here until ``work`` is waited for (see [Note: every posted work
-    is waited for]).
-    """
+    """A staged bucket (``InPlace`` or ``AllGatherFlight``). ``work``, once launched, is waited for before
+    anything it reads or writes, all held here, is let go ([Note: every posted work is waited for])."""
 
     bucket: list[BucketEntry]
     split_sizes: list[int]  # each tensor's padded shard, in elements
@@ -86,33 +76,22 @@ class InFlight:
 
 @dataclass(eq=False)
 class InPlace(InFlight):
-    """Full tensors already where they stay, with no collective: a shard group of one, or nothing to move.
-
-    ``padded_fulls`` are the padded full tensors; ``None`` where this rank
-    receives nothing (a group without the receiver).
-    """
+    """No collective: a shard group of one, or nothing to move. ``padded_fulls``: None where this rank keeps
+    nothing."""
 
     padded_fulls: list[torch.Tensor] | None = None
 
 
 # [Note: posted from the attempt]
-# An interrupt can land inside torch's Python wrapper right after c10d
-# posted a collective, or right after the launch returns, before its
-# ``Work`` is stored; from outside, either looks like a launch that
-# raised. So a call counts as posted (``Posted``) from the attempt, and
-# ``AllGatherFlight.launched`` drops ``launch`` before calling it: a
-# flight with neither ``launch`` nor ``work`` whose input is still held
-# was attempted and its work is unknown, so ``_wait_once`` keeps its
-# buffers for good and marks its group out of step on this rank.
+# An interrupt right after c10d posted, or before the ``Work`` is stored, looks like a launch that raised. So a
+# call counts as posted from the attempt, and ``launched`` drops ``launch`` before calling it: a flight with
+# neither ``launch`` nor ``work`` whose input is still held has unknown work, so ``_wait_once`` tells the call
+# it is lost (its buffers held for good, its group marked).
 @dataclass(eq=False)
 class AllGatherFlight(InFlight):
-    """A bucket all-gathered into one flat output of ``W`` rank blocks, copied out afterwards.
-
-    ``launch`` holds the collective while the bucket is staged and not yet
-    launched (see [Note: staged, then launched]); ``gather_input`` is what
-    it sends (this rank's block of ``output``, or a shard sent as it is),
-    held until it is waited for.
-    """
+    """A bucket all-gathered into one flat output of ``W`` rank blocks, copied out afterwards. ``launch``: the
+    collective, until launched; ``gather_input``: what it sends (this rank's block of ``output``, or a shard as
+    it is), held until waited for."""
 
     output: torch.Tensor | None = None
     blocks: int = 0  # the rank blocks of ``output`` that hold rows (``BucketShape.blocks``)
@@ -135,21 +114,11 @@ def copy_in(
     block: torch.Tensor, unpadded: bool, host_copies: list[Any] | None = None,
 ) -> torch.Tensor:
     """This rank's padded shards, back to back, in ``block`` (its block of the output): the all-gather's input.
-    ``unpadded``: the plan's word that every shard fills its padded size (``BucketShape.unpadded``).
+    A bucket of one whose shard needs no padding, cast or move is its own input ([Note: a bucket of one]).
 
-    A bucket of one whose shard needs no padding, cast or move is its own
-    input, and nothing is copied (see [Note: a bucket of one]).
-
-    [Note: copy-in from host memory]
-    Shards in host memory (FSDP2's ``CPUOffloadPolicy``, pinned) are moved to
-    the device by a ``non_blocking`` copy, which the device runs when its
-    stream reaches it: a host write to a shard before then (an optimizer step
-    on the CPU shards right after the summon returns) would tear the gathered
-    values. So each such copy records an event on ``host_copies``, and the
-    gather synchronises the last one before it returns
-    (``BucketGather.finish``): by then no copy still reads the shards. The
-    copies precede their all-gathers on the stream, so the wait is short and
-    the overlap of copy-in and all-gather is kept.
+    Shards in host memory (``CPUOffloadPolicy``) move by a ``non_blocking`` copy, which a host write (an
+    optimizer step right after the summon) could tear: each records an event on ``host_copies``, and the
+    gather synchronises the last before it returns (``BucketGather.finish``).
     """
     per_rank = sum(split_sizes)
     shards = [s if type(s) is torch.Tensor else gathered_local(s)  # a cast wrapper: its master (_compat)
@@ -171,7 +140,7 @@ def copy_in(
             piece[numel:].zero_()
     torch._foreach_copy_(destinations, sources, non_blocking=True)  # casts and moves in the same pass
     if host_copies is not None and device.type != "cpu" and sources[0].device.type == "cpu":
-        event = getattr(torch, device.type).Event()  # see [Note: copy-in from host memory]
+        event = getattr(torch, device.type).Event()  # synchronised in ``BucketGather.finish``
         event.record()
         host_copies.append(event)
     return block
@@ -188,15 +157,8 @@ def comm_device_of(dtensor: DTensor) -> torch.device:
 
 def stage_bucket(bucket: list[BucketEntry], shape: BucketShape, receiver: Receiver = "all",
                  host_copies: list[Any] | None = None, reserved: Reserved | None = None) -> InFlight:
-    """Copy in this rank's padded shards; the bucket's collective is left for ``launched()``.
-
-    As FSDP2 does, the input is this rank's block of the output buffer, so the
-    copy-in needs no buffer of its own and the all-gather runs in place. A
-    bucket of one tensor whose shard needs no padding, cast or move is sent
-    as it is: no copy-in at all (see [Note: a bucket of one]).
-    With ``reserved`` (the summon: see [Note: allocate, agree, gather]) it allocates nothing.
-    Called under ``no_grad``.
-    """
+    """Copy in this rank's padded shards, in place in the output as FSDP2 does; the collective is left for
+    ``launched()``. With ``reserved`` ([Note: allocate, agree, gather]) it allocates nothing. Under ``no_grad``."""
     first = bucket[0]
     world_size, group, rank = first.layout.world_size, first.layout.group, first.layout.rank
     split_sizes, dtype = shape.split_sizes, shape.dtype
@@ -223,16 +185,9 @@ def _start_alone(
     bucket: list[BucketEntry], split_sizes: list[int], dtype: torch.dtype, device: torch.device,
     padded_fulls: list[torch.Tensor] | None = None,
 ) -> InFlight:
-    """A shard group of one rank: each full tensor is its shard, copied once.
-
-    [Note: a group of one]
-    When the shard mesh dim has one rank (one GPU, or HSDP with one shard per
-    replica), nothing is exchanged: each full tensor is a fresh copy of its
-    shard (cast on the way where asked), made in one ``_foreach_copy_`` per
-    bucket. The copy is still needed: results never alias live shards, so
-    ``writeback=False`` edits are discarded as FSDP1's ``FULL_SHARD`` discards
-    them. ``padded_fulls``: where the copies go, if reserved already.
-    """
+    """A shard group of one rank (one GPU, HSDP with one shard a replica): each full tensor a fresh copy of
+    its shard, never an alias, so ``writeback=False`` edits are discarded as FSDP1 discards them.
+    ``padded_fulls``: where the copies go, if reserved."""
     if padded_fulls is None:
         padded_fulls = [torch.empty(padded, dtype=dtype, device=device) for padded in split_sizes]
     shards = [s if type(s) is torch.Tensor else gathered_local(s) for s in [b.dtensor._local_tensor for b in bucket]]
@@ -241,25 +196,13 @@ def _start_alone(
 
 
 # [Note: allocate, agree, gather]
-# FSDP1 allocates a unit's flat parameter before the unit's one all-gather,
-# so an out-of-memory error is raised before anything is posted and the
-# group stays usable. A summon gathers in several buckets, so it allocates
-# what all of them need first: each full tensor it keeps (a bucket of
-# one's output is its full tensor), the buffers the other buckets' outputs
-# take turns in (at most two buckets are in flight: [Note: one bucket in
-# flight]; so a rank that keeps nothing, under ``rank0_only``, holds no more
-# than two outputs, as before), and for offloaded full tensors a host
-# buffer to land in. Then every rank says, in one small all-reduce over
-# every dim of every mesh of the call (``agree_ready``: a summon is a
-# collective of the whole mesh), whether it could: if any could not, every
-# rank raises before any all-gather, the failing rank its own error, the
-# others an error of the same kind. So an out-of-memory error
-# on every rank alike, or on one rank only, leaves nothing posted and the
-# group usable, and the caller's "free memory, retry" works as on FSDP1.
-# What still allocates between collectives: the ``full_tensor()`` fallback
-# (DTensor allocates inside it) and the stream's batches (it holds two at
-# most, so it cannot allocate a model ahead); a failure there leaves the
-# call part way (see [Note: a one-sided fault leaves its own mark]).
+# FSDP1 allocates a unit's flat parameter before its one all-gather, so an out-of-memory error leaves the group
+# usable. A summon allocates everything its buckets need first (the full tensors it keeps, two cycling output
+# buffers: [Note: one bucket in flight], host landing buffers when offloading), then every rank says in one
+# all-reduce over every dim of every mesh of the call (``agree_ready``) whether it could. If one could not,
+# every rank raises before any all-gather: one-sided or not, nothing is posted and "free memory, retry" works.
+# Still allocating between collectives: the ``full_tensor()`` fallback and the stream's batches (two at most);
+# a failure there leaves the call part way ([Note: a one-sided fault leaves its own mark] in ``_health``).
 class Reserve(NamedTuple):
     """What a summon keeps of its gathers, known before it allocates (see [Note: allocate, agree, gather])."""
 
@@ -268,12 +211,8 @@ class Reserve(NamedTuple):
 
 
 class Reserved(NamedTuple):
-    """One bucket's buffers, allocated before the call's first collective.
-
-    ``output``: its all-gather's (the kept full tensor itself for a bucket of one, else a view of one of two
-    cycling buffers); ``fulls``: the padded full tensors its copy-out fills (None: the output is the full
-    tensor, or this rank keeps none); ``host``: where the output is copied on the host first (offload).
-    """
+    """One bucket's buffers: ``output`` (a bucket of one's kept full tensor, else a view of a cycling buffer),
+    ``fulls`` (what its copy-out fills), ``host`` (where an offloaded output lands)."""
 
     output: torch.Tensor | None
     fulls: list[torch.Tensor] | None
@@ -289,8 +228,7 @@ class _Own(NamedTuple):
 
 
 class _Turn(NamedTuple):
-    """A view at ``offset`` bytes into the shared buffer ``buffer`` (a device's cycling buffer for outputs: even
-    turns at its front, odd ones at its back; a host's landing buffer for offloaded outputs)."""
+    """A view at ``offset`` bytes into shared buffer ``buffer`` (a device's cycling one, or a host landing one)."""
 
     buffer: int
     offset: int
@@ -322,14 +260,11 @@ def _aligned(nbytes: int) -> int:
 
 def reservation(plan: BucketPlan, buckets: Sequence[list[BucketEntry]], receiver: Receiver, keep: Reserve,
                 dtensors: Sequence[DTensor], meshes: Meshes) -> Reservation:
-    """What ``reserve_buffers`` allocates for ``plan``'s buckets (see [Note: allocate, agree, gather]): worked out
-    once, kept on the plan under ``(receiver, keep)``.
+    """What ``reserve_buffers`` allocates for ``plan``'s buckets, worked out once and kept on the plan.
 
-    The outputs nobody keeps take turns in one buffer per device: even turns at its front, odd ones at its
-    back, so bucket ``k`` and ``k + 1`` (in flight together: [Note: one bucket in flight]) never overlap,
-    and it is as large as the largest two adjacent outputs, what they took before. The agreement runs over
-    every dim of every mesh the call's tensors live on, in the order they first appear, alike on every rank:
-    a rank's groups differ from another's, and only a reduction over whole meshes tells every rank the same.
+    Outputs nobody keeps take turns in one buffer per device, even turns at its front, odd at its back, so
+    buckets ``k`` and ``k + 1`` (in flight together) never overlap. The agreement's groups are every dim of
+    every mesh, in first-seen order: ranks' own groups differ, only whole meshes tell every rank the same.
     """
     sizes: dict[torch.device, list[int]] = {}  # each device's outputs nobody keeps, in turn order (bytes)
     landing: dict[torch.device, int] = {}  # the largest output offloaded in pieces, per host device
@@ -340,7 +275,7 @@ def reservation(plan: BucketPlan, buckets: Sequence[list[BucketEntry]], receiver
         numel = layout.world_size * sum(shape.split_sizes)
         if not delivers_over(receiver, layout.group):
             recipes.append((None, None, None))
-        elif layout.world_size == 1:  # see [Note: a group of one]: copies of the shards, where they are kept
+        elif layout.world_size == 1:  # copies of the shards, where they are kept (``_start_alone``)
             recipes.append((None, [((n,), dtype, target) for n in shape.split_sizes] if keep.holds_fulls else None,
                             None))
         elif keep.holds_fulls and len(bucket) == 1 and target == device:
@@ -392,16 +327,14 @@ def reservation(plan: BucketPlan, buckets: Sequence[list[BucketEntry]], receiver
 
 
 def _flag(device: torch.device) -> torch.Tensor:
-    """The agreement's flag: a normal tensor, also when the plan is made under ``inference_mode`` (the flag is
-    reused by later calls, which write it in place)."""
+    """The agreement's flag, never an inference tensor: later calls write it in place."""
     with torch.inference_mode(False):
         return torch.zeros(1, dtype=torch.int64, device=device)
 
 
 def reserve_buffers(recipe: Reservation, out: list[Reserved]) -> None:
-    """Allocate what ``recipe`` says into ``out``, by bucket (see [Note: allocate, agree, gather]). On a failure
-    nothing it allocated stays referenced (an exception's frames would keep it, on every rank, for as long as
-    the caller's ``except`` block runs: the memory its retry needs)."""
+    """Allocate what ``recipe`` says into ``out``. On a failure nothing stays referenced: the exception's frames
+    would hold it through the caller's ``except`` block, where its retry needs the memory."""
     shared: list[torch.Tensor] = []
     try:
         shared += [torch.empty(n, dtype=torch.uint8, device=device) for n, device in recipe.shared]
@@ -429,10 +362,8 @@ _OOM: type[BaseException] = getattr(torch, "OutOfMemoryError", None) or torch.cu
 
 def agree_ready(groups: Sequence[dist.ProcessGroup], failure: BaseException | None, posted: Posted,
                 flag: torch.Tensor) -> None:
-    """Whether every rank allocated what its gathers need (``failure``: what this one raised); if not, every
-    rank raises, before any all-gather: one ``all_reduce(MAX)`` a group. ``posted`` is set from the attempt
-    (an interrupt right after it is one-sided) and cleared where every rank refuses alike (nothing is
-    pending). See [Note: allocate, agree, gather]."""
+    """Whether every rank allocated (``failure``: this one's error); if not, every rank raises before any
+    all-gather. ``posted`` is set from the attempt and cleared where every rank refuses alike."""
     posted.any = True
     flag.fill_(_READY if failure is None else _OUT_OF_MEMORY if isinstance(failure, _OOM) else _FAILED)
     for group in groups:
@@ -450,9 +381,8 @@ def agree_ready(groups: Sequence[dist.ProcessGroup], failure: BaseException | No
 
 
 class Posted(Protocol):
-    """The record of the call a gather belongs to, its caller's (``_health.Call``): ``any`` is set once a
-    collective is posted (from the attempt: [Note: posted from the attempt]), ``lost`` is told of each posted
-    collective that may never complete, with the buffers it may still write (never to be freed under it)."""
+    """The call's record (``_health.Call``): ``any`` once a collective is attempted; ``lost`` is told of each
+    posted collective that may never complete, with the buffers it may still write."""
 
     any: bool
 
@@ -462,12 +392,8 @@ class Posted(Protocol):
 
 
 def resolve_device(device: torch.device | str | int | None) -> torch.device | None:
-    """A device as a user names it, as torch means it: the host for ``"cpu"`` and ``"cpu:0"``; an
-    accelerator named without an index (``"cuda"``, ``torch.device("cuda")``) is the current one.
-
-    Results land where the resolved device says, compared with ``==``: an unresolved ``"cuda"`` never
-    equals the ``cuda:k`` a tensor is on, and only a host target offloads (``_finish_bucket``).
-    """
+    """A device as torch means it: ``"cpu:0"`` is the host, ``"cuda"`` the current GPU (results are placed by
+    ``==``, which an unresolved ``"cuda"`` never equals)."""
     if device is None:
         return None
     device = torch.device(device)
@@ -481,12 +407,8 @@ def resolve_device(device: torch.device | str | int | None) -> torch.device | No
 
 
 def _wait_once(flight: InFlight) -> None:
-    """Wait for ``flight``'s collective, once (see [Note: every posted work is waited for]).
-
-    A wait that raises an ``Exception`` (a timeout, a dead peer) is told to
-    the call's record (``Posted.lost``: its owner marks the group) and is not retried. A ``KeyboardInterrupt`` leaves
-    the work in place, so the caller's clean-up waits for it again.
-    """
+    """Wait for ``flight``'s collective, once. A wait that raises an ``Exception`` (a timeout, a dead peer) is
+    told to the call (``Posted.lost``) and not retried; a ``KeyboardInterrupt`` leaves it to be waited again."""
     work = flight.work
     if work is None:
         if isinstance(flight, AllGatherFlight) and flight.launch is None and flight.gather_input is not None:
@@ -511,26 +433,12 @@ def completion(works: Sequence[Waitable], device: torch.device) -> Callable[[], 
     """What blocks the host until ``works`` (waited for, on ``device``) have completed.
 
     [Note: bounded run-ahead]
-    On NCCL ``work.wait()`` only makes the current stream wait: it returns at
-    once, and NCCL's watchdog times each collective from its post. A rank that
-    receives nothing (``rank0_only``, not rank 0) does no host work after a
-    wait, so, unbounded, it would post every gather of a sync within
-    milliseconds, and the last ones would time out while rank 0's consumer
-    works through the first ones. So no rank ever has more than two buckets
-    (the summon) or batches (the stream) posted ahead of the last one it saw
-    complete: before posting ``k + 1`` it blocks the host on ``k - 1``'s
-    completion, while ``k`` stays on the wire (its overlap, and the stream's
-    on the receiving rank, kept). On CUDA, ``k - 1``'s completion is an event
-    recorded on the current stream right after its ``wait()``, synchronised;
-    on the host, the work's own future (gloo's ``wait()`` already blocked, so
-    it is done). A gather of one or two buckets never needs one.
-    Across calls the same holds for the per-unit weight-sync loop, one
-    summon a unit, whose non-receiving ranks would otherwise post every unit's
-    gather while rank 0 sends the first: on a rank that receives nothing,
-    ``gather_full_tensors`` blocks on call ``k - 1``'s last collective before
-    call ``k + 1`` posts (``behind``, kept by ``_health`` for each group). A receiving rank's own consumer
-    paces it, so it pays nothing; a host wait chooses no collective, so ranks
-    may differ in it.
+    On NCCL ``wait()`` returns at once and the watchdog times each collective from its post, so a rank that
+    receives nothing (``rank0_only``, not rank 0) would post a whole sync's gathers while rank 0 works through
+    the first, and the last would time out. So no rank posts bucket (or batch, or call) ``k + 1`` before
+    ``k - 1`` has completed, while ``k`` stays on the wire: on CUDA an event recorded after ``k - 1``'s
+    ``wait()``, on the host the work's own future. Across calls, ``gather_full_tensors`` paces by ``behind``
+    (``_health.calls_behind``). A host wait chooses no collective, so ranks may differ in it.
     """
     if device.type == "cpu":
         # Each work's future, chained to one whose value is an int (``id``, a C function: no Python frame, so
@@ -547,19 +455,11 @@ def _wait_all(flights: Sequence[InFlight]) -> BaseException | None:
     """Wait for every launched collective in ``flights``, each even if another's wait raises; the first error.
 
     [Note: every posted work is waited for]
-    Whatever raises while buckets are in flight (a staging copy, an
-    allocation, a launch, a copy-out, a ``KeyboardInterrupt``), every
-    collective already launched is waited for before the error propagates,
-    each one even if another's wait raises, and its buffers are held until
-    then: c10d cannot withdraw a posted collective, a buffer freed under one
-    would be written after it is freed, and a collective left unmatched would
-    pair with the next call's. A fault that hits every rank alike raises at
-    the same bucket on each, before that bucket's collective is posted, so the
-    ranks stay in step; the group stays usable if it raised before the call's
-    first collective, and is marked out of step otherwise, as a one-sided
-    fault must be (see [Note: a one-sided fault leaves its own mark]). A wait that fails (a
-    timeout, a dead peer) records the group as out of step (see
-    [Note: out of step] in ``_health``). A work is never waited for twice.
+    Whatever raises while buckets are in flight (a copy, an allocation, a launch, a ``KeyboardInterrupt``),
+    every collective already launched is waited for, once, before the error propagates, and its buffers are
+    held until then: c10d cannot withdraw a posted collective, a buffer freed under it would be written after
+    free, and one left unmatched would pair with the next call's. A fault on every rank alike raises at the same
+    bucket on each, before its collective, so the ranks stay in step.
     """
     first: BaseException | None = None
     for flight in flights:
@@ -576,27 +476,14 @@ def _wait_all(flights: Sequence[InFlight]) -> BaseException | None:
 
 
 def _finish_bucket(flight: InFlight, holds_fulls: bool, out_device: torch.device | None) -> list[torch.Tensor]:
-    """Wait for the bucket's collective and copy each tensor out. See [Note: bucket layout] in ``layout``.
-
-    [Note: offloaded memory]
-    Full tensors moved to the host (``offload_to_cpu``, ``device="cpu"``) live
-    in pageable memory, as FSDP1's do, and go back to the allocator when the
-    caller drops them. Pinned memory would come from torch's host caching
-    allocator, which rounds each block up to a power of two and keeps it for the
-    life of the process: a model's worth pinned for good on every rank that
-    offloads, beside an inference engine that needs it. The copy is one
-    ``.to("cpu")`` a bucket, synchronous (the host reads the values next).
+    """Wait for the bucket's collective and copy each tensor out ([Note: bucket layout] in ``layout``). Under
+    ``no_grad``. Offloaded full tensors land in pageable memory, as FSDP1's do: pinned memory would stay with
+    torch's host caching allocator for the life of the process.
 
     [Note: a bucket of one]
-    With one tensor in a bucket the ``(W, S)`` output *is* its padded full tensor
-    (rank blocks of ``c`` rows, back to back), so the result is a view of the
-    first ``n`` rows and nothing is copied out; if its shard already has ``c``
-    rows, in the gathered dtype, on the collective's device, the shard itself is
-    the all-gather input and nothing is copied in either. Tensors larger than the
-    bucket cap always take this path: the gather moves each byte once, as
-    FSDP1's flat parameter does.
-
-    Called under ``no_grad``.
+    A bucket of one tensor: its output *is* its padded full tensor, so the result is a view and nothing is
+    copied out (nor in, where its shard is already padded, cast and placed). Tensors above the bucket cap
+    always take this path: the gather moves each byte once, as FSDP1's flat parameter does.
     """
     _wait_once(flight)
     if isinstance(flight, InPlace):  # a group of one, or nothing moved: already in place
@@ -608,9 +495,7 @@ def _finish_bucket(flight: InFlight, holds_fulls: bool, out_device: torch.device
     assert output is not None, "a rank that keeps full tensors received them"
     reserved = flight.reserved
     if out_device is not None and out_device != output.device:
-        # The whole bucket at once, then split where it landed. To the host (offload_to_cpu,
-        # ``device="cpu"``): pageable memory, as FSDP1's offloaded parameters are, in one
-        # copy that the host waits for; see [Note: offloaded memory].
+        # the whole bucket at once, then split where it landed
         output = output.to(out_device) if reserved is None or reserved.host is None else reserved.host.copy_(output)
     if len(flight.bucket) == 1:  # see [Note: a bucket of one]
         padded = [output.view(flight.bucket[0].layout.padded_shape)]
@@ -623,11 +508,8 @@ def _finish_bucket(flight: InFlight, holds_fulls: bool, out_device: torch.device
 
 def _copy_out(output: torch.Tensor, flight: AllGatherFlight, padded: list[torch.Tensor] | None = None
               ) -> list[torch.Tensor]:
-    """Scatter a multi-tensor bucket's output into fresh padded buffers, one a tensor (``padded``, if reserved).
-
-    See [Note: bucket layout] in ``layout``: only the first ``R`` rank blocks hold rows,
-    so only they are copied, into buffers of ``R * c_i`` rows.
-    """
+    """Scatter a multi-tensor bucket's output into a padded buffer a tensor (``padded``, if reserved): only the
+    rank blocks that hold rows ([Note: bucket layout] in ``layout``)."""
     world_size = flight.bucket[0].layout.world_size
     blocks = flight.blocks
     if padded is None:
@@ -650,7 +532,7 @@ def _views(padded_fulls: list[torch.Tensor], flight: InFlight) -> list[torch.Ten
 
 
 def _in_place_results(flight: InPlace) -> list[torch.Tensor]:
-    """A ``InPlace`` bucket's full tensors: views of the padded full tensors the transfer wrote into."""
+    """An ``InPlace`` bucket's full tensors: views of its padded ones."""
     assert flight.padded_fulls is not None, "a rank that keeps full tensors received them"
     return _views(flight.padded_fulls, flight)
 
@@ -693,15 +575,9 @@ class Gathered(NamedTuple):
 class BucketGather:
     """The one driver: a list of DTensors' buckets, staged ``ahead`` at a time, finished in order.
 
-    Staging copies a bucket in; launching posts its all-gather. ``ahead``
-    buckets are staged beyond the one being finished: ``ahead=1`` is the
-    summon's window, bucket ``k + 1`` in flight while ``k`` is copied out,
-    two at most (see [Note: one bucket in flight]); ``ahead=None`` stages
-    every bucket at once, the stream's, a whole batch in flight
-    (see [Note: staged, then launched]). A collective: every rank builds,
-    launches and finishes the same gathers in the same order. Whatever
-    raises, in construction, ``finish`` or ``abandon``, every launched
-    collective is waited for first (see [Note: every posted work is waited for]).
+    ``ahead=1`` is the summon's window ([Note: one bucket in flight]); ``ahead=None`` stages every bucket at
+    once, the stream's batch ([Note: staged, then launched]). A collective: every rank builds, launches and
+    finishes the same gathers in the same order; whatever raises, every launched collective is waited for first.
     """
 
     def __init__(
@@ -722,7 +598,7 @@ class BucketGather:
     ) -> None:
         self._posted = posted
         self.last_work: tuple[Waitable, torch.device] | None = None  # its last collective: ``gather_full_tensors``
-        self._host_copies: list[Any] = []  # see [Note: copy-in from host memory]
+        self._host_copies: list[Any] = []  # see ``copy_in``
         self.plan = bucket_plan(dtensors, bucket_bytes, cast_to, reuse=plan, collective_bytes=collective_bytes,
                                 meshes=meshes)
         buckets, self._fallback = self.plan.bind(dtensors), list(self.plan.fallback)
@@ -749,10 +625,9 @@ class BucketGather:
 
     def _reserve_and_agree(self, buckets: list[list[BucketEntry]], keep: Reserve,
                            failure: BaseException | None = None) -> list[Reserved]:
-        """``reserve_buffers``, then ``agree_ready`` (see [Note: allocate, agree, gather]); ``failure``: one this rank
-        met earlier in the call, agreed on instead. Posted from its start: a fault before the agreement (outside
-        the allocations it agrees on) is one-sided as far as this rank knows; ``agree_ready`` clears it where
-        every rank refuses alike."""
+        """``reserve_buffers``, then ``agree_ready`` ([Note: allocate, agree, gather]); ``failure``: one this rank
+        met earlier in the call, agreed on instead. Posted from its start: ``agree_ready`` clears it where every
+        rank refuses alike."""
         self._posted.any = True
         recipe = self.plan.reservations.get((self._receiver, keep))
         if recipe is None:
@@ -791,13 +666,9 @@ class BucketGather:
         self._unlaunched = False
 
     def wait(self) -> Callable[[], object] | None:
-        """Wait for every launched collective, in bucket order: the values are in; ``finish`` copies out.
-
-        The stream waits for batch ``k``, launches batch ``k + 1``, then copies
-        batch ``k`` out, so the copies overlap the next transfer. On an error
-        every launched collective is still waited for (see [Note: every posted work is waited for]).
-        Returns what blocks the host until they have completed, if any was posted (see [Note: bounded run-ahead]).
-        """
+        """Wait for every launched collective, in bucket order; ``finish`` copies out. The stream waits for batch
+        ``k``, launches ``k + 1``, then copies ``k`` out. Returns what blocks the host until they have completed,
+        if any was posted ([Note: bounded run-ahead])."""
         works: list[Waitable] = []
         device = _CPU
         try:
@@ -813,9 +684,7 @@ class BucketGather:
         return completion(works, device) if works else None
 
     def finish(self, *, holds_fulls: bool, out_device: torch.device | None = None) -> Gathered:
-        """Wait and copy out, bucket by bucket (each output freed, or its cycling buffer free for bucket ``k + 2``,
-        as soon as it is copied), then the fallbacks;
-        with the layout each tensor was gathered by (writeback reuses it)."""
+        """Wait and copy out, bucket by bucket, then the fallbacks; with each tensor's layout (writeback's)."""
         if self._unlaunched:
             self.launch()
         grad_enabled = torch.is_grad_enabled()
@@ -851,7 +720,7 @@ class BucketGather:
                 results[index] = _gather_fallback(self._dtensors[index], holds_fulls, out_device, self._cast_to,
                                                   None if self._meshes is None else self._meshes[index])
             self._fallback = []
-            if self._host_copies:  # no copy from host memory still reads a shard: [Note: copy-in from host memory]
+            if self._host_copies:  # no copy from host memory still reads a shard (``copy_in``)
                 self._host_copies[-1].synchronize()
                 self._host_copies.clear()
             return Gathered(results, layouts, self.plan)
@@ -862,8 +731,7 @@ class BucketGather:
             torch._C._set_grad_enabled(grad_enabled)
 
     def _drop(self) -> BaseException | None:
-        """Wait for every launched collective and drop everything: staged buckets and the fallbacks never
-        run. Raises nothing; returns the first failed wait (the error paths re-raise their own error)."""
+        """Wait for every launched collective and drop the rest. Raises nothing; returns the first failed wait."""
         flights, self._flights = list(self._flights), collections.deque()
         if self._reserved is not None:
             self._reserved.clear()
@@ -892,28 +760,17 @@ def gather_full_tensors(
     failure: BaseException | None = None,
     behind: collections.deque[Callable[[], object]] | None = None,
 ) -> Gathered:
-    """All-gather every DTensor in ``dtensors`` to a plain full tensor, one bucket in flight.
+    """All-gather every DTensor in ``dtensors`` to a plain full tensor. A collective: every rank of the meshes
+    calls it with the same tensors in the same order, after the caller refused what cannot be gathered.
 
     [Note: one bucket in flight]
-    Bucket ``k + 1``'s collective is launched before bucket ``k``
-    is copied out, so the copy-out overlaps the next transfer. At most two
-    buckets' outputs are alive at once (inputs live inside them), so the extra
-    memory beyond the full tensors is at most two buckets.
+    Bucket ``k + 1`` is launched before bucket ``k`` is copied out, so the copy-out overlaps the next transfer,
+    and at most two buckets' outputs are alive: beyond the full tensors, two buckets.
 
-    A collective: every rank of the meshes involved must call it with the same
-    tensors in the same order. ``holds_fulls=False`` takes part in the collectives
-    but returns ``None`` for every tensor (``rank0_only`` on other ranks).
-    ``out_device`` moves results there bucket by bucket (``offload_to_cpu``).
-    ``posted`` is the call's record (``Posted``); ``behind``, the record of the group's earlier calls this rank
-    paces itself by where it keeps nothing ([Note: bounded run-ahead]).
-    Results never alias the DTensors' local storage. With a ``receiver`` other
-    than ``"all"``, ``holds_fulls`` must be False on every rank it does not name
-    (``layout.Delivery`` says both).
-
-    The caller has refused what cannot be gathered (placements this torch gets
-    wrong, dead or out-of-step groups: ``_refusals.refuse_placements``) before
-    calling; the engine does not check again. ``meshes``: the mesh each is gathered over where its owner
-    says (``layout.Meshes``).
+    ``holds_fulls=False`` (``rank0_only``, other ranks) takes part and returns ``None``s; a ``receiver`` other
+    than ``"all"`` needs it on every rank it does not name (``layout.Delivery``). ``out_device``: where results
+    go (``offload_to_cpu``). Results never alias local shards. ``posted``: the call's record; ``behind``: the
+    group's earlier calls a rank that keeps nothing paces itself by ([Note: bounded run-ahead]).
     """
     paced = None if holds_fulls else behind  # [Note: bounded run-ahead]: call k - 1 done before k + 1
     try:
@@ -943,31 +800,15 @@ def start_gather(
     meshes: Meshes = None,
     posted: Posted,
 ) -> BucketGather:
-    """Stage every bucket of ``dtensors`` and launch its all-gather now; ``finish`` collects them.
-
-    The whole batch is in flight at once, so it transfers while the caller
-    does other work: the streaming sync keeps one unit in flight this way.
-    With ``launch=False`` the buckets are only staged (copied in, cast) and
-    ``BucketGather.launch`` starts their collectives later. Fallback tensors
-    (``full_tensor()``, blocking) are gathered in ``finish``.
+    """Stage every bucket of ``dtensors`` and launch (unless ``launch=False``) its all-gather: the whole batch in
+    flight while the caller works; ``finish`` collects it, fallbacks (``full_tensor()``) included. With
+    ``cast_to`` each floating shard is cast as it is copied in, so the gather moves the cast bytes; casting is
+    elementwise, so this equals casting the full tensor.
 
     [Note: staged, then launched]
-    A bucket starts in two steps. Staging does the CPU's part: the padded input
-    copied in and cast, the output allocated. Launching posts the all-gather.
-    The summon does both at once (``BucketGather``'s default). The stream
-    stages batch ``k + 1`` *before* it waits for batch ``k``: the copies and
-    casts run while batch ``k`` is on the wire. Batch ``k + 1``'s collectives
-    are launched only once batch ``k`` is in, so the process group never holds
-    more than one batch's collectives. Every bucket moves by the all-gather,
-    on every backend: the one collective NCCL users take, and the one gloo
-    runs in the tests (``docs/gather-engine.md`` says why gloo's point-to-point
-    transport was deleted).
-
-    [Note: cast before gather]
-    With ``cast_to`` (``iter_full_params(dtype=...)``), each floating local shard
-    is cast while it is copied into the bucket, so the all-gather moves the cast
-    bytes (half of fp32 for bf16) and the full tensor is born in that dtype.
-    Casting is elementwise, so this equals casting the gathered full tensor.
+    Staging is the host's part (copy-in, cast, output); launching posts the all-gather. The stream stages batch
+    ``k + 1`` before it waits for batch ``k`` and launches it once ``k`` is in: the copies overlap the wire, and
+    the group never holds more than one batch's collectives.
     """
     return BucketGather(dtensors, cast_to=cast_to, bucket_bytes=bucket_bytes, receiver=receiver, launch=launch,
                         meshes=meshes, posted=posted)

@@ -1,13 +1,8 @@
 """Planning a gather: the dim-0 layout of each DTensor, its buckets, who receives.
 
-Owns three decisions, for the summon and the stream alike: the bucket cap
-(``bucket_cap``), the bucket plan (``bucket_plan``) and who receives
-(``receivers_for_summon``, ``receivers_for_stream``, ``delivers_over``); and
-the caches of layouts and mesh dims (keyed weakly by the DTensor spec and
-mesh; whether a mesh's groups can be used is ``_health``'s to say). Reads
-global metadata only, so every rank plans the same buckets in the same order.
-Nothing here moves data. The layouts: [Note: dim-0 layout] at ``Dim0Layout``,
-[Note: bucket layout] at ``BucketShape``.
+Owns the bucket cap (``bucket_cap``), the bucket plan (``bucket_plan``) and who receives (``Delivery``), for the
+summon and the stream alike, with caches of layouts and mesh dims keyed weakly by spec and mesh. Reads global
+metadata only, so every rank plans the same buckets in the same order. Nothing here moves data.
 """
 
 from __future__ import annotations
@@ -34,18 +29,10 @@ BUCKET_ENV = "FSDP_SHIM_BUCKET_MB"
 DEFAULT_BUCKET_MB = 4.0
 
 
-#: [Note: one unit, one collective]
-#: A summon whose scope is one FSDP2 unit (the per-unit weight-sync loop)
-#: packs the unit's tensors up to the bucket cap in one collective a dtype,
-#: as FSDP2's own ``unshard()`` does, unless a bucket size was chosen
-#: (``bucket_mb``, ``FSDP_SHIM_BUCKET_MB``): a collective has a fixed cost
-#: that grows with the world size, so several a unit would cost more host
-#: time than FSDP2's one (``docs/host-cost.md``). Tensors above the cap
-#: still get a collective each, gathered into memory that becomes their full
-#: tensor: FSDP2's single collective is then copied out of its flat buffer,
-#: holding the unit twice (a 70B decoder block: 2.0x its bytes); FSDP1's
-#: flat parameter, and this, hold it once. A summon of several units keeps
-#: the cap for every bucket, bounding the memory beyond the full tensors.
+#: A single unit's summon packs its tensors up to the bucket cap in one collective a dtype, as FSDP2's
+#: ``unshard()`` does, unless a bucket size was chosen: a collective's fixed cost grows with the world size
+#: (``docs/host-cost.md``). Tensors above the cap still get one each, into memory that becomes their full
+#: tensor, so the unit is held once (FSDP2's flat buffer holds it twice). Several units keep the cap.
 UNCAPPED = 1 << 62
 
 
@@ -54,8 +41,7 @@ class BucketCap(NamedTuple):
     cap is decided."""
 
     bucket_bytes: int
-    #: The cap where one unit's summon moves its buckets by a collective: ``UNCAPPED`` where no size was
-    #: chosen, by argument or environment (see [Note: one unit, one collective]); else ``None``, the bucket cap.
+    #: One unit's summon's cap: ``UNCAPPED`` where no size was chosen (see ``UNCAPPED``); else ``None``.
     one_unit_bytes: int | None
 
 
@@ -82,12 +68,10 @@ class Dim0Layout(NamedTuple):
     """Where one rank's local shard sits in the full tensor.
 
     [Note: dim-0 layout]
-    FSDP2 and DTensor's ``Shard(0)`` both split dim 0 the way ``torch.chunk`` does:
-    with ``W`` ranks on the shard mesh dim and ``n`` rows, every rank's chunk has
-    ``c = ceil(n / W)`` rows except the trailing ones, which are shorter or empty.
-    Rank ``r`` holds rows ``[r * c, min(n, (r + 1) * c))``. Padding each local
-    shard to ``c`` rows makes all contributions the same size, so one all-gather
-    per bucket gathers many parameters at once.
+    FSDP2 and ``Shard(0)`` split dim 0 as ``torch.chunk`` does: with ``W`` ranks and ``n`` rows, chunks of
+    ``c = ceil(n / W)`` rows, the trailing ones shorter or empty; rank ``r`` holds rows
+    ``[r * c, min(n, (r + 1) * c))``. Padded to ``c`` rows, every rank's part has one size, so one all-gather
+    gathers a bucket of parameters.
     """
 
     group: dist.ProcessGroup
@@ -138,16 +122,9 @@ def rows_held(rows: int, chunk_rows: int, coordinate: int) -> int:
 
 
 def dim0_layout(dtensor: DTensor, mesh: DeviceMesh | None = None) -> Dim0Layout | None:
-    """The batched-gather layout of ``dtensor`` on ``mesh`` (its own, by default), or ``None`` if only
-    ``full_tensor()`` applies.
-
-    ``mesh``: the mesh its owner gathers it over where that is not the
-    spec's (an FSDP2 parameter: see [Note: the group is FSDP2's] in ``_fsdp2``).
-    Cached per ``DTensorSpec`` (mesh, placements and global shape, which a
-    DTensor never changes), local shape and mesh: an FSDP2 parameter keeps its
-    spec for life (see [Note: hot path] in ``_summon``). The spec is held
-    weakly, its entry dropped with it.
-    """
+    """The batched-gather layout of ``dtensor`` on ``mesh`` (its owner's, else its own: [Note: the group is
+    FSDP2's] in ``_fsdp2``), or ``None`` if only ``full_tensor()`` applies. Cached by spec (held weakly: a DTensor
+    never changes it), local shape and mesh."""
     spec = dtensor._spec
     if mesh is None:
         mesh = spec.mesh
@@ -166,16 +143,9 @@ def dim0_layout(dtensor: DTensor, mesh: DeviceMesh | None = None) -> Dim0Layout 
 
 
 def _work_out_dim0_layout(dtensor: DTensor, mesh: DeviceMesh) -> Dim0Layout | None:
-    """``dim0_layout``, uncached.
-
-    The fast path covers placements with exactly one plain ``Shard(0)`` and
-    ``Replicate`` everywhere else (FSDP, HSDP, dim-0 tensor parallel), tested
-    by exact type (see [Note: torch versions] in ``_compat``). Anything else
-    (another shard dim, ``_StridedShard``, ``Partial``, several shardings, a
-    placement type this code has never seen) falls back. The choice depends
-    on placements only, never on this rank's local tensor, so all ranks choose
-    alike and their collectives match.
-    """
+    """``dim0_layout``, uncached: one plain ``Shard(0)`` and ``Replicate`` elsewhere, by exact type (FSDP,
+    HSDP, dim-0 tensor parallel); anything else falls back. Placements only, never the local tensor, so every
+    rank chooses alike."""
     placements = dtensor.placements
     shard_dims = [i for i, p in enumerate(placements) if is_dim0_shard(p)]
     if len(shard_dims) != 1 or dtensor.ndim == 0:
@@ -230,19 +200,11 @@ class BucketShape(NamedTuple):
     """What staging one planned bucket needs, worked out with its plan rather than per call.
 
     [Note: bucket layout]
-    A bucket is a list of parameters sharing one process group, dtype and device.
-    Each rank's all-gather input is the concatenation of its padded shards
-    (``c_i * row_i`` elements each, ``S`` in all), written straight into its own
-    block of the output buffer. The output is ``W`` such blocks back to back, so
-    viewed as ``(W, S)`` column ranges ``[off_i, off_i + c_i * row_i)`` hold
-    parameter ``i``'s rank blocks, and one ``split_with_sizes_copy`` scatters
-    every parameter into its own padded buffer. Only the first ``R`` rank
-    blocks hold rows of any tensor in the bucket (``R = max ceil(n_i / c_i)``,
-    ``W`` unless a tensor has fewer rows than there are ranks), so the copy-out
-    reads those and each buffer has ``R * c_i`` rows. The full tensor handed out
-    is the buffer, or a view of its first ``n_i`` rows: the memory beyond the
-    full size is at most ``R * c_i - n_i`` rows a tensor. (With 64-row tensors
-    on 1,024 ranks, ``R`` is 64: a sixteenth of the copy and the memory.)
+    A bucket shares one process group, dtype and device. Each rank's input is its padded shards back to back
+    (``S`` elements), written into its own block of the output; viewed as ``(W, S)``, one
+    ``split_with_sizes_copy`` scatters each parameter into its padded buffer. Only the first ``R`` rank blocks
+    hold rows (``R = max ceil(n_i / c_i)``: fewer than ``W`` where a tensor has fewer rows than ranks), so only
+    they are copied, and each buffer has ``R * c_i`` rows; the full tensor is its first ``n_i`` rows.
     """
 
     split_sizes: list[int]  # each tensor's padded shard, in elements
@@ -252,12 +214,8 @@ class BucketShape(NamedTuple):
 
 
 class BucketPlan(NamedTuple):
-    """``split_into_buckets``' answer by position, reusable for as long as ``key`` (see ``bucket_plan``) matches.
-
-    A per-unit summon gathers the same parameters call after call, so the plan
-    is kept with the unit's cached summon: see [Note: summon cache] in ``_scope``
-    and [Note: hot path] in ``_summon``.
-    """
+    """``split_into_buckets``' answer by position, reused while ``key`` matches (a unit's cached summon keeps
+    it: [Note: summon cache] in ``_scope``)."""
 
     key: tuple[Any, ...]
     buckets: list[list[tuple[int, Dim0Layout]]]  # (position in the caller's list, layout)
@@ -285,12 +243,8 @@ def bucket_plan(
     dtensors: Sequence[DTensor], bucket_bytes: int, cast_to: torch.dtype | None = None,
     reuse: BucketPlan | None = None, collective_bytes: int | None = None, meshes: Meshes = None,
 ) -> BucketPlan:
-    """The plan for ``dtensors``: ``reuse`` if it was made for the same key, else a new one (``split_into_buckets``).
-
-    The key is everything a plan depends on: each tensor's spec (by identity: equal meshes may hold
-    other groups) and local shape, dtype and device, the caps and the cast. ``meshes``: see ``Meshes``;
-    fixed for given tensors, so a plan reused for the same key was made with them.
-    """
+    """The plan for ``dtensors``: ``reuse`` if made for the same key (each spec by identity, local shape, dtype,
+    device; the caps and the cast), else a new one."""
     key = (bucket_bytes, collective_bytes, cast_to,
            *[(id(d._spec), t.shape, t.dtype, t.device) for d in dtensors for t in (d._local_tensor,)])
     if reuse is not None and reuse.key == key:
@@ -309,22 +263,12 @@ def split_into_buckets(
     dtensors: Sequence[DTensor], bucket_bytes: int, cast_to: torch.dtype | None = None,
     collective_bytes: int | None = None, meshes: Meshes = None,
 ) -> tuple[list[list[BucketEntry]], list[int]]:
-    """Split ``dtensors`` into fast-path buckets and fallback indices.
+    """Split ``dtensors`` into fast-path buckets and fallback indices, from global metadata only.
 
-    Buckets hold tensors of one (process group, dtype, device) in the caller's
-    order and close when the next tensor would push the gathered size past
-    ``bucket_bytes``. A tensor larger than ``bucket_bytes`` gets a bucket of
-    its own, whatever ``collective_bytes`` says, and leaves the open bucket
-    open: its all-gather output is its full tensor (see [Note: a bucket of
-    one] in ``engine``), so it is never held twice, while the small tensors
-    around it (a layer's norms and biases around its big matrices) share one
-    collective instead of one each (a collective has a fixed cost).
-    ``cast_to`` is the dtype floating tensors travel in
-    (see [Note: cast before gather]). ``collective_bytes``, if given, is the
-    cap where buckets move by a collective (see [Note: one unit, one
-    collective]). The plan depends only on global
-    metadata, so every rank builds the same one and issues the same
-    collectives in the same order.
+    Buckets hold one (process group, dtype, device) in the caller's order and close at ``bucket_bytes``
+    (``collective_bytes``, if given: see ``UNCAPPED``). A tensor above ``bucket_bytes`` gets its own and leaves
+    the open bucket open: its output is its full tensor ([Note: a bucket of one] in ``engine``), and the small
+    tensors around it still share one collective. ``cast_to``: the dtype floating tensors travel in.
     """
     buckets: list[list[BucketEntry]] = []
     fallback: list[int] = []
@@ -365,13 +309,9 @@ class Delivery(NamedTuple):
     """Who receives a call's full tensors, and whether this rank holds them afterwards.
 
     [Note: who receives]
-    The one place that decides it, for the summon and the stream; the engine
-    is told the answer and never decides it. FSDP1's ``rank0_only`` means
-    rank 0 *of the FSDP shard group*: under HSDP that is rank 0 of every
-    replica. With no FSDP2 unit to name a shard group (tensor parallel
-    alone, or the stream, which walks a whole model whose units may sit on
-    different meshes) it is global rank 0. The gather may deliver to more
-    ranks than hold the results (a superset is always correct); never to fewer.
+    Decided here for the summon and the stream; the engine is told. FSDP1's ``rank0_only`` means rank 0 of the
+    shard group (of every replica, under HSDP); with no FSDP2 unit to name one (tensor parallel alone, the
+    stream), global rank 0. Delivering to more ranks than hold the results is correct; to fewer, never.
     """
 
     receiver: Receiver  # which ranks the gather delivers to
