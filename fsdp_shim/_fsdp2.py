@@ -1,17 +1,12 @@
 """Every touch of FSDP2's (and c10d's) private state, in one place, and the probe of it.
 
-FSDP2 (``torch.distributed.fsdp.fully_shard``) exposes ``unshard()`` and ``reshard()`` but not the
-per-parameter bookkeeping a faithful ``summon_full_params`` needs. This module reads and changes that
-bookkeeping, the module globals of FSDP2's forward cast, its units' ``_apply`` and ``_call_impl`` (overridden
-for a context), and c10d's world of live groups; nothing else in the package does (``tests/test_house.py``).
-
-Read against torch 2.7.0 through 2.15.0 (``_fully_shard/_fsdp_state.py``, ``_fsdp_param_group.py``,
-``_fsdp_param.py``) and exercised on each by the version matrix. ``READS`` lists every name read or written; on
-a torch newer than the verified range ``missing_internals`` checks those FSDP2 owns once, at activation (see
-[Note: version policy] in ``_versions``). Each release difference is handled, its releases named, where it
-matters: ``param_groups`` (2.12), ``lazy_init_root`` (2.7), ``mark_summoned`` (2.14),
-``param_dtype_for_forward`` (2.15). 2.15's ``set_keep_unsharded_storage`` (``reshard()`` may keep the
-unsharded storage, stale after an optimizer step) needs nothing: the shim always gathers from the shards.
+FSDP2 exposes ``unshard()`` and ``reshard()``, not the per-parameter bookkeeping ``summon_full_params``
+needs. This module reads and changes that bookkeeping, FSDP2's forward-cast globals, its units' ``_apply`` and
+``_call_impl`` (overridden for a context), and c10d's world of live groups; nothing else does
+(``tests/test_house.py``). ``READS`` names each; past the verified torch range ``missing_internals`` checks
+them at activation ([Note: version policy] in ``_versions``). Release differences are handled where they
+matter: ``param_groups`` (2.12), ``lazy_init_root`` (2.7), ``mark_summoned`` (2.14),
+``param_dtype_for_forward`` (2.15). ``docs/fsdp2-seam.md`` drafts the public seam that would replace them.
 """
 
 from __future__ import annotations
@@ -135,17 +130,9 @@ def sharded_params(fsdp_params: Iterable[FSDPParam]) -> list[nn.Parameter]:
 
 
 def sharded_behind(fsdp_param: FSDPParam, group: FSDPParamGroup, value: Any) -> Any:
-    """The sharded parameter a slot FSDP2 manages stands for, given ``value``, what the slot holds now;
-    None where FSDP2 does not track that value.
-
-    FSDP2's forms of a parameter are the sharded one (what the optimizer
-    steps), the unsharded one (a forward left the unit unsharded) and the
-    post-forward one (a partial reshard, ``reshard_after_forward=<int>``):
-    behind all three stands ``sharded_param``. Until FSDP2 adopts the module
-    attributes (its lazy init, or a summon's entry: ``adopt_module_params``)
-    whatever a slot holds is what FSDP2 will adopt, so the slot's own value
-    is the answer. Anything else was assigned after adoption.
-    """
+    """The sharded parameter a slot FSDP2 manages stands for, given ``value`` (what it holds now), or None.
+    Behind FSDP2's three forms (sharded, unsharded, post-forward) stands ``sharded_param``; until FSDP2 adopts
+    the module attributes, the slot's own value is what it will adopt."""
     if not group._reset_sharded_params:
         return value
     sharded = fsdp_param.sharded_param
@@ -180,20 +167,9 @@ def unsharded_param_if_any(fsdp_param: FSDPParam) -> nn.Parameter | None:
 
 
 def busy_training_state(states: list[FSDPState], groups: list[FSDPParamGroup]) -> str | None:
-    """Why summoning now would race FSDP2, or None: forward or backward in progress.
-
-    Refuses during a forward or backward of the unit itself, and during any
-    forward that runs through its root, as the root's state stays FORWARD
-    for the whole forward: a summon from a hook inside another unit's
-    forward is refused when that forward is part of the model's. Any running
-    autograd graph counts as a backward (FSDP2's own ``is_bw()`` test).
-    FSDP1 checks only the states it gathers; this is stricter.
-
-    The root is the first state of the context all states of one root share
-    after lazy init (FSDP2 lists them in ``modules()`` order): checking it is
-    O(1) (see [Note: hot path] in ``_summon``). A context whose first state
-    is not a root is scanned.
-    """
+    """Why summoning now would race FSDP2, or None: a forward or backward of the unit, or any forward through
+    its root (the root stays FORWARD for the whole forward), or any running autograd graph (FSDP2's ``is_bw()``
+    test). Stricter than FSDP1. Checking the root, the first state after lazy init, is O(1)."""
     if torch._C._current_graph_task_id() != -1:
         return "BACKWARD (autograd is running)"
     idle = TrainingState.IDLE
@@ -232,29 +208,15 @@ def _roots_by_module() -> dict[int, FSDPState]:
 
 
 def lazy_init_root(states: list[FSDPState]) -> bool:
-    """Lazily initialise the FSDP2 root above ``states``, as a first forward would.
+    """Lazily initialise the FSDP2 root above ``states``, as a first forward would; whether it did.
 
     [Note: lazy init on entry]
-    FSDP2 decides which unit is the root at the first forward, and the group
-    state a context marks must be the post-init one (on torch 2.7 the root's init
-    sets ``post_forward_mesh_info=None`` unconditionally, later releases only
-    with auto reshard; an unmark would undo that). FSDP1's
-    ``summon_full_params`` lazily initialises too. So entry initialises the
-    *topmost* FSDP2 state above the summoned module, the one a forward through
-    the whole model would pick, never the summoned unit itself: a cold
-    ``summon(model.policy)`` followed by ``model.policy.generate()`` must not make
-    an inner unit a root of its own (FSDP2 then refuses every later forward
-    through the real root). ``adopt_module_params`` remains for groups whose root
-    cannot be initialised (``fully_shard([a, b])`` at the top). Both run outside
-    ``torch.inference_mode``, also when the summon is entered inside it: on torch
-    2.7 the reset rebuilds each sharded parameter's local data, which would
-    otherwise become inference tensors, the training weights among them.
-
-    Local, no collective; a no-op once FSDP2
-    has initialised (then it costs one attribute read per state). A tree in
-    which some unit already initialised as a root of its own is left alone:
-    FSDP2 raises for it at the next forward through the real root, as it
-    would without us. Returns whether it initialised anything.
+    A context marks FSDP2's post-init group state, so entry initialises, as FSDP1's summon does, the topmost
+    state above the summoned module (the one a forward through the model picks), never the unit itself: else
+    a cold ``summon(model.policy)`` would make an inner unit a root, and FSDP2 refuses every later forward
+    through the real one. Outside ``inference_mode`` even when entered inside it (on 2.7 the reset rebuilds the
+    shards' data, which would become inference tensors). Local; a no-op once initialised. A tree where a unit
+    already became a root of its own is left for FSDP2 to refuse, as it would without us.
     """
     if all(s._is_root is not None for s in states):
         return False  # no-op: already initialised
@@ -303,21 +265,9 @@ def reshard_group(group: FSDPParamGroup) -> None:
 
 
 def order_after_writeback(states: list[FSDPState]) -> None:
-    """Make FSDP2's next all-gather wait for a writeback just made on the current stream.
-
-    By default FSDP2's root waits its all-gather streams on the current
-    stream, which orders the writeback's copies before its next copy-in. With
-    ``set_post_optim_event(event)`` it waits on that event instead, recorded
-    by the user after the optimizer step and so, possibly, before the
-    writeback. Re-recording the same event here, on the current stream,
-    moves it after the writeback: FSDP2 still waits on the user's event.
-    Re-recorded alone, it would drop what the user recorded it after where
-    that ran on another stream (an optimizer step on a side stream): so the
-    current stream first waits on the event as the user recorded it, then
-    records it again, and the event covers both, the optimizer step and the
-    writeback (issue 51). (An event may be recorded again until something
-    waits on it; FSDP2 waits once, at the next root forward, and drops it.)
-    """
+    """Make FSDP2's next all-gather wait for a writeback just made on the current stream. With the user's
+    ``set_post_optim_event(event)`` FSDP2 waits on that event instead of the stream: the current stream waits on
+    it as recorded (an optimizer step on a side stream), then records it again, so it covers the writeback too."""
     seen: set[int] = set()
     for state in states:
         context = state._state_ctx
@@ -607,17 +557,9 @@ def forward_cut_short(group: FSDPParamGroup) -> bool:
 
 
 def settle_forward(group: FSDPParamGroup, modules: Iterable[nn.Module]) -> None:
-    """Put back FSDP2's per-forward state that a forward inside a context, cut short, left set: the
-    group's and its units' training state and the roots' (``modules``), and the roots' forward marker.
-
-    A forward inside runs FSDP2's pre-forward (training state FORWARD, the
-    root's ``iter_forward_root`` set) and, if it completes, the post-forward
-    that undoes it. Cut short by an exception or an interrupt it leaves them
-    set: the next summon would be refused as "during forward", and the root's
-    next forward would skip its root pre-forward. Entry saw all of them idle
-    (``busy_training_state`` refuses otherwise): as if the forward had not
-    started.
-    """
+    """Put back FSDP2's per-forward state (training states, the roots' forward marker) that a forward inside a
+    context, cut short, left set: else the next summon is refused as "during forward" and the root's next
+    forward skips its pre-forward. Entry saw them idle, so: as if the forward had not started."""
     group._training_state = TrainingState.IDLE
     for module in modules:
         state = fsdp_state_of(module)
@@ -657,14 +599,10 @@ def gather_mesh(fsdp_param: FSDPParam) -> Any:
     """The mesh FSDP2 gathers this parameter over, where the shim's gather must use it: its ``mesh_info``.
 
     [Note: the group is FSDP2's]
-    ``DeviceMesh.__eq__`` ignores process groups, and torch's DTensor caches
-    map equal meshes to one another: a model sharded on a group of its own,
-    after another of the same shapes on another group, gets DTensors whose
-    spec names the first model's mesh. FSDP2 keeps gathering over its own
-    ``mesh_info``; so does the shim (the gather, the group checks, the claims),
-    wherever that mesh lays the parameter out as its spec does (FSDP, HSDP: the
-    same number of dims). With tensor parallelism FSDP2 gathers on a mesh of
-    more dims than ``mesh_info``'s; the DTensor's own mesh is kept there (None).
+    ``DeviceMesh.__eq__`` ignores process groups and DTensor's caches map equal meshes to one another, so a
+    model sharded on a group of its own can get specs naming another model's mesh. FSDP2 gathers over its own
+    ``mesh_info``, and so does the shim (gather, group checks, claims), where that mesh lays the parameter out
+    as its spec does (FSDP, HSDP). With tensor parallelism the DTensor's own mesh is kept (None).
     """
     mesh = fsdp_param.mesh_info.mesh
     own = fsdp_param.sharded_param.device_mesh  # type: ignore[attr-defined]  # FSDP2's sharded parameter is a DTensor

@@ -1,15 +1,11 @@
-"""One FSDP2 parameter group of a summon (``SummonedGroup``): everything a context changes on FSDP2's
-state and on its units' modules, made by ``summon`` and undone by ``release``, as one pair; and the
-conversions made inside a context (``Conversions``), across its groups.
+"""One FSDP2 parameter group of a summon (``SummonedGroup``): everything a context changes on FSDP2's state
+and its units, made by ``summon`` and undone by ``release``, as one pair; and the conversions made inside
+(``Conversions``), across groups.
 
-For a group whose every parameter is summoned, on a rank whose slots hold
-the full parameters: FSDP2's state is marked (see [Note: summoned groups]
-in ``_fsdp2``), its state-dict and load hooks are suspended, and a forward
-inside runs on the full parameters, cast to FSDP2's ``param_dtype`` as
-FSDP2 would (``_ForwardInParamDtype``), with a backward through its outputs
-refused before FSDP2's own hooks run (FSDP1 forbids it too). A forward that
-cannot be right (``rank0_only``, or a unit only partly summoned) is refused
-before FSDP2's pre-forward changes any state (``refuse_forwards``).
+A group whose every parameter is summoned, where this rank holds full tensors, is marked ([Note: summoned
+groups] in ``_fsdp2``), its state-dict hooks suspended, and a forward inside runs on the full parameters in
+FSDP2's ``param_dtype``, a backward through it refused (as FSDP1 does). A forward that cannot be right
+(``rank0_only``, a unit only partly summoned) is refused before FSDP2's pre-forward changes anything.
 """
 
 from __future__ import annotations
@@ -111,33 +107,17 @@ class _RaiseOnBackward:
 
 
 class _ForwardInParamDtype:
-    """Runs a summoned unit's forward in FSDP2's ``param_dtype``, as FSDP2 would.
-
-    Inside the context the unit's slots hold the full parameters in their
-    stored dtype (fp32 master weights), or whatever the body put there. FSDP2
-    casts the unit's inputs to ``param_dtype``, so for the forward each slot
-    holds a cast of what it holds now, and afterwards exactly what it held
-    before: a parameter replaced inside the context is the one the forward
-    uses and the one exit writes back.
+    """Runs a summoned unit's forward in FSDP2's ``param_dtype``, as FSDP2 would: for the forward each slot
+    holds a cast of what it holds now (a replacement made inside included), afterwards exactly that again. The
+    cast is made afresh every forward, as FSDP2's is: an edit through ``.data`` moves no version counter, so no
+    cached cast can be proven valid.
 
     [Note: casts never outlive their forward]
-    The casts are put back by the post-forward hook, by an ``always_call``
-    hook when the forward raised an ``Exception``, and, for any other
-    ``BaseException`` (``KeyboardInterrupt``, ``asyncio.CancelledError``),
-    which ``nn.Module`` runs no hook for, by the guard ``SummonedGroup`` puts on
-    the unit's ``_call_impl``: a ``try/finally`` for the context's duration,
-    which also puts back FSDP2's per-forward state (``_fsdp2.settle_forward``).
-    A fault part way through the casts puts back those already placed
-    (``held`` grows one parameter at a time), and exit puts back whatever a
-    forward compiled around ``_call_impl`` left (``unwind``), before it reads
-    the slots. So exit never reads a cast as the user's replacement, and
-    ``state_dict()`` or an edit after a caught interrupt meets the full
-    parameters.
-
-    The cast is made afresh for every forward, never cached: an edit through
-    ``.data`` (``p.data.copy_(new)``, the weight loaders' idiom) moves no
-    version counter and no data pointer, so no cache of a cast can be proven
-    valid. FSDP2's own forward casts on every all-gather too.
+    Put back by the post-forward hook, by an ``always_call`` hook on an ``Exception``, and for any other
+    ``BaseException`` (which ``nn.Module`` runs no hook for) by ``SummonedGroup``'s guard on the unit's
+    ``_call_impl``, which also settles FSDP2's per-forward state. A fault part way puts back the casts already
+    placed (``held`` grows one at a time), and exit ``unwind``s what a compiled forward left before it reads
+    the slots: exit never takes a cast for the user's replacement.
     """
 
     __slots__ = ("_items", "_depth", "_held")
@@ -184,26 +164,14 @@ class Conversions:
     open (``redirect``), replayed on the shards at exit (``replay``), across groups in call order.
 
     [Note: conversions inside]
-    ``model.to(...)``, ``.cpu()``, ``.float()`` and friends end in ``_apply``.
-    Inside a context FSDP2's ``_apply`` would reshard (the shards back in the
-    slots mid-context) and then adopt a slot's full tensor as its sharded
-    parameter (``reset_sharded_param``: broken for good); a plain module's
-    would convert a ``rank0_only`` non-holder's shard on that rank alone, so
-    the ranks' dtypes, and then their buckets, would differ. So for the
-    context's duration every unit with a parameter in scope and every module
-    holding a summoned slot gets an instance-level ``_apply``, alike on every
-    rank: it runs ``nn.Module._apply`` with this rank's summoned slots hidden
-    where they hold shards (``rank0_only`` non-holders), so full tensors
-    convert where they are held (``state_dict()`` inside stays full) and
-    everything else converts alike on every rank; the outermost call is
-    recorded. At exit, the slots restored, each recorded call is replayed
-    through the module's own ``_apply`` (FSDP2's for a unit: resharded, its
-    parameters adopted), before writeback: after exit the model is as the
-    same call outside would have left it, plus the writeback. A fault part
-    way is recorded first, so the replay completes it. A conversion whose
-    outermost module is a plain submodule holding FSDP2 parameters is
-    refused on every rank before it converts anything: FSDP2 follows the
-    conversion of whole units only.
+    Conversions end in ``_apply``. FSDP2's would reshard mid-context and adopt a full tensor as its shard; a
+    plain module's would convert a ``rank0_only`` non-holder's shard on that rank alone, and the ranks' buckets
+    would differ. So while open, every unit in scope and every module holding a summoned slot runs
+    ``nn.Module._apply`` with this rank's shard-holding slots hidden: full tensors convert where held, the rest
+    alike on every rank, and the outermost call is recorded (before it runs: a fault part way is completed by
+    the replay). At exit each is replayed through the module's own ``_apply`` on the restored slots, before
+    writeback. A conversion of a plain submodule holding FSDP2 parameters is refused on every rank first:
+    FSDP2 follows whole units only.
     """
 
     __slots__ = ("made", "_redirected", "_depth", "_covered")
