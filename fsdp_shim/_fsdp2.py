@@ -257,8 +257,7 @@ def reshard_group(group: FSDPParamGroup) -> None:
 
     Used for units an earlier forward left unsharded (the root, or
     ``reshard_after_forward=False``); ``state_dict()``'s pre-hook does the
-    same. The next forward all-gathers again. See [Note: units left unsharded]
-    in ``_summon._prepare``.
+    same. The next forward all-gathers again (``_summon._prepare``).
     """
     if not group.is_sharded:
         group._to_sharded()

@@ -280,9 +280,9 @@ class SummonedGroup:
         self._cut_short = False  # a forward through the units raised (their ``_call_impl`` guard)
 
     def prepare(self) -> bool:
-        """FSDP2's group in a known state before anything is gathered, all local, nothing to undo:
-        parameter resets adopted, and resharded if a forward left it unsharded (see [Note: units left
-        unsharded] in ``_summon``). Whether FSDP2 adopted a parameter (the DTensors to gather changed)."""
+        """FSDP2's group in a known state before anything is gathered, all local, nothing to undo: parameter
+        resets adopted, and resharded if a forward left it unsharded (``_summon._prepare``). Whether FSDP2
+        adopted a parameter (the DTensors to gather changed)."""
         adopted = fsdp2.adopt_module_params(self.group)
         fsdp2.reshard_group(self.group)
         return adopted
