@@ -7,7 +7,8 @@ before torch 2.13) is wrapped on ``torch.distributed`` for the duration of
 a ``with inject(...)`` block. The shim looks both names up there at each call.
 
 Also here: a process group with a short timeout (so a one-sided fault ends in
-seconds, not the pool's minutes), and the checks every fault test makes.
+seconds, not the pool's minutes), a ``with_grads`` case on one, and the checks
+every fault test makes.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
-from _helpers import wrapping_dist
+from _helpers import LMConfig, build_lm, shard_lm, wrapping_dist
 from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim import _health, _registry
 
@@ -130,6 +131,15 @@ def short_timeout_mesh(seconds: float = 3.0) -> DeviceMesh:
     """
     group = dist.new_group(list(range(dist.get_world_size())), timeout=datetime.timedelta(seconds=seconds))
     return DeviceMesh.from_group(group, "cpu", mesh_dim_names=(f"faults{next(_meshes_made)}",))
+
+
+def with_grads_on_a_short_timeout(config: LMConfig) -> tuple[nn.Module, dict, bool]:
+    """A ``with_grads`` fault case: ``build_lm(config)`` sharded on a ``short_timeout_mesh(3.0)``, every
+    gradient ones; its ``local_shards``, for ``assert_untouched``; and whether this rank faults (rank 0)."""
+    model = shard_lm(build_lm(config), short_timeout_mesh(3.0))
+    for param in model.parameters():
+        param.grad = torch.ones_like(param)
+    return model, local_shards(model), dist.get_rank() == 0
 
 
 def local_shards(model: nn.Module) -> dict[str, tuple[nn.Parameter, torch.Tensor]]:

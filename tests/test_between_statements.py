@@ -26,7 +26,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 import fsdp_shim
-from _faults import assert_untouched, local_shards, short_timeout_mesh
+from _faults import assert_untouched, local_shards, with_grads_on_a_short_timeout
 from _helpers import LMConfig, build_lm, counting_collectives, patched, shard_lm, tokens_for
 from fsdp_shim import _grads, _health, _param, _registry, _stream, _summon
 from fsdp_shim._gather import engine
@@ -105,12 +105,7 @@ def _refused_at_once(model) -> str:
 
 def rank_d2_an_interrupt_right_after_the_gradients_agreement_is_refused_at_once() -> str:
     """D2: the faulting rank was left unmarked, and its retry waited out the group's timeout."""
-    mesh = short_timeout_mesh(3.0)
-    model = shard_lm(build_lm(CONFIG), mesh)
-    for param in model.parameters():
-        param.grad = torch.ones_like(param)
-    before = local_shards(model)
-    faulty = dist.get_rank() == 0
+    model, before, faulty = with_grads_on_a_short_timeout(CONFIG)
     injected = (_interrupt_after_return(dist.all_reduce, _grads.agree_on_grads) if faulty
                 else contextlib.nullcontext([True]))
     with patched(), injected as fired, pytest.raises(KeyboardInterrupt if faulty else RuntimeError):

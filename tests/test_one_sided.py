@@ -23,7 +23,15 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 import fsdp_shim
-from _faults import InjectedFault, assert_untouched, inject, inject_allocation, local_shards, short_timeout_mesh
+from _faults import (
+    InjectedFault,
+    assert_untouched,
+    inject,
+    inject_allocation,
+    local_shards,
+    short_timeout_mesh,
+    with_grads_on_a_short_timeout,
+)
 from _helpers import LMConfig, build_lm, patched, shard_lm, wrapping_dist
 
 CONFIG = LMConfig(layers=3)
@@ -240,14 +248,7 @@ def rank_a_one_sided_fault_after_the_gradient_agreement_is_refused_on_the_faulti
     rank after it, before that rank's first all-gather, leaves the ranks out of step as a fault part way does: the
     peer goes on to post its gathers. (A refusal every rank makes alike after the agreement keeps them in step:
     ``test_every_rank_alike.test_gradients_laid_out_otherwise_on_some_ranks_are_refused_alike``.)"""
-    import torch
-
-    mesh = short_timeout_mesh(3.0)
-    model = shard_lm(build_lm(CONFIG), mesh)
-    for param in model.parameters():
-        param.grad = torch.ones_like(param)
-    before = local_shards(model)
-    faulty = dist.get_rank() == 0
+    model, before, faulty = with_grads_on_a_short_timeout(CONFIG)
     with patched(), inject("all_gather", after=0 if faulty else 10**9), pytest.raises(
             InjectedFault if faulty else RuntimeError):
         with fsdp_shim.summon_full_params(model, writeback=False, with_grads=True, bucket_mb=SMALL):
