@@ -1,10 +1,6 @@
-"""The streaming weight sync: full parameters unit by unit, the next unit in flight.
+"""The streaming weight sync behind ``iter_full_params``: full parameters unit by unit, the next unit in flight.
 
-``iter_full_params`` (its generator: ``stream_full_params``) serves the RL weight sync (send every full
-parameter to an inference engine) without a context and without swapping anything. Owns the stream's plan
-(``batch_params``: one batch a unit, small ones merged; ``_vllm`` reuses it) and its one batch in flight;
-the gathers are the engine's. What it guarantees (batches, memory, fresh tensors, refusals, the cast, what
-is read): [Note: streaming], at ``stream_full_params``.
+Owns the stream's plan (``batch_params``, which ``_vllm`` reuses) and its batches in flight.
 """
 
 from __future__ import annotations
@@ -36,15 +32,11 @@ from fsdp_shim._scope import fsdp_slot_owners, module_label, slot_key, tracked_s
 
 logger = logging.getLogger("fsdp_shim")
 
-#: The stream's default bucket cap, in MiB. Larger than the summon's 4: with a
-#: whole batch in flight, fewer and larger collectives won (the figures:
-#: ``docs/gather-engine.md``).
+#: The stream's default bucket cap, in MiB: with a whole batch in flight, fewer and larger collectives than
+#: the summon's 4 MiB won (``docs/gather-engine.md``).
 STREAM_BUCKET_MB = 6.0
 
 FullParams = Iterator[tuple[str, torch.Tensor | None]]
-#: ``iter_full_params(keep_dtype=...)``: which parameters travel uncast. One glob
-#: pattern or several (``fnmatch``, case-sensitive, against the dotted name),
-#: or a predicate on the name.
 KeepDtype = str | Sequence[str] | Callable[[str], bool] | None
 
 
@@ -73,8 +65,7 @@ class _Batch:
     tensors: list[torch.Tensor] = field(default_factory=list)  # sharded DTensors or plain tensors
     casts: list[torch.dtype | None] = field(default_factory=list)  # what each travels in; None: stored
     nbytes: int = 0  # gathered size
-    #: The mesh each is gathered over where FSDP2's differs from the DTensor's (``_fsdp2.gather_mesh``), else None.
-    meshes: list[Any] = field(default_factory=list)
+    meshes: list[Any] = field(default_factory=list)  # FSDP2's gather mesh where it differs, else None
 
 
 class _Distinct(NamedTuple):
@@ -83,7 +74,7 @@ class _Distinct(NamedTuple):
     names: list[str]
     tensor: torch.Tensor
     unit: object | None  # the FSDP2 param group that manages it
-    mesh: Any  # the mesh FSDP2 gathers it over (``_fsdp2.gather_mesh``), or None: its own
+    mesh: Any  # the mesh FSDP2 gathers it over, where it differs from the DTensor's (``_fsdp2.gather_mesh``)
 
 
 def _distinct_params(model: nn.Module) -> list[_Distinct]:
@@ -111,7 +102,7 @@ def _distinct_params(model: nn.Module) -> list[_Distinct]:
                     tensor = value = record.sharded
             identity: object = owner[0] if owner is not None else value
             if id(identity) in found:
-                found[id(identity)].names.append(fqn)  # a tie: named by its first name
+                found[id(identity)].names.append(fqn)
                 continue
             found[id(identity)] = _Distinct([fqn], tensor, owner[1] if owner is not None else None,
                                             None if owner is None else fsdp2.gather_mesh(owner[0]))
@@ -121,11 +112,9 @@ def _distinct_params(model: nn.Module) -> list[_Distinct]:
 def batch_params(
     model: nn.Module, bucket_bytes: int, cast_to: torch.dtype | None, uncast: Callable[[str], bool] | None = None,
 ) -> list[_Batch]:
-    """Every distinct parameter of ``model``, named and batched. See [Note: streaming].
-
-    ``uncast`` picks, by name, parameters that travel in their stored dtype
-    instead of ``cast_to`` (``keep_dtype``).
-    """
+    """Every distinct parameter of ``model``, named and batched: one batch per FSDP2 unit, runs of unmanaged
+    parameters cut at the bucket cap, then small neighbours merged. Reads structure only, so every rank plans
+    alike. ``uncast`` picks, by name, parameters that keep their stored dtype (``keep_dtype``)."""
     batches: dict[int, _Batch] = {}
     ordered: list[_Batch] = []
     rest: _Batch | None = None
@@ -173,14 +162,9 @@ def _merge_small(batches: list[_Batch], bucket_bytes: int) -> list[_Batch]:
 
 
 class _InFlightBatch:
-    """One batch, its DTensors' buckets staged and (unless ``launch=False``) their collectives launched.
-
-    One gather per dtype the batch's DTensors travel in (cast, and exempted by
-    ``keep_dtype``), in the batch's order of first appearance, so every rank
-    starts and finishes them alike. If starting one raises, those already
-    started are waited for first (see [Note: every posted work is waited for]
-    in ``_gather.engine``).
-    """
+    """One batch, staged and (unless ``launch=False``) launched: one gather per dtype (a bucket holds one
+    anyway), in order of first appearance, so every rank starts them alike; if one fails to start, those
+    started are waited for first."""
 
     def __init__(self, batch: _Batch, bucket_bytes: int, receiver: Receiver, posted: health.Call, launch: bool = True):
         self.batch = batch
@@ -207,10 +191,7 @@ class _InFlightBatch:
             pending.launch()
 
     def wait(self) -> list[Callable[[], object]]:
-        """Wait for every launched collective of the batch (its values are in); nothing is copied out.
-
-        Returns what blocks the host until they have completed (see [Note: bounded run-ahead] in ``_gather.engine``).
-        """
+        """Wait for the batch's collectives (nothing copied out); returns what blocks the host until they complete."""
         fences: list[Callable[[], object]] = []
         try:
             for _, pending in self._pending:
@@ -236,8 +217,7 @@ class _InFlightBatch:
         if holds_fulls:
             for index, (tensor, cast) in enumerate(zip(self.batch.tensors, self.batch.casts, strict=True)):
                 if fulls[index] is None and not isinstance(tensor, DTensor):
-                    # a copy, always: ``.to()`` returns the parameter itself where device and dtype
-                    # match, and a kept tensor would change with the model (see [Note: streaming])
+                    # a copy, always: ``.to()`` may return the parameter itself, which changes with the model
                     dtype = gathered_dtype(tensor, cast)
                     fulls[index] = tensor.detach().to(device=out_device or tensor.device, dtype=dtype, copy=True)
         return fulls
@@ -249,10 +229,7 @@ class _InFlightBatch:
 
 
 def _drop_all(in_flight: list[_InFlightBatch], raising: bool = False) -> None:
-    """The stream's end: every launched gather waited for.
-
-    ``raising``: raise the first failed wait (on an error path the error already propagating wins).
-    """
+    """Wait for every launched gather; ``raising``: raise the first failed wait (off error paths)."""
     error = None
     try:
         for pending in in_flight:
@@ -293,53 +270,12 @@ def stream_full_params(
 ) -> FullParams:
     """The generator behind ``fsdp_shim.iter_full_params`` (arguments already checked).
 
-    [Note: streaming]
-    ``iter_full_params`` serves the RL weight sync (send every full parameter to
-    an inference engine) without a context and without swapping anything:
-
-    * *Batches.* The model's parameters are split into batches: one per FSDP2
-      unit (its param group: what one ``recurse=False`` summon gathers), and runs
-      of parameters no unit manages (tensor parallel alone, plain tensors) cut at
-      the bucket cap. Consecutive batches that fit one bucket together are
-      merged: one collective instead of several. Ties are one parameter, named by
-      ``named_parameters()``'s first name. The plan reads only structure, so
-      every rank makes the same.
-    * *One batch in flight, the next one staged.* Batch ``k + 1`` is staged
-      (copied in and cast, see [Note: staged, then launched] in ``_gather.engine``)
-      before batch ``k`` is waited for, so the CPU's copies overlap batch ``k``'s
-      transfer. Its collectives are launched, all of batch ``k + 1``'s, as
-      soon as batch ``k`` is in and before it is handed out. So batch
-      ``k + 1`` transfers while the caller sends batch ``k``, and is finished
-      only when the caller asks for it.
-    * *Bounded memory.* The generator holds two adjacent batches: batch ``k``'s
-      full tensors (and, while they are copied out, its bucket buffers) and
-      batch ``k + 1``'s staged or in-flight buffers, plus padding (at most
-      ``W - 1`` rows a tensor); it drops each tensor at the next step.
-    * *Fresh memory.* Every full tensor handed out is fresh memory nothing
-      else writes: a caller may keep it, or anything that reaches its memory.
-    * *Refused up front, never dropped.* The stream refuses what the summon refuses (``_refusals``,
-      the summon's words) before its first batch and its groups' step before each launch (the loop
-      body may break one), claims its groups until it ends, and on any error or early stop waits for
-      every batch in flight (left part way, it marks its groups: below).
-    * *Cast before gather.* With ``dtype``, floating shards are cast as they are
-      copied into the bucket (see [Note: cast before gather] in ``_gather.engine.start_gather``).
-      ``keep_dtype`` exempts chosen parameters (an MoE router's gate, kept fp32
-      for the engine): they travel in their stored dtype, so their values are
-      exact. A tie is kept if any of its names is chosen. A batch's exempt
-      DTensors are gathered apart from its cast ones; their buckets would be
-      separate anyway (a bucket holds one dtype), so this costs no collective.
-    * *What is read.* The sharded parameters FSDP2 and the optimizer hold (fp32
-      masters under a ``param_dtype`` policy), also when a forward left a unit
-      unsharded. No FSDP2 state is touched.
-
-    An error or early stop (the caller's ``break``, an exception in its loop body) after the first
-    collective and before the last batch is in leaves the stream part way: this rank marks its groups
-    out of step, as the other ranks may have posted batches it never will (see [Note: a one-sided fault
-    leaves its own mark] in ``_gather.engine``). To take some parameters only, iterate to the end on every rank.
-
-    No rank runs ahead: batch ``k + 1`` is launched only once the host has seen batch ``k - 1`` complete
-    (on NCCL ``wait()`` does not block the host, and a rank that receives nothing would otherwise post the
-    whole model's gathers at once; see [Note: bounded run-ahead] in ``_gather.engine``).
+    Batch ``k + 1`` is staged before batch ``k`` is waited for, and launched once ``k`` is in and the host
+    has seen ``k - 1`` complete (on NCCL ``wait()`` does not block the host: a rank receiving nothing
+    would otherwise post every gather at once). So it holds two adjacent batches, and ``k + 1`` transfers
+    while the caller uses ``k``. It reads the sharded parameters FSDP2 holds, even of a unit a forward left
+    unsharded. Left between its first collective and its last batch, this rank marks its groups out of
+    step: the other ranks may have posted batches it never will.
     """
     bucket_bytes = bucket_cap(bucket_mb, STREAM_BUCKET_MB).bucket_bytes
     device = resolve_device(device)
@@ -358,9 +294,7 @@ def stream_full_params(
     started = time.perf_counter()
     in_flight: list[_InFlightBatch] = []
     sent_bytes = 0
-    # Part way from the first collective posted until the last batch is finished: left then (an error, the
-    # caller's early close), this rank marks its groups (see [Note: a one-sided fault leaves its own mark]).
-    # ``posted`` is also the owner of the stream's claim on its groups, made and given back in one ``try``.
+    # ``posted`` also owns the stream's claim on its groups, made and given back in one ``try``.
     posted, all_in = health.Call(), False
     completed_before: list[Callable[[], object]] = []  # batch k - 1's completion, in step k
     grad_enabled = torch.is_grad_enabled()  # the caller's, as each step starts: put back on every error path
@@ -370,17 +304,17 @@ def stream_full_params(
             in_flight.append(_InFlightBatch(batches[0], bucket_bytes, receiver, posted))
         for index, batch in enumerate(batches):
             grad_enabled = torch.is_grad_enabled()
-            if index + 1 < len(batches):  # staged while batch k arrives, launched once it is in
+            if index + 1 < len(batches):
                 in_flight.append(_InFlightBatch(batches[index + 1], bucket_bytes, receiver, posted, launch=False))
             arrived = in_flight[0]
-            fences = arrived.wait()  # left in the list until it is in: see below
+            fences = arrived.wait()  # left in the list until it is in, so an error path drops it
             in_flight.pop(0)
             if in_flight:
-                # the caller's loop body ran since the last launch: a summon there may have failed one-sidedly
+                # the caller's loop body ran since the last launch and may have left a group out of step
                 health.require_live_groups(process_groups, lambda: call)
-                for fence in completed_before:  # batch k - 1 complete before k + 1 is posted: [Note: bounded run-ahead]
+                for fence in completed_before:
                     fence()
-                in_flight[0].launch()  # batch k + 1 on the wire while batch k is copied out
+                in_flight[0].launch()
             completed_before = fences
             fulls = arrived.finish(holds_fulls, device)
             del arrived
@@ -389,7 +323,7 @@ def stream_full_params(
             sent_bytes += batch.nbytes
             for position, name in enumerate(batch.names):
                 yield name, fulls[position]
-                fulls[position] = None  # valid until the next step: see [Note: streaming]
+                fulls[position] = None  # valid until the next step
         grad_enabled = torch.is_grad_enabled()  # the caller's as the stream ends: the finally changes nothing
     except BaseException as error:
         if posted.any and not all_in:  # marked first: an interrupt in the drop below cannot skip it
@@ -401,8 +335,7 @@ def stream_full_params(
         _drop_all(in_flight, raising=True)
         health.release(posted)
     finally:
-        # Again on every path: each undo is done twice (both idempotent), so that an interrupt at the first
-        # statement of one handler is made good by the next (see [Note: claims] in ``_health``).
+        # Each undo again (idempotent): an interrupt at the first statement of one handler is made good here.
         health.release(posted)
         torch._C._set_grad_enabled(grad_enabled)
     logger.debug(
