@@ -1,9 +1,6 @@
 """The stream as vLLM's ``WeightSource``: ``fsdp_shim.vllm_weight_source``.
 
-Owns the adapter (``source_class``, made at the first call: vLLM is optional, and ``import fsdp_shim`` never
-imports it) and the names vLLM is told (wrapper segments removed, then ``name_map``). Its ``metadata`` is
-the stream's own plan (``wire_params`` over ``_stream.batch_params``), never a second one, and its
-``iter_full()`` is the stream itself: [Note: the stream as a vLLM weight source], at ``source_class``.
+Owns the adapter class (made at the first call: vLLM is optional) and the names vLLM is told.
 """
 
 from __future__ import annotations
@@ -20,26 +17,18 @@ from fsdp_shim._gather.layout import bucket_cap, gathered_dtype
 from fsdp_shim._stream import STREAM_BUCKET_MB, KeepDtype, batch_params, check_stream_args, name_matcher
 from fsdp_shim._stream import stream_full_params
 
-#: Module-wrapper segments removed from parameter names, so that names are what the model's own
-#: checkpoint (and so vLLM's loader) calls them: torch's activation-checkpoint wrapper
-#: (``checkpoint_wrapper``) and ``torch.compile``'s ``OptimizedModule``. FSDP1's
-#: ``_fsdp_wrapped_module.`` cannot occur: the stream refuses FSDP1 trees.
+#: Wrapper segments (activation checkpointing, ``torch.compile``) removed, so names are the checkpoint's.
 WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod")
 
-#: Who receives full tensors (see [Note: the stream as a vLLM weight source]).
 RECEIVERS = ("sender", "all")
 
-#: What vLLM's ``WeightSource`` interface looks like where this adapter was verified.
-#: vLLM 0.28 to 0.32 have a ``WeightSource`` of an earlier shape (a ``metadata()`` method, ``__iter__``), read
-#: from their wheels; it is not served. 0.34.0's ``base.py`` is 0.33.0's, byte for byte (read from its wheel).
 VLLM_API = ("vllm.distributed.weight_transfer.base.WeightSource with a cached-property `metadata` and "
             "`iter_full()`, as in vLLM 0.33.0 (verified) and later; vLLM 0.28 to 0.32 have an earlier "
             "WeightSource (a metadata() method and __iter__) that this adapter does not serve")
 
 
 class WireParam(NamedTuple):
-    """One parameter as vLLM is told of it: name after renaming, wire dtype, full shape; and the name the
-    stream yields it by, which ``iter_full()`` renames through this record."""
+    """One parameter as vLLM is told of it, and the name the stream yields it by (``streamed_as``)."""
 
     name: str
     dtype: torch.dtype
@@ -89,13 +78,10 @@ def wire_params(
     name_map: Callable[[str], str] | None = None,
     bucket_mb: float | None = None,
 ) -> list[WireParam]:
-    """What ``iter_full()`` will yield, in its order, without gathering: the source's ``metadata``.
+    """What ``iter_full()`` will yield, in its order, without a collective: the source's ``metadata``.
 
-    The stream's own plan (``batch_params``, with the arguments the stream is given), so the order
-    and the dtypes cannot drift from iteration's. Reads the module tree, FSDP2's state and DTensor
-    metadata only: no collective, no full tensor. Two parameters renamed alike raise ``ValueError``:
-    the one place that decides it, for ``metadata`` and ``iter_full()`` alike (names only, which every
-    rank shares, so every rank refuses alike, and before the stream's first collective).
+    The stream's own plan, so order and dtypes cannot drift from iteration's. Refuses two parameters renamed
+    alike from names only, so every rank refuses alike, before any collective.
     """
     bucket_bytes = bucket_cap(bucket_mb, STREAM_BUCKET_MB).bucket_bytes
     rename = _renamer(name_map)
@@ -113,10 +99,7 @@ def wire_params(
 
 
 def _vllm_base() -> tuple[type, type]:
-    """vLLM's ``WeightSource`` and ``ParamMeta``; ``ImportError`` naming the versions that have them.
-
-    Imported by name (``importlib``): vLLM is optional, and never imported by ``import fsdp_shim``.
-    """
+    """vLLM's ``WeightSource`` and ``ParamMeta``; ``ImportError`` naming the versions that have them."""
     try:
         base = importlib.import_module("vllm.distributed.weight_transfer.base")
     except ImportError as exc:
@@ -134,37 +117,14 @@ def _vllm_base() -> tuple[type, type]:
 def source_class() -> type:
     """The adapter class: a subclass of vLLM's own ``WeightSource``, made once vLLM is imported.
 
-    [Note: the stream as a vLLM weight source]
-    vLLM's native weight-transfer API (``vllm.distributed.weight_transfer``, its
-    ``WeightSource`` since the trainer-side engines took one) asks a trainer for two
-    channels, and checks that they agree:
-
-    * ``metadata``: ``ParamMeta(name, wire dtype, full shape)`` for every parameter,
-      a ``functools.cached_property`` (vLLM's ``__init_subclass__`` enforces it),
-      identical on every trainer rank, read on any rank any number of times, so it
-      may run no collective. Here it is the stream's own plan (``_stream.batch_params``,
-      the function ``iter_full_params`` batches with, same arguments): module tree,
-      FSDP2's state and DTensor metadata only, no collective, no full tensor. So its
-      order *is* the stream's (unit by unit, the root's unit first), not
-      ``named_parameters()``' (the NCCL engine's sender check, ``_checked_iter``,
-      fails the latter at the first parameter of the first block), and its dtype is
-      the wire dtype after the cast (``keep_dtype`` respected).
-    * ``iter_full()``: ``iter_full_params`` itself, a fresh pass each call: cast
-      before the gather, the next unit in flight, memory near two units. Its names
-      are metadata's plan's, made afresh at its start (``wire_params``): a ``name_map``
-      that names two parameters alike is refused by both, in the same words.
-
-    Ownership is left unset (``owners=None``: every rank), as every rank must drive
-    every gather. With ``receivers="sender"`` only global rank 0 receives tensors;
-    the others yield ``(name, None)``, which is what the NCCL engine's non-sender
-    loop (``for _ in source.iter_full(): pass``) does with them: nothing, and no
-    memory is spent on them. ``receivers="all"`` gives every rank every tensor
-    (the colocated IPC engine exports each rank's copies).
+    ``metadata`` is a ``cached_property`` (vLLM's ``__init_subclass__`` requires it) read on any rank any
+    number of times, so it runs no collective. It and ``iter_full()`` both come from ``wire_params``, so
+    they agree, as vLLM's sender check (``_checked_iter``) requires. Every rank must drive every gather.
     """
     weight_source, param_meta = _vllm_base()
 
     class FsdpShimWeightSource(weight_source):  # type: ignore[valid-type,misc]  # vLLM's class, found at run time
-        """vLLM's ``WeightSource`` over ``iter_full_params``. See [Note: the stream as a vLLM weight source]."""
+        """vLLM's ``WeightSource`` over ``iter_full_params``."""
 
         def __init__(self, model: nn.Module, *, dtype: torch.dtype | None, keep_dtype: KeepDtype,
                      receivers: str, name_map: Callable[[str], str] | None, device: torch.device | str | None,
@@ -184,12 +144,8 @@ def source_class() -> type:
                     for p in wire_params(self.model, self.dtype, self.keep_dtype, self.name_map, self.bucket_mb)]
 
         def iter_full(self) -> Iterator[tuple[str, torch.Tensor | None]]:
-            """A fresh pass of the stream: ``(name, full tensor)``; ``None`` on ranks that receive nothing.
-
-            A collective: every trainer rank iterates it to the end, in step. Its names are ``metadata``'s
-            plan's (``wire_params``, made afresh), so a ``name_map`` that ``metadata`` refuses is refused here
-            too, in the same words, before any collective, also where ``metadata`` is never read.
-            """
+            """A fresh pass of the stream, a collective; renamed through ``wire_params`` made afresh, so it
+            refuses what ``metadata`` would, even where that is never read."""
             renamed = {p.streamed_as: p.name for p in
                        wire_params(self.model, self.dtype, self.keep_dtype, self.name_map, self.bucket_mb)}
             stream = cast(  # a generator: closed at once if the caller stops early
