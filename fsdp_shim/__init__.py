@@ -1,18 +1,8 @@
 """fsdp_shim: FSDP1's ``summon_full_params`` for FSDP2, HSDP and tensor-parallel models.
 
-Adoption is one line, at start-up; existing call sites then work on models sharded with ``fully_shard``::
-
-    import fsdp_shim  # patches FullyShardedDataParallel.summon_full_params
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    with FSDP.summon_full_params(model, writeback=False, recurse=False):
-        model.generate(...)                       # runs with full weights
-
-New weight-sync code can stream instead (``iter_full_params``: the next unit in flight, cast before the
-gather), or hand the stream to vLLM (``vllm_weight_source``). FSDP1 module trees still go to FSDP1's own
-implementation. Supported: torch >= 2.7, < 2.16 and wrapt >= 2.5; on a torch it cannot serve, a DTensor
-summon raises instead of doing nothing. The README is the user guide: examples, the exact semantics next to
-FSDP1's, the version policy and the environment switches.
+``import fsdp_shim`` patches ``FullyShardedDataParallel.summon_full_params``, so existing call sites work on
+models sharded with ``fully_shard`` (FSDP1 trees still go to FSDP1). New weight-sync code can stream
+instead (``iter_full_params``, ``vllm_weight_source``). The README is the user guide.
 """
 
 from __future__ import annotations
@@ -57,24 +47,20 @@ __all__ = [
     "__version__",
 ]
 
-# No NullHandler: with logging unconfigured, Python's last-resort handler
-# still shows our few warnings (an inactive or untested environment).
+# No NullHandler: unconfigured, Python's last-resort handler still shows our few warnings.
 logger = logging.getLogger("fsdp_shim")
 
-#: Why the shim does not serve DTensor summons here (``None`` when it does):
-#: it is inactive, or patched in refusing mode (see [Note: version policy] in
-#: ``_versions``). Reading it activates the shim (imports torch); see
-#: [Note: deferred activation].
+#: Why the shim does not serve DTensor summons here (``None`` when it does); reading it activates the shim.
 unsupported_reason: str | None
 
 _UNITS_API = ("fsdp_units", "is_fsdp_module", "param_fqn")
 _activation_lock = threading.RLock()
 _activation = "pending"  # "pending" -> "running" -> "done"
-_refusal: str | None = None  # set when the shim patches in refusing mode (see [Note: version policy])
+_refusal: str | None = None  # set when the shim patches in refusing mode
 
 
 def _load_probe() -> Callable[[], list[str]]:
-    """The FSDP2 boundary imported, and its probe: ``_versions.verdict`` calls it (the internals may have moved)."""
+    """The FSDP2 boundary imported, and its probe (``_versions.verdict`` calls it)."""
     from fsdp_shim import _fsdp2  # noqa: PLC0415  (the probe: the FSDP2 internals may have moved)
 
     return _fsdp2.missing_internals
@@ -83,24 +69,10 @@ def _load_probe() -> Callable[[], list[str]]:
 def _activate() -> str | None:
     """Check the environment once, patch unless disabled; returns ``unsupported_reason``.
 
-    Re-entrant: checking imports ``torch.distributed.fsdp``, whose post-import
-    hook calls back here and returns at once; the outer call finishes the work.
-
-    [Note: deferred activation]
-    ``import fsdp_shim`` imports neither torch nor anything that does: it
-    registers a wrapt post-import hook on ``torch.distributed.fsdp``, which fires
-    at once if FSDP is already imported and otherwise the moment it is, before
-    any caller can reach ``FullyShardedDataParallel``. The hook *activates* the
-    shim: checks the environment (``unsupported_reason``), then patches unless
-    ``FSDP_SHIM_DISABLE`` is set. Any public call that needs torch activates
-    first, so nothing observable depends on the order of the imports, and
-    ``fsdp-shim --help`` answers without loading torch.
-
-    A submodule imported first (``import fsdp_shim._summon``) imports FSDP part
-    way through its own import, so the hook fires while the package is half
-    built, and patching would import that very module. The hook then waits:
-    each submodule has a post-import hook of its own (wrapt again), and the
-    first one to fire with no other submodule still being imported activates.
+    ``import fsdp_shim`` imports no torch: a post-import hook on ``torch.distributed.fsdp`` activates before
+    any caller can reach FSDP, and public calls activate first, so nothing depends on import order. If a
+    submodule imported first brings in FSDP half way, the hook waits for the first submodule hook to fire
+    with no other submodule importing. Re-entrant: the check imports FSDP, whose hook returns at once.
     """
     global _activation, unsupported_reason, _refusal
     with _activation_lock:
@@ -126,8 +98,7 @@ def _activate() -> str | None:
 
 
 def _install(refusal: str | None) -> bool:
-    """``_patching.patch``, handed the DTensor summon's wrapper unless refusing: the one place above both that
-    knows of both (``_patching`` never imports the summon; see [Note: refusing mode] there)."""
+    """``_patching.patch``, handed the summon's wrapper unless refusing (``_patching`` never imports the summon)."""
     from fsdp_shim import _patching  # noqa: PLC0415  (torch is imported by now, not at ours)
 
     if refusal is not None:
@@ -138,7 +109,7 @@ def _install(refusal: str | None) -> bool:
 
 
 def _submodule_importing(besides: str = "") -> bool:
-    """Whether a submodule other than ``besides`` is part way through its import. See [Note: deferred activation]."""
+    """Whether a submodule other than ``besides`` is part way through its import (see ``_activate``)."""
     prefix = f"{__name__}."
     return any(
         name.startswith(prefix) and name != besides and getattr(getattr(m, "__spec__", None), "_initializing", False)
@@ -153,14 +124,14 @@ def _on_fsdp_imported(_module: Any) -> None:
 
 
 def _on_submodule_imported(module: Any) -> None:
-    """Activate, if the FSDP hook waited for this import chain to finish (see [Note: deferred activation])."""
+    """Activate, if the FSDP hook waited for this import chain to finish (see ``_activate``)."""
     if _activation == "pending" and "torch.distributed.fsdp" in sys.modules \
             and not _submodule_importing(besides=module.__name__):
         _activate()
 
 
 def _submodule_names() -> list[str]:
-    """Every submodule's dotted name, subpackages' too, found on disk: nothing is imported to list them."""
+    """Every submodule's dotted name, subpackages' too, listed without importing them."""
     names = []
     for found in pkgutil.iter_modules(__path__):
         if found.name == "__main__":
@@ -198,12 +169,8 @@ def _require_support() -> None:
 def patch() -> bool:
     """Make ``FullyShardedDataParallel.summon_full_params`` serve DTensor models too.
 
-    Idempotent: returns True if it installed the wrapper, False if ours was
-    already installed (it never stacks a second one; the import installs it)
-    or if ``FSDP_SHIM_DISABLE`` is set (1, true, yes or on, any case). On a
-    torch it cannot serve (``unsupported_reason`` says why) the wrapper
-    refuses DTensor summons with a ``RuntimeError`` instead of FSDP1's
-    silent no-op.
+    Returns False if ours is already installed (the import installs it) or ``FSDP_SHIM_DISABLE`` is set. On a
+    torch it cannot serve (``unsupported_reason``) DTensor summons raise ``UnsupportedTorchError``.
     """
     reason = _activate()
     if reason is not None and _refusal is None:
@@ -235,9 +202,7 @@ def is_patched() -> bool:
 def sharded_param(param: torch.Tensor) -> nn.Parameter | None:
     """The original (sharded) parameter behind a full parameter of a live context, else ``None``.
 
-    Inside ``summon_full_params`` each slot holds a new full ``nn.Parameter``;
-    FSDP2 and your optimizer keep the sharded one, which comes back on exit.
-    Use this to key a map built before the context::
+    Inside the context each slot holds a new full ``nn.Parameter``; use this to key a map built before it::
 
         names = {p: n for n, p in model.named_parameters()}   # before
         with FSDP.summon_full_params(model, writeback=False):
@@ -263,13 +228,12 @@ def summon_full_params(
 ) -> ContextManager[Any]:
     """Gather full parameters for ``module``, with FSDP1's signature and semantics.
 
-    Usable without patching. FSDP1 trees go to FSDP1; DTensor parameters in
-    scope are gathered and swapped in; anything else is a null context.
+    Usable without patching. FSDP1 trees go to FSDP1; DTensor parameters in scope are gathered and
+    swapped in; anything else is a null context.
 
     Args:
         recurse: include nested FSDP units; ``False`` keeps to the module's own unit.
-        writeback: on exit, copy each rank's slice of the (edited) full
-            parameters (and gradients, with ``with_grads``) into its shard in place.
+        writeback: on exit, copy each rank's slice of the full parameters (and gradients) into its shard.
         rank0_only: only global rank 0 gets full parameters.
         offload_to_cpu: the full parameters live on CPU.
         with_grads: full parameters carry full gradients (``None`` stays ``None``).
@@ -298,49 +262,28 @@ def iter_full_params(
     device: torch.device | str | None = None,
     bucket_mb: float | None = None,
 ) -> Iterator[tuple[str, torch.Tensor | None]]:
-    """Stream ``(name, full tensor)`` for every parameter of a DTensor model, unit by unit.
-
-    For new weight-sync code (an inference engine fed from an FSDP2, HSDP or
-    tensor-parallel model), in place of a ``summon_full_params`` per unit::
+    """Stream ``(name, full tensor)`` for every parameter of a DTensor model, unit by unit::
 
         for name, tensor in fsdp_shim.iter_full_params(model, dtype=torch.bfloat16):
             if tensor is not None:          # rank 0
                 engine.load_weight(name, tensor)
 
-    A collective: every rank iterates, in step, to the end (or all stop early
-    alike). Every rank sees the same names, in the same order: FSDP2 unit by
-    unit, each unit's parameters in ``named_parameters()`` order, a tied
-    parameter once under its first name. Nothing in the model changes.
+    A collective: every rank iterates to the end, in step, and sees the same names in the same order
+    (FSDP2 unit by unit, a tie once under its first name). Left early (``break``, an exception) after the
+    first gather, the stream waits for what it posted and leaves its groups out of step (later calls raise
+    ``GroupOutOfStepError``). It refuses what ``summon_full_params`` refuses before the first gather, and
+    changes nothing in the model. The next unit is in flight while you use the current one; keep no
+    references and extra memory stays near the two largest units. Each tensor is fresh memory.
 
     Args:
-        dtype: floating parameters travel in this dtype: each rank casts its
-            shard *before* the gather (bf16 moves half of fp32's bytes).
-            Values equal ``full.to(dtype)``. ``None``: the stored dtype (the
-            fp32 master weights under a bf16 ``MixedPrecisionPolicy``), exact.
-        keep_dtype: parameters exempt from ``dtype``: they travel in their
-            stored dtype, exact (an MoE router's gate kept fp32 while the rest
-            go bf16). A glob pattern or a sequence of them (``fnmatch``,
-            case-sensitive, matched against the dotted name, e.g.
-            ``"*.router.weight"``), or a predicate ``name -> bool``. A tied
-            parameter is kept if any of its names matches; it is still
-            yielded once, under its first name. Patterns that match nothing
-            log a warning (a typo, or a model without such parameters).
-        rank0_only: only global rank 0 receives tensors; the others get
-            ``None`` for each name (and still send their shards).
-        device: where the full tensors land, as torch names devices: ``"cpu"``
-            for host memory (pageable, as FSDP1's offload), ``"cuda"`` for the
-            current GPU; default where the gather runs.
+        dtype: floating parameters travel in this dtype, each shard cast *before* the gather (values
+            equal ``full.to(dtype)``). ``None``: the stored dtype, exact.
+        keep_dtype: parameters exempt from ``dtype`` (e.g. an MoE router kept fp32): a glob pattern or a
+            sequence of them (``fnmatch`` on the dotted name, e.g. ``"*.router.weight"``), or a predicate
+            ``name -> bool``. A tie is kept if any of its names matches. Patterns matching nothing warn.
+        rank0_only: only global rank 0 receives tensors; the others get ``None`` for each name.
+        device: where the full tensors land (``"cpu"``, ``"cuda"``); default where the gather runs.
         bucket_mb: cap on one gather bucket, in MiB (default: ``$FSDP_SHIM_BUCKET_MB`` or 6).
-
-    The generator drops each tensor at the next step of the iteration, and
-    the next unit's gather is already in flight while you use the current
-    one. Keep no references and the extra memory stays near the two largest
-    units plus padding, whatever the model's size. Every tensor is fresh
-    memory nothing else writes, so keeping one (or its storage, a numpy
-    view, a shared-memory copy) costs memory, never its values. Before the
-    first unit moves it refuses what ``summon_full_params`` refuses, in the
-    same words; stopped early or failed, it waits for every gather it
-    posted. Treat tensors as read-only.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, holds FSDP1 units, ``dtype`` is not floating,
@@ -367,51 +310,31 @@ def vllm_weight_source(
     device: torch.device | str | None = None,
     bucket_mb: float | None = None,
 ) -> Any:
-    """``iter_full_params`` as vLLM's own ``WeightSource``, for its native weight-transfer engines.
-
-    ::
+    """``iter_full_params`` as vLLM's own ``WeightSource``, for its native weight-transfer engines::
 
         source = fsdp_shim.vllm_weight_source(model, torch.bfloat16)   # on every trainer rank
         engine = WeightTransferTrainerFactory.trainer_init(init_info, client=client, source=source)
         engine.send_weights()                                            # each round, every rank
 
-    Returns an instance of a subclass of ``vllm.distributed.weight_transfer.base.WeightSource``
-    (vLLM is imported by this call, not by ``import fsdp_shim``):
-
-    * ``metadata``: ``ParamMeta(name, wire dtype, full shape)`` for every parameter once (a tie
-      under its first name), in exactly ``iter_full()``'s order (FSDP2 unit by unit, the root's
-      unit first: not ``named_parameters()`` order), the dtype after the cast (``keep_dtype``
-      respected); a ``functools.cached_property``, identical on every rank, computed from the
-      module tree, FSDP2's state and DTensor metadata: no collective, no full tensor. Read it
-      once the model is sharded.
-    * ``iter_full()``: a fresh pass of ``iter_full_params`` each call (cast before the gather, the
-      next unit in flight, memory near two units): a collective, so every trainer rank iterates
-      it to the end, in step.
-
-    Names are the model's parameter names without the wrapper segments
-    ``_checkpoint_wrapped_module.`` (activation checkpointing) and ``_orig_mod.``
-    (``torch.compile``), then ``name_map`` (FSDP1's ``_fsdp_wrapped_module.`` cannot occur:
-    FSDP1 trees are refused, as by the stream). Ownership is unset (``owners=None``): every rank
-    drives every gather.
+    Returns a subclass of vLLM's ``WeightSource`` (vLLM imported by this call). ``metadata``: every parameter
+    once, in ``iter_full()``'s order, wire dtype and full shape, read without a collective once the model is
+    sharded. ``iter_full()``: a fresh pass of ``iter_full_params``, a collective. Names lose
+    ``_checkpoint_wrapped_module.`` and ``_orig_mod.``, then go through ``name_map``.
 
     Args:
         dtype: the wire dtype of floating parameters, cast before the gather (``None``: stored dtype).
         keep_dtype: parameters that travel uncast, as in ``iter_full_params``; patterns match the
             model's name or the name without wrapper segments (before ``name_map``).
-        receivers: ``"sender"``: only global rank 0 gets tensors, the others yield ``(name, None)``
-            and only join the gathers (vLLM's NCCL broadcast engine; its non-sender ranks drive
-            ``iter_full()`` and ignore what it yields). ``"all"``: every rank gets every tensor
-            (the colocated IPC engine, one vLLM worker per trainer GPU). vLLM's trainer rank 0
-            must be global rank 0.
-        name_map: ``str -> str`` applied to every name after the wrapper segments are removed
-            (the inference model's naming); two parameters mapped alike raise ``ValueError``.
+        receivers: ``"sender"``: only global rank 0 gets tensors, the others yield ``(name, None)`` (the
+            NCCL broadcast engine; its trainer rank 0 must be global rank 0). ``"all"``: every rank gets
+            every tensor (the colocated IPC engine).
+        name_map: ``str -> str`` applied to every name after the wrapper segments are removed; two
+            parameters mapped alike raise ``ValueError``.
         device, bucket_mb: as in ``iter_full_params``.
 
     Raises:
-        ImportError: vLLM cannot be imported, or lacks this ``WeightSource`` interface (vLLM
-            0.33.0 has it; 0.28 to 0.32 have an earlier one).
-        TypeError, ValueError: what ``iter_full_params`` refuses, in its words; ``receivers``
-            other than ``"sender"`` or ``"all"``; a ``name_map`` that is not callable.
+        ImportError: vLLM cannot be imported, or lacks this ``WeightSource`` (0.33.0 has it).
+        TypeError, ValueError: what ``iter_full_params`` refuses; a bad ``receivers`` or ``name_map``.
     """
     _require_support()
     from fsdp_shim._vllm import make_source  # noqa: PLC0415  (after activation; vLLM on first use)

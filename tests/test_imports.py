@@ -1,7 +1,7 @@
 """Any submodule imports first, in a fresh interpreter, and the patch still ends up installed.
 
 A submodule imported first imports FSDP part way through its own import;
-see [Note: deferred activation] in ``fsdp_shim/__init__.py``.
+see ``fsdp_shim._activate``.
 """
 
 from __future__ import annotations

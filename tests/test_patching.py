@@ -117,7 +117,7 @@ def test_fsdp_shim_disable_imports_without_patching():
 
 @pytest.mark.parametrize("first", ["fsdp_shim", "torch.distributed.fsdp"])
 def test_import_order_does_not_matter_and_the_import_is_light(first):
-    """[Note: deferred activation]: the patch lands whichever is imported first."""
+    """Deferred activation (``fsdp_shim._activate``): the patch lands whichever is imported first."""
     code = (
         "import sys\n"
         f"import {first}\n"
