@@ -1,8 +1,6 @@
 """The errors a caller may catch by type; importing nothing (``import fsdp_shim`` imports no torch).
 
-Each subclasses the stdlib type the shim raised before it existed (``RuntimeError``),
-so existing ``except RuntimeError`` clauses keep working (wrapt's style). Misuse that
-FSDP1 refuses keeps FSDP1's own types (``NotImplementedError``, ``ValueError``, ...).
+Each is a ``RuntimeError``, so ``except RuntimeError`` keeps working; misuse FSDP1 refuses keeps FSDP1's types.
 """
 
 from __future__ import annotations
@@ -11,9 +9,8 @@ __all__ = ["DestroyedGroupError", "GroupOutOfStepError", "UnsupportedTorchError"
 
 
 class GroupOutOfStepError(RuntimeError):
-    """A gather was left part way on this rank (a one-sided fault), so its process group is out of step
-    here and any collective on it could hang or pair with the wrong one. Refused before any collective;
-    the recovery is to destroy and recreate the group (and the model sharded on it), or restart the job."""
+    """A gather was left part way on this rank, so its process group is out of step (a collective could hang or
+    pair wrongly); raised before any collective. Recover by recreating the group and its model, or restart."""
 
 
 class DestroyedGroupError(RuntimeError):
@@ -21,10 +18,9 @@ class DestroyedGroupError(RuntimeError):
 
 
 class UnsupportedTorchError(RuntimeError):
-    """The shim cannot gather DTensor parameters here: a torch it does not serve (refusing mode), or it is
-    inactive. Raised instead of FSDP1's silent no-op."""
+    """The shim cannot gather DTensor parameters here (a torch it does not serve, or inactive)."""
 
 
 class WritebackRefusedError(RuntimeError):
-    """A ``writeback=True`` exit refused before writing anything (an edit in the shard and in the full
-    tensor, a changed shape): every shard is as it was before the exit."""
+    """A ``writeback=True`` exit refused before writing anything (shard and full tensor both edited, a changed
+    shape); every shard is as it was."""

@@ -1,11 +1,7 @@
-"""Supported dependency ranges, the version policy, and how the package warns: once a group.
+"""Supported dependency ranges, the version policy (``served``), and how the package warns: once a group.
 
-This module imports nothing heavier than the standard library, so that
-``fsdp-shim check``, the import-time guard, the version matrix and the tests
-can all read the same facts without importing torch first, and so that the
-warning that torch cannot be imported can still be given. ``verdict`` (with
-``served``) is the one owner of whether a torch is served: [Note: version
-policy] is beside ``served``.
+Imports only the standard library at import time: the CLI, the import-time guard and the matrix read these
+facts without torch, and "torch cannot be imported" can still be said.
 """
 
 from __future__ import annotations
@@ -22,27 +18,22 @@ if TYPE_CHECKING:
 #: This package's version (setup.cfg reads it from here, without importing torch).
 __version__ = "0.17.0"
 
-#: The lowest torch release supported (inclusive) and the first one not yet
-#: verified (exclusive).
+#: The lowest torch release supported (inclusive) and the first one not yet verified (exclusive).
 MIN_TORCH = "2.7"
 NEXT_UNVERIFIED_TORCH = "2.16"
 SUPPORTED_TORCH = f"torch >= {MIN_TORCH}, < {NEXT_UNVERIFIED_TORCH}"
 
-#: Releases on which the whole suite and ``fsdp-shim check`` passed
-#: (``scripts/matrix.py``; the table in ``docs/versions.md``).
+#: Releases on which the whole suite and ``fsdp-shim check`` passed (``docs/versions.md``).
 VERIFIED_TORCH: tuple[str, ...] = (
     "2.7.0", "2.7.1", "2.8.0", "2.9.1", "2.10.0", "2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0",
 )
 
-#: The lowest wrapt release the patch lifecycle was tested with (it needs
-#: ``unwrap_object``/``is_wrapped_by``, new in 2.5).
+#: The patch lifecycle needs wrapt's ``unwrap_object``/``is_wrapped_by``, new in 2.5.
 MIN_WRAPT = "2.5.0"
 
-#: Requirement strings this package declares (``setup.cfg`` carries the
-#: lower bounds; see [Note: version policy]).
+#: Requirement strings this package declares (``setup.cfg`` carries the lower bounds only).
 INSTRUMENTS: tuple[str, ...] = (SUPPORTED_TORCH, f"wrapt >= {MIN_WRAPT}")
 
-#: Environment switches.
 DISABLE_ENV = "FSDP_SHIM_DISABLE"
 ALLOW_UNSUPPORTED_TORCH_ENV = "FSDP_SHIM_ALLOW_UNSUPPORTED_TORCH"
 
@@ -90,11 +81,8 @@ def is_verified_torch(version: str) -> bool:
 
 
 def verdict(load_probe: Callable[[], Callable[[], list[str]]]) -> tuple[str | None, str | None]:
-    """``(inactive, refusing)``: why the shim cannot patch here, or why it patches refusing; None each
-    where it serves. The one owner of "which torch is served" (see [Note: version policy] at ``served``):
-    a torch that cannot be imported, or a wrapt below ``MIN_WRAPT``, leaves it inactive; FSDP2 internals
-    that fail to import (``load_probe`` imports them and returns the probe) or ``served``'s answer make
-    it refuse. Imports torch and wrapt here, on the call, never at this module's import."""
+    """``(inactive, refusing)``: why the shim cannot patch here, or why it patches refusing; None each where
+    it serves. ``load_probe`` imports the FSDP2 internals and returns the probe ``served`` may ask."""
     try:
         import torch  # noqa: PLC0415  (the probe: torch may be missing)
     except ImportError as exc:
@@ -112,34 +100,15 @@ def verdict(load_probe: Callable[[], Callable[[], list[str]]]) -> tuple[str | No
 
 
 def served(torch_version: str, missing_internals: Callable[[], list[str]]) -> str | None:
-    """Whether this torch is served: None to serve it, else why the shim refuses DTensor summons
-    (refusing mode). The one owner of that decision; see [Note: version policy], below.
-
-    A supported release is served. A newer one is served, with a warning, when every FSDP2
-    internal the shim reads is present (``missing_internals()``, the probe, asked only then);
-    anything else is refused, unless ``$FSDP_SHIM_ALLOW_UNSUPPORTED_TORCH`` is set, which serves
-    it with a warning.
+    """Whether this torch is served: None to serve it, else why DTensor summons are refused.
 
     [Note: version policy]
-    A call site must never be FSDP1's silent no-op on a DTensor model: a summon
-    either gathers correctly or raises. So ``import fsdp_shim`` always patches
-    (unless ``FSDP_SHIM_DISABLE`` is set), in one of two modes:
-    - *active*: torch inside ``SUPPORTED_TORCH`` (every release in
-      ``VERIFIED_TORCH`` passed the whole suite and ``fsdp-shim check``); or a
-      newer, unverified torch on which every FSDP2 and c10d internal the shim
-      reads is present (``_fsdp2.missing_internals``, probed once at
-      activation, listed by ``fsdp-shim check -v``), with a warning once.
-    - *refusing*: any other torch (older than ``MIN_TORCH``, or newer with an
-      internal missing). FSDP1 trees still go to FSDP1 and plain modules get
-      FSDP1's null context, but a summon of a module holding DTensors raises a
-      ``RuntimeError`` naming the torch release, what is missing and the
-      override. ``FSDP_SHIM_ALLOW_UNSUPPORTED_TORCH=1`` makes it active anyway,
-      with a warning: a wrong gather is worse than an error, so that is the
-      user's explicit choice.
-    Only a missing torch or a wrapt without ``unwrap_object`` leaves the shim
-    unpatched (*inactive*), with a warning. ``setup.cfg`` declares the lower
-    bounds only: an upper bound there would make pip replace a training
-    environment's torch, a multi-GB change nobody asked for.
+    A DTensor summon gathers correctly or raises, never FSDP1's silent no-op; so ``import fsdp_shim`` always
+    patches (unless ``FSDP_SHIM_DISABLE``): *active* on ``SUPPORTED_TORCH``, or with a warning on a newer
+    torch where every FSDP2 internal it reads is present (the probe, asked only then); else *refusing*
+    (DTensor summons raise). ``FSDP_SHIM_ALLOW_UNSUPPORTED_TORCH`` serves anyway, with a warning: a wrong
+    gather is worse than an error, so it is the user's choice. Only a missing torch or an old wrapt leave it
+    *inactive*. ``setup.cfg`` has lower bounds only: an upper one would make pip replace the user's torch.
     """
     if is_supported_torch(torch_version):
         return None
@@ -161,20 +130,16 @@ def served(torch_version: str, missing_internals: Callable[[], list[str]]) -> st
     return None
 
 
-# -- warnings once per process group, not once per rank ---------------------
-# A job of N ranks runs the same code N times; a warning every rank repeats says
-# nothing new. The *leader* speaks for its group: the lowest global rank of the
-# mesh a warning is about, else global rank 0, else (no process group yet, as
-# at import under torchrun) the process whose ``RANK`` is 0 or unset. Debug and
-# info lines stay per rank: they describe what that rank did.
+# -- warnings once per process group, not once per rank (debug and info lines stay per rank) --
 
 logger = logging.getLogger("fsdp_shim")
 
 
 def is_leader(mesh: DeviceMesh | None = None) -> bool:
-    """Whether this process speaks for its group: its *leader* (see the comment above)."""
+    """Whether this process speaks for its group: the lowest rank of ``mesh``, else global rank 0, else
+    (no process group yet) the process whose ``RANK`` is 0 or unset."""
     try:
-        import torch.distributed as dist  # noqa: PLC0415  (this module is torch-free: see its docstring)
+        import torch.distributed as dist  # noqa: PLC0415  (this module is torch-free at import)
     except ImportError:
         dist = None  # type: ignore[assignment]  # no torch: warnings still work
     if dist is not None and dist.is_available() and dist.is_initialized():
