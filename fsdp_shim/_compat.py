@@ -1,17 +1,9 @@
-"""DTensor and c10d differences between torch releases, named by behaviour.
-
-Everything here was read from each release's wheel and is exercised by the version matrix
-(``scripts/matrix.py``; the runs are in ``docs/versions.md``). FSDP2's own differences live in ``_fsdp2``, next door.
+"""DTensor and c10d differences between torch releases, named by behaviour (FSDP2's own are in ``_fsdp2``).
 
 [Note: torch versions]
-| behaviour                                                                                               | releases   |
-|---------------------------------------------------------------------------------------------------------|------------|
-| placements are Python classes; ``_StridedShard`` subclasses ``Shard``, so ``is_shard(0)`` is True       | <= 2.9     |
-| placements are C++ objects; ``_StridedShard`` is not a ``Shard``                                        | >= 2.10    |
-| ``full_tensor()`` fails for a standalone ``_StridedShard`` (no plain ``Shard`` of its dim completes it) | 2.10, 2.11 |
-The fast path therefore tests placement *types* exactly (``type(p) is Shard``), never ``is_shard()``: a
-placement it does not know, today's or a future subclass, always takes the ``full_tensor()`` fallback.
-A local shard that is a cast wrapper (torchao's float8 weights) is read as its master (``gathered_local``).
+Up to 2.9 ``_StridedShard`` subclasses ``Shard`` (``is_shard(0)`` is True for it); from 2.10 placements are
+C++ objects and it does not; on 2.10 and 2.11 ``full_tensor()`` fails for a standalone one. So the fast path
+tests types exactly (``type(p) is Shard``): a placement it does not know takes the ``full_tensor()`` path.
 """
 
 from __future__ import annotations
@@ -25,7 +17,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from fsdp_shim._versions import parse_version
 
-try:  # private, but the only way to name it; present on every release we support
+try:  # private, but the only way to name it
     from torch.distributed.tensor.placement_types import _StridedShard
 except ImportError:  # pragma: no cover - a future torch without it
     _StridedShard = None  # type: ignore[assignment,misc]  # a class where torch has one
@@ -45,8 +37,7 @@ def is_strided_shard(placement: Placement) -> bool:
     return _StridedShard is not None and isinstance(placement, _StridedShard)
 
 
-#: Releases whose ``DTensor.full_tensor()`` rejects a ``_StridedShard`` that
-#: no later mesh dim completes (torch's own redistribute bug, fixed in 2.12).
+#: Releases whose ``full_tensor()`` rejects a ``_StridedShard`` no other mesh dim completes (fixed in 2.12).
 STRIDED_SHARD_FULL_TENSOR_BROKEN = (2, 10) <= _TORCH[:2] < (2, 12)
 
 
@@ -54,14 +45,8 @@ def cuda_backend_of(spelling: str) -> str:
     """The backend serving CUDA tensors on a group whose ``dist.get_backend`` is ``spelling``; ``""`` for none.
 
     [Note: NCCL as torch resolves it]
-    A group's backend string is what it was created with: ``"nccl"``;
-    ``"undefined"`` for ``init_process_group()`` with no backend, where
-    torch's default map (``Backend.default_device_backend_map``) gives CUDA
-    tensors to NCCL; or a device map, ``"cuda:nccl,cpu:gloo"`` (torchtune) or
-    ``"cpu:gloo,cuda:nccl"`` (verl), either order. Comparing the string with
-    ``"nccl"`` misses all but the first. A pure function of the string, so
-    every spelling is testable without a GPU; ``_health.serves_cuda_with_nccl``
-    asks a live group first.
+    The string is what the group was created with: ``"nccl"``, ``"undefined"`` (torch's default map gives
+    CUDA to NCCL) or a device map in either order (``"cpu:gloo,cuda:nccl"``): not comparable with ``"nccl"``.
     """
     spelling = spelling.strip().lower()
     if ":" in spelling:
@@ -75,9 +60,8 @@ def cuda_backend_of(spelling: str) -> str:
     return spelling
 
 
-#: ``Partial`` reduce ops whose full value a writeback can represent locally: the
-#: full tensor on mesh coordinate 0 and zeros elsewhere for sums, the full
-#: tensor everywhere for the others.
+#: ``Partial`` reduce ops a writeback can represent locally (sums: the full tensor on coordinate 0, zeros
+#: elsewhere; the others: the full tensor everywhere).
 WRITABLE_PARTIAL_OPS = ("sum", "avg", "max", "min")
 
 
@@ -98,11 +82,8 @@ def writeback_refusal(placements: Sequence[Placement]) -> str | None:
 
 
 def ungatherable_reason(placements: Sequence[Placement]) -> str | None:
-    """Why this torch cannot gather a DTensor with these placements correctly, or None.
-
-    Depends on placements and the torch release only, so every rank answers
-    alike and a refusal comes before any collective.
-    """
+    """Why this torch cannot gather a DTensor with these placements correctly, or None. From placements and
+    the release only, so every rank answers alike, before any collective."""
     if STRIDED_SHARD_FULL_TENSOR_BROKEN and any(_is_standalone_strided(p, placements) for p in placements):
         return (
             f"placement {tuple(placements)} has a _StridedShard that no other mesh dim completes, which "
@@ -112,11 +93,8 @@ def ungatherable_reason(placements: Sequence[Placement]) -> str | None:
 
 
 def _is_standalone_strided(placement: Placement, placements: Sequence[Placement]) -> bool:
-    """A ``_StridedShard`` without a plain ``Shard`` of the same tensor dim on another mesh dim.
-
-    FSDP2 over tensor parallel produces ``(_StridedShard(0, sf), Shard(0))``,
-    which every supported torch gathers; only the standalone form fails.
-    """
+    """A ``_StridedShard`` without a plain ``Shard`` of its tensor dim on another mesh dim (FSDP2 over tensor
+    parallel's ``(_StridedShard(0, sf), Shard(0))`` gathers on every supported torch)."""
     if not is_strided_shard(placement):
         return False
     dim = placement.dim  # type: ignore[attr-defined]  # a _StridedShard (checked above), no Shard on torch >= 2.10
@@ -126,12 +104,8 @@ def _is_standalone_strided(placement: Placement, placements: Sequence[Placement]
 def cast_wrapper_master(local: torch.Tensor) -> torch.Tensor | None:
     """The plain tensor whose values a cast wrapper's are, or None for any other tensor subclass.
 
-    A cast wrapper's ``__tensor_flatten__`` names exactly one plain inner tensor of its own dtype, shape and
-    device (its master), and any other inner tensor holds one element at most (a cast's scale): torchao's
-    float8 ``WeightWithDynamicFloat8CastTensor`` and its fp32 master. NF4's quantized inner tensors have
-    other shapes and dtypes. Reads types and metadata only (torchao's ``__tensor_flatten__`` tests whether a
-    scale is set, which changes only which scalars it names), so every rank answers alike (see
-    [Note: all-gather extensions] in ``_refusals``).
+    A cast wrapper (torchao's float8 weights) flattens to one plain inner tensor of its own dtype, shape and
+    device (its master), plus scalars (a scale). From types and metadata only, so every rank answers alike.
     """
     flatten = getattr(local, "__tensor_flatten__", None)
     if flatten is None:
@@ -146,7 +120,7 @@ def cast_wrapper_master(local: torch.Tensor) -> torch.Tensor | None:
 
 
 def gathered_local(local: torch.Tensor) -> torch.Tensor:
-    """What a gather reads of a local shard that is a tensor subclass: a cast wrapper's master where the
-    subclass has FSDP2's all-gather extension (the others are refused first), else the shard itself."""
+    """What a gather reads of a local shard: a cast wrapper's master where the subclass has FSDP2's all-gather
+    extension (other such subclasses are refused first), else the shard itself."""
     master = cast_wrapper_master(local) if hasattr(local, "fsdp_pre_all_gather") else None
     return local if master is None else master

@@ -1,13 +1,7 @@
 """The patch lifecycle: which wrapper serves ``FullyShardedDataParallel.summon_full_params``, and its undo.
 
-Owns the wrapt wrapper's handle ([Note: one handle] at ``is_patched``): in active mode the summon's own
-(``_summon.summon_full_params_wrapper``, handed in by ``fsdp_shim.patch``, never imported), with the client
-instrumentations, the ``fully_shard`` guard (``_refuse_fully_shard_inside``) and the guard on FSDP2's calls
-inside a context; in refusing mode ``_refusing_wrapper``. Also the instance form on ``FSDPModule``
-([Note: the instance form] at ``_install_instance_form``). ``unpatch`` removes them all. Both modes route
-by ``_common.route``. Its imports read public torch only (``_fsdp2``, ``_registry``, ``_health`` and the
-instrumentations are imported in active mode, deferred), so refusing mode can import it ([Note: refusing
-mode] at ``_refusing_wrapper``).
+Active mode adds the instrumentations and two guards; refusing mode only ``_refusing_wrapper``. Module-level
+imports read public torch only (the rest is imported in active mode), so refusing mode can import it.
 """
 
 from __future__ import annotations
@@ -34,10 +28,8 @@ _NAME = "summon_full_params"
 
 _lock = threading.Lock()
 _handle: wrapt.FunctionWrapper | None = None
-_active = False  # whether ``_handle`` serves DTensor summons (else it refuses them): see [Note: refusing mode]
-#: A wrapt wrapper (``wrapped, instance, args, kwargs``): ``_summon.summon_full_params_wrapper``, handed
-#: to ``patch()`` by the layer above (``fsdp_shim.patch``), so that this module never imports the summon:
-#: refusing mode must not.
+_active = False  # whether ``_handle`` serves DTensor summons (else it refuses them)
+#: A wrapt wrapper: the summon's, handed in from above, since this module must never import the summon.
 Wrapper = Callable[[Any, Any, tuple[Any, ...], dict[str, Any]], Any]
 
 
@@ -45,24 +37,13 @@ def _fsdp1_arguments(
     module: Any, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,
     offload_to_cpu: bool = False, with_grads: bool = False,
 ) -> tuple[Any, bool, bool, bool, bool, bool]:
-    """FSDP1's signature, bound by the interpreter rather than ``inspect.Signature.bind``; the arguments
-    in FSDP1's order. ``test_patching`` checks that its parameters and defaults are FSDP1's exactly."""
+    """FSDP1's signature (``test_patching`` checks it), bound by the interpreter; the arguments in its order."""
     return module, recurse, writeback, rank0_only, offload_to_cpu, with_grads
 
 
 def _refusing_wrapper(refusal: str, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """FSDP1's own context, unless the call would take the DTensor route: then raise.
-
-    [Note: refusing mode]
-    ``patch(refusal)`` with a reason installs this wrapper, the reason bound to
-    it, instead of the summon's: FSDP1 trees and plain modules reach FSDP1's
-    original, a module holding DTensors (or an FSDP2 unit) raises. It reads
-    only public torch (``FSDPModule``, ``DTensor``, through ``_common.route``,
-    which the active mode's ``summon`` asks too), so it works on a torch whose
-    FSDP2 internals moved; nothing of the package but ``_versions``,
-    ``_errors`` and ``_common`` is imported (no instrumentations, no guard). See [Note: version policy] in
-    ``_versions``.
-    """
+    """Refusing mode's wrapper: FSDP1's own context, unless the call would take the DTensor route: then raise.
+    Routes by ``_common.route`` (public torch only), so it works where FSDP2's internals moved."""
     try:
         module, recurse, *rest = _fsdp1_arguments(*args, **kwargs)
     except TypeError:  # arguments FSDP1's signature does not take: refused in its own words
@@ -84,17 +65,10 @@ _INSTANCE_FORM = staticmethod(_instance_form)
 
 
 def _install_instance_form() -> None:
-    """Give ``FSDPModule`` the instance form, unless a class in its MRO defines the attribute.
-
-    [Note: the instance form]
-    FSDP1's staticmethod is also called through an instance,
-    ``unit.summon_full_params(unit, ...)``. FSDP2 units have no such attribute,
-    so ``patch`` gives ``FSDPModule`` one (a staticmethod that routes like the
-    class form) if, and only if, no class in its MRO defines it: torch's own
-    attribute is never replaced. ``unpatch`` removes it, by identity.
-    """
+    """Give ``FSDPModule`` the instance form (``unit.summon_full_params(unit, ...)``, as FSDP1 code calls it),
+    unless a class in its MRO defines the attribute: torch's own is never replaced. Removed by identity."""
     if any(_NAME in vars(cls) for cls in FSDPModule.__mro__):
-        return  # no-op: torch (or someone) defines it; never replace it
+        return
     setattr(FSDPModule, _NAME, _INSTANCE_FORM)
 
 
@@ -108,14 +82,8 @@ _call_handles: list[tuple[str, wrapt.FunctionWrapper]] = []  # on FSDPModule's g
 
 
 def _refuse_fully_shard_inside(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``fully_shard`` raises while the calling thread has a context open.
-
-    Inside, the slots hold plain full tensors, so ``fully_shard`` would shard
-    *them* where outside it refuses, and training then diverges silently.
-    The guard sits on ``FSDPState.__init__``: ``fully_shard``'s ``contract``
-    builds the state first, before it registers anything on the module, so a
-    refusal leaves the module untouched.
-    """
+    """``fully_shard`` raises while the calling thread has a context open (it would shard the full tensors);
+    on ``FSDPState.__init__``, which runs before ``fully_shard`` changes the module."""
     from fsdp_shim import _health  # noqa: PLC0415  (not in refusing mode's imports; cached after the first)
 
     if _health.has_live_context(threading.get_ident()):
@@ -132,17 +100,10 @@ def _refuse_fsdp2_call_inside(wrapped: Any, instance: Any, args: tuple[Any, ...]
     anything, on a group a live context holds a parameter of.
 
     [Note: FSDP2's calls inside]
-    These act on a unit's group whatever else marks it: ``reshard()`` puts the
-    shards back into slots that hold the context's full parameters,
-    ``unshard()`` all-gathers over them, and ``set_reshard_after_forward()``
-    rewrites what a summoned group's mark keeps (the post-forward reshard),
-    which exit would then silently revert, or which a forward inside would
-    act on, leaving FSDP2 a state it cannot train from. So each is refused on
-    every rank alike (the registry records a context on every rank), by the
-    slots FSDP2 says the group has. FSDP2's other setters change nothing a
-    context holds and run as usual. Every FSDP2 path into these groups
-    (forward hooks, ``state_dict()``) goes through the group's own methods,
-    not these, and a context redirects ``_apply``.
+    Each acts on the group whatever marks it: ``reshard()`` puts shards into slots holding full parameters,
+    ``unshard()`` gathers over them, ``set_reshard_after_forward()`` rewrites what the mark keeps (exit would
+    silently revert it). Refused on every rank alike. FSDP2's other setters and own paths (hooks,
+    ``state_dict()``) touch nothing a context holds, and a context redirects ``_apply``.
     """
     from fsdp_shim import _fsdp2, _registry  # noqa: PLC0415  (not in refusing mode's imports; cached after the first)
 
@@ -160,19 +121,9 @@ def _refuse_fsdp2_call_inside(wrapped: Any, instance: Any, args: tuple[Any, ...]
 
 
 def is_patched() -> bool:
-    """Whether our wrapper is still in the attribute's wrapper chain.
-
-    [Note: one handle]
-    ``wrap_function_wrapper`` returns the ``FunctionWrapper`` it installs; that
-    object is our handle. ``is_patched`` asks wrapt whether the handle is still
-    in the attribute's wrapper chain (a third party may have replaced or wrapped
-    it since), and ``unpatch`` removes it by identity with ``unwrap_object``, which
-    restores the exact original ``staticmethod`` object. wrapt resolves the
-    attribute through the class ``__dict__``, not ``getattr``, which is how the
-    ``staticmethod`` survives: ``inspect.getattr_static`` then shows the wrapper,
-    whose ``__wrapped__`` is the original staticmethod, and
-    ``inspect.signature`` still reports FSDP1's signature.
-    """
+    """Whether our wrapper (the handle ``wrap_function_wrapper`` returned) is still in the attribute's wrapper
+    chain: a third party may have replaced or wrapped it since. wrapt patches the class ``__dict__`` entry,
+    so the ``staticmethod`` survives and ``inspect.signature`` still reports FSDP1's."""
     current = inspect.getattr_static(_TARGET, _NAME)
     return _handle is not None and wrapt.is_wrapped_by(current, _handle)
 
@@ -180,9 +131,8 @@ def is_patched() -> bool:
 def patch(refusal: str | None = None, summon: Wrapper | None = None) -> bool:
     """Install the wrapper; returns False (and changes nothing) if ours is already there.
 
-    With ``refusal``, the wrapper refuses DTensor summons: see [Note: refusing mode]. Otherwise
-    ``summon`` (``_summon.summon_full_params_wrapper``) serves them, and the instrumentations and the
-    guards are installed.
+    With ``refusal``, the wrapper refuses DTensor summons; otherwise ``summon`` serves them, and the
+    instrumentations and the guards are installed.
     """
     wrapper: Wrapper | None = summon if refusal is None else functools.partial(_refusing_wrapper, refusal)
     if wrapper is None:
@@ -208,7 +158,7 @@ def patch(refusal: str | None = None, summon: Wrapper | None = None) -> bool:
 
 
 def unpatch() -> bool:
-    """Remove our wrapper by handle (see [Note: one handle]); returns False if it was not installed."""
+    """Remove our wrapper by handle, restoring the exact original; returns False if it was not installed."""
     global _handle, _guard_handle
     with _lock:
         if _handle is None:
