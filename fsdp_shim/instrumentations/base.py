@@ -1,18 +1,4 @@
-"""The instrumentation mechanism: adapt one named module when it is imported.
-
-In the manner of OpenTelemetry's instrumentors, an ``Instrumentation``:
-
-- names the module, the attributes it expects and the upstream revision it
-  was read at;
-- waits for the module with ``wrapt.when_imported`` (applied at once if
-  already imported);
-- checks that the module looks as read, and otherwise logs and changes
-  nothing;
-- is undone by ``uninstrument`` (from ``fsdp_shim.unpatch()``), by handle;
-- is switched off by its own environment variable, ``FSDP_SHIM_DISABLE_<NAME>``.
-
-Adding one: [Note: adding an instrumentation] at ``Instrumentation``.
-"""
+"""The instrumentation mechanism: adapt one named module when it is imported."""
 
 from __future__ import annotations
 
@@ -30,28 +16,15 @@ logger = logging.getLogger("fsdp_shim")
 
 
 class Instrumentation:
-    """One module's adaptation: a client's, or how FSDP2 walks forward I/O.
-
-    Subclasses fill in the class attributes and ``_apply``/``_undo``.
+    """One module's adaptation, applied when the module is imported (at once if it is) if it looks as
+    read (``expects``), else logged and skipped; undone by handle; off with ``FSDP_SHIM_DISABLE_<NAME>``.
+    Subclasses fill in the class attributes and mirror-image ``_apply``/``_undo``, changing only what
+    blocks FSDP2 (or makes it wrong).
 
     [Note: binders]
-    ``binders`` names modules that copy some of the instrumented module's
-    ``bound_names`` by ``from ... import name`` (a copy of the reference,
-    taken at their import). While the instrumentation is applied, a binder
-    imported before it is rebound to the adapted names, and one imported
-    after copies the adapted names itself. ``uninstrument`` gives every
-    binder that holds an adapted name the original back, whichever way it
-    got it: the adapted names never outlive the patch.
-
-    [Note: adding an instrumentation]
-    Subclass ``Instrumentation`` with ``name``, ``module``, ``upstream``,
-    ``expects`` (module attributes that must exist), ``binders`` and
-    ``bound_names`` where other modules copy the names it adapts, and
-    ``_apply``/``_undo`` mirroring each other, in a module of its own client
-    under ``instrumentations/``; then add an instance to
-    ``instrumentations.INSTRUMENTATIONS``. Change only what blocks FSDP2 (or
-    makes it wrong), reached through that module, and leave everything else as
-    the module left it.
+    ``binders`` copy some of the module's ``bound_names`` by ``from ... import name``. While applied, a
+    binder imported before is rebound to the adapted names, and one imported after copies them itself;
+    ``uninstrument`` gives every binder holding an adapted name the original back.
     """
 
     name: ClassVar[str]
@@ -87,16 +60,11 @@ class Instrumentation:
             self._watch(binder, self._on_binder_import)
 
     def _watch(self, name: str, callback: Any) -> None:
-        """Call ``callback(module)`` now if ``name`` is imported, else when it is.
-
-        wrapt fires a post-import hook once and forgets it, so a hook is
-        registered whenever none is pending: a module imported again (after
-        ``sys.modules`` lost it) is seen again. A hook that fires for nothing
-        (not wanted any more, or already applied) returns at once.
-        """
+        """Call ``callback(module)`` now if ``name`` is imported, else when it is. wrapt fires a hook once, so
+        one is registered whenever none is pending: a module imported again is seen again."""
         with self._lock:
             if name in self._pending:
-                return  # no-op: a hook is waiting for this import already
+                return
             self._pending.add(name)
 
         def fired(module: ModuleType) -> None:
