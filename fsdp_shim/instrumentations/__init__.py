@@ -1,11 +1,6 @@
-"""The instrumentations ``patch()`` installs: one module a client library, in OpenTelemetry's manner.
-
-Client instrumentations adapt FSDP1-era call sites that never reach
-``FullyShardedDataParallel.summon_full_params`` on FSDP2 (``composer``,
-``compose_rl``); the forward-I/O ones (``forward_io``) mend how FSDP2 walks
-forward inputs and outputs. The mechanism, and how to add one, is in
-``base``. The summon's rooms never import this package; ``_patching`` does,
-when it patches.
+"""The instrumentations ``patch()`` installs, in OpenTelemetry's manner: one module a client library
+(``composer``, ``compose_rl``), plus ``forward_io``'s mends of how FSDP2 walks forward inputs and outputs.
+Only ``_patching`` imports this package.
 """
 
 from __future__ import annotations

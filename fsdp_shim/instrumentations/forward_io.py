@@ -1,15 +1,5 @@
-"""How FSDP2 walks a unit's forward inputs and outputs: two mends, installed by ``patch()``.
-
-Neither is a summon; both stop RL code on FSDP2 that ran on FSDP1, which
-walks inputs and outputs without torch's pytree.
-
-- ``FSDP2ForwardCast``: FSDP2's forward cast returns what no cast changed as
-  itself (torch 2.7's walk copies transformers' ``DynamicCache``, and
-  ``generate`` samples from wrong logits); [Note: where the cast is reached]
-  is beside it.
-- ``ModelOutputFlatten``: pytree's flatten of a ``ModelOutput`` whose fields
-  shadow a ``dict`` method (compose-rl's ``values``) reads the mapping through
-  ``dict`` itself, so FSDP2's root post-forward no longer raises.
+"""How FSDP2 walks a unit's forward inputs and outputs: two mends for RL code that ran on FSDP1, which walks
+them without torch's pytree.
 """
 
 from __future__ import annotations
@@ -37,12 +27,8 @@ def _is_namedtuple(x: Any) -> bool:
 
 
 def cast_keeping_identity(cast: Any, x: Any) -> Any:
-    """``cast`` applied to every tensor in ``x``, walked as torch's ``_apply_to_tensors``.
-
-    Invariant: an object none of whose tensors the cast replaced is returned
-    itself, not a rebuilt copy; an object of a type the walk does not know is
-    a leaf, returned as it is.
-    """
+    """``cast`` applied to every tensor in ``x``, walked as torch's ``_apply_to_tensors``. An object none of
+    whose tensors the cast replaced is returned itself; a type the walk does not know is a leaf."""
     if isinstance(x, torch.Tensor):
         return cast(x)
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
@@ -76,28 +62,18 @@ def cast_keeping_identity(cast: Any, x: Any) -> Any:
 class FSDP2ForwardCast(Instrumentation):
     """FSDP2's forward-input and output cast, keeping what it does not change.
 
-    FSDP2 casts every unit's forward inputs (and, with ``output_dtype``, its outputs) whenever
-    ``MixedPrecisionPolicy.param_dtype`` is set, even when no dtype changes. The walk rebuilds what
-    it passes through. torch 2.7 walks with pytree, whose registered nodes include transformers'
-    (4.5x) ``DynamicCache``: each decoder unit then updates a *copy* of the KV cache, and
-    ``generate(use_cache=True)`` samples from wrong logits without an error. The mend walks as
-    torch's own ``_apply_to_tensors`` does (tensors, dataclasses, dicts, named tuples, lists,
-    tuples, sets; anything else is left as it is), and returns every object whose contents no cast
-    changed *as the same object*. A cast that changes no dtype therefore leaves the inputs exactly
-    as passed, on every torch; a cast that changes one rebuilds only the containers on its way.
+    FSDP2 casts unit inputs (and outputs) whenever ``param_dtype`` is set; torch 2.7's walk copies
+    transformers' ``DynamicCache``, so ``generate`` silently samples from wrong logits. The mend walks with
+    ``cast_keeping_identity``: a cast that changes no dtype leaves the inputs exactly as passed.
 
     [Note: where the cast is reached]
-    In every torch from 2.7 to 2.15, ``torch.distributed.fsdp._fully_shard._fsdp_state``
-    casts through one module global, called with
-    ``functools.partial(_cast_fp_tensor, dtype)``: ``tree_map`` (2.7) or
-    ``_apply_to_tensors`` (2.8 and later; 2.13 moved the call into
-    ``FSDPState._cast_forward_inputs``). The mend wraps that global (wrapt) and
-    takes over only calls whose function is that partial; any other use of the
-    name (2.13's functorch path) reaches torch's own.
+    On torch 2.7 to 2.15, ``_fsdp_state`` casts through one module global (``tree_map`` on 2.7,
+    ``_apply_to_tensors`` after), called with ``functools.partial(_cast_fp_tensor, dtype)``. The mend wraps
+    that global and takes over only calls with that partial; other uses (2.13's functorch path) reach torch's.
     """
 
     name = "fsdp2_cast"
-    module = fsdp2.CAST_MODULE  # its globals are reached through ``_fsdp2``, which lists them in its probe
+    module = fsdp2.CAST_MODULE  # its globals are reached through ``_fsdp2``
     upstream = "torch 2.7.0 to 2.15.0: FSDPState's cast through tree_map (2.7) or _apply_to_tensors (2.8+)"
     expects = (fsdp2.CAST_FN,)
 
@@ -145,24 +121,9 @@ def shadowed_dict_methods(cls: type) -> set[str]:
 class ModelOutputFlatten(Instrumentation):
     """pytree's flatten of ``ModelOutput`` subclasses whose fields shadow a ``dict`` method.
 
-    transformers flattens a ``ModelOutput`` for pytree with ``output.values()`` and
-    ``output.keys()``. A subclass with a field named like a ``dict`` method (compose-rl's
-    actor-critic output has ``values``) shadows the method with a tensor, and the flatten raises
-    ``TypeError: 'Tensor' object is not callable``. FSDP2's root post-forward flattens the output
-    whenever grad is on (torch 2.7 to 2.12), so a PPO step fails. The mend gives exactly those
-    subclasses a flatten that reads the mapping through ``dict`` itself; every other class keeps
-    transformers' own.
-
-    [Note: why every shadowing ModelOutput subclass]
-    The fault is transformers' flatten, shared by every ``ModelOutput``
-    subclass, not compose-rl's class: any output with a ``values``, ``keys`` or
-    ``items`` field breaks the same way, and a fix for one class leaves the
-    next one broken. For a class without such a field, ``dict.values(o)`` is
-    ``o.values()``, so the mend changes nothing there and is not applied there.
-    Classes defined before the mend are found by walking ``ModelOutput``'s
-    subclasses; later ones through ``ModelOutput.__init_subclass__``, which
-    transformers uses to register them. Only the Python pytree's entry is
-    replaced (FSDP2 and transformers use that one).
+    transformers flattens with ``output.values()``, which a ``values`` field (compose-rl's) breaks, and FSDP2's
+    root post-forward flattens outputs (torch 2.7 to 2.12). The fault is transformers', so every shadowing
+    subclass, present or later (``__init_subclass__``), reads through ``dict`` itself; others keep theirs.
     """
 
     name = "model_output"
