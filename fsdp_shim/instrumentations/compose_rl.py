@@ -1,10 +1,4 @@
-"""compose-rl: the vLLM weight sync and the MPT generation helpers, on FSDP2 with no code change.
-
-Both adapt FSDP1-era call sites that never reach
-``FullyShardedDataParallel.summon_full_params`` on FSDP2 (they gate it
-behind ``isinstance(m, FullyShardedDataParallel)``, or look names up in a
-map built before the context), or that reach FSDP1's wrapper attribute.
-"""
+"""compose-rl: the vLLM weight sync and the MPT generation helpers, on FSDP2 with no code change."""
 
 from __future__ import annotations
 
@@ -20,26 +14,16 @@ from fsdp_shim.instrumentations.base import Instrumentation
 
 
 class FSDPUnitGate(wrapt.ObjectProxy):
-    """``FullyShardedDataParallel`` as one module sees it: FSDP2 units pass its ``isinstance``.
-
-    Everything else (``summon_full_params``, ``StateDictType``, ...) is the
-    real class. ``isinstance(unit, FullyShardedDataParallel)`` stays False
-    everywhere else.
-    """
+    """``FullyShardedDataParallel`` as one module sees it: FSDP2 units pass its ``isinstance``; all else is the
+    real class, and ``isinstance`` elsewhere is unchanged."""
 
     def __instancecheck__(self, instance: Any) -> bool:
         return isinstance(instance, (self.__wrapped__, FSDPModule))
 
 
 class NamesOfSummonedParams(dict):
-    """A parameter -> name map built outside a context that also answers for its full parameters.
-
-    Inside ``summon_full_params`` the slots hold new full parameters; FSDP1
-    (``use_orig_params=True``) kept the objects, and clients built their maps
-    on that. A miss falls back to the object the full parameter stands for,
-    so the name is exactly the one the map gave that object (for a tie: the
-    same name FSDP1 gives).
-    """
+    """A parameter -> name map built outside a context that also answers for its full parameters (FSDP1 kept
+    the objects, and clients rely on it): a miss falls back to the sharded parameter's name."""
 
     def __missing__(self, key: Any) -> Any:
         for original in original_params(key):
@@ -49,20 +33,8 @@ class NamesOfSummonedParams(dict):
 
 
 class ComposeRLWeightSync(Instrumentation):
-    """compose-rl's vLLM weight sync: ``broadcast_to_vllm`` and its helpers.
-
-    Checked against databricks/compose-rl main, ae56991,
-    ``compose_rl/algorithms/online/generation_utils/vllm_utils.py`` (first read
-    at 00920bf6, a branch; the names and the structure below are the same on
-    main, where rank 0 broadcasts each full parameter on ``model_update_group``
-    inside the context):
-    - ``broadcast_to_vllm`` selects units with ``isinstance(module, FSDP)``
-      and ``is_fsdp_leaf`` does the same: the module global ``FSDP`` becomes
-      an ``FSDPUnitGate``;
-    - ``broadcast_to_vllm`` builds ``build_param_fullnames(model)`` before the
-      per-unit ``summon_full_params`` loop and looks names up inside it: the
-      map becomes a ``NamesOfSummonedParams``.
-    """
+    """compose-rl's vLLM weight sync: its ``FSDP`` global, which selects units by ``isinstance``, becomes an
+    ``FSDPUnitGate``; ``build_param_fullnames``, looked up inside the summons, a ``NamesOfSummonedParams``."""
 
     name = "compose_rl"
     module = "compose_rl.algorithms.online.generation_utils.vllm_utils"
@@ -95,8 +67,7 @@ class ComposeRLWeightSync(Instrumentation):
 
 
 def _mpt_blocks(model: Any) -> list[nn.Module] | None:
-    """``model.transformer.blocks`` where no block is FSDP1's wrapper (FSDP2 units, or unwrapped); else None:
-    FSDP1's blocks, no transformer or no blocks, where compose-rl's helpers run as installed."""
+    """``model.transformer.blocks`` where no block is FSDP1's wrapper; else None (the helpers run as installed)."""
     blocks = getattr(getattr(model, "transformer", None), "blocks", None)
     if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
         return None
@@ -106,14 +77,13 @@ def _mpt_blocks(model: Any) -> list[nn.Module] | None:
 
 
 def _flag_holder(block: nn.Module) -> nn.Module:
-    """The module whose ``use_pad_tok_in_ffn`` an FSDP2 block's generation toggles: the block itself, or the
-    module its activation-checkpoint wrapper holds (FSDP1's helpers reach the same one through the wrapper)."""
+    """The module whose ``use_pad_tok_in_ffn`` is toggled: the block, or what its checkpoint wrapper holds."""
     return getattr(block, "_checkpoint_wrapped_module", block)
 
 
 def _flip_in_ffn(blocks: list[nn.Module]) -> None:
     for block in blocks:
-        holder: Any = _flag_holder(block)  # MPT's plain bool attribute, which nn.Module's typing cannot know
+        holder: Any = _flag_holder(block)  # MPT's plain bool attribute
         holder.use_pad_tok_in_ffn = not holder.use_pad_tok_in_ffn
 
 
@@ -141,26 +111,8 @@ def _fsdp2_aware_flip_in_ffn(wrapped: Any, instance: Any, args: tuple[Any, ...],
 class ComposeRLPadTokenFlip(Instrumentation):
     """compose-rl's MPT generation helpers reach an FSDP2 block itself, not FSDP1's wrapper.
 
-    Read at databricks/compose-rl ae56991, ``compose_rl/utils/utils.py``:
-    ``flip_pad_token_usage_for_generate(model)`` and
-    ``flip_pad_token_usage_in_ffn(model)`` toggle llm-foundry MPT's
-    ``use_pad_tok_in_ffn`` around generation (``hf_generate``), reaching every
-    block of ``model.transformer.blocks`` through ``block._fsdp_wrapped_module``
-    (and its ``_checkpoint_wrapped_module`` under activation checkpointing).
-    On FSDP2 the block is the unit itself, so both raise ``AttributeError``.
-
-    - Both are wrapped (wrapt). Where a block has no ``_fsdp_wrapped_module``,
-      the block itself (or its ``_checkpoint_wrapped_module``) is the module
-      whose flag is toggled; the helpers' contract (flip on if the first
-      block has it off, report it; flip every block) is unchanged.
-    - FSDP1 models, and models without ``transformer.blocks``, reach the
-      installed helpers unchanged.
-    - Why not give FSDP2 units a ``_fsdp_wrapped_module``: FSDP1 code, torch's
-      own state-dict helpers among it, reads that attribute as "this is an
-      FSDP1 wrapper" (``docs/migration.md``).
-    - ``from compose_rl.utils import ...`` binds copies of both names: the
-      re-export ``compose_rl.utils`` and ``hf_generate``'s module get the
-      wrappers, imported first or after (see [Note: binders] in ``base``).
+    Both reach MPT's ``use_pad_tok_in_ffn`` through ``block._fsdp_wrapped_module``, which an FSDP2 unit lacks;
+    FSDP2 units get none, since FSDP1 code (torch's state-dict helpers) reads it as "an FSDP1 wrapper".
     """
 
     name = "compose_rl_mpt"

@@ -26,13 +26,8 @@ def _fsdp2_aware_gate(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs
 
 
 def _recognises_fsdp2(gate: Any) -> bool:
-    """Ask the installed gate, once, about a tiny module shaped as ``fully_shard`` leaves one.
-
-    ``fully_shard`` swaps a module's class for a subclass of ``FSDPModule``; so
-    does this probe, with no process group and no parameters. The gate must
-    say True for the unit itself and for a parent holding it as a direct
-    child, as Composer main's does. Decided by behaviour, never by version.
-    """
+    """Whether the installed gate says True for an ``FSDPModule`` (a probe with no process group, classed as
+    ``fully_shard`` leaves one) and for its direct parent: decided by behaviour, never by version."""
     unit = nn.Module()
     unit.__class__ = type("FSDPProbe", (FSDPModule, nn.Module), {})
     try:
@@ -42,27 +37,11 @@ def _recognises_fsdp2(gate: Any) -> bool:
 
 
 class ComposerFSDPGate(Instrumentation):
-    """Composer's ``is_model_fsdp`` gate: True for FSDP2 models too, as Composer main answers.
+    """Composer's ``is_model_fsdp`` gate: True for FSDP2 models too, as Composer main (#3907) answers.
 
-    Read at mosaicml/composer v0.32.1, ``composer/utils/misc.py`` (the newest
-    release; llm-foundry 0.22, which compose-rl's pins resolve to, requires
-    ``mosaicml>=0.32.1,<0.33``): ``is_model_fsdp`` imports FSDP1's class inside
-    the function and answers True only for the model or a direct child that
-    is an FSDP1 ``FullyShardedDataParallel``. Composer main (#3907) also
-    accepts ``FSDPModule``. Every summon behind the gate is then skipped on
-    FSDP2: Composer's own ``HuggingFaceModel.generate`` and, at
-    databricks/compose-rl ae56991 (main), the policy's and the backbone's
-    ``generate`` and the reward model's ``mask_last_embed_except_eos``.
-
-    - Where the installed gate already recognises FSDP2 (``_recognises_fsdp2``),
-      nothing changes.
-    - Otherwise the function is wrapped (wrapt) to add #3907's answer; the
-      gate has no module global to swap, since it imports the class inside.
-    - ``from composer.utils import is_model_fsdp`` binds a copy of the
-      reference in each importer: the re-export ``composer.utils``,
-      ``composer.models.huggingface`` and compose-rl's three modules get the
-      wrapper, imported first or after, and the original back on unpatch
-      (see [Note: binders] in ``base``).
+    Released Composer answers True only for FSDP1, so every summon behind the gate (Composer's and
+    compose-rl's ``generate``, among others) is skipped on FSDP2. The function is wrapped, since it imports
+    the class inside and has no global to swap; a gate that already recognises FSDP2 is left alone.
     """
 
     name = "composer"
