@@ -44,7 +44,6 @@ STRIDED_SHARD_FULL_TENSOR_BROKEN = (2, 10) <= _TORCH[:2] < (2, 12)
 def cuda_backend_of(spelling: str) -> str:
     """The backend serving CUDA tensors on a group whose ``dist.get_backend`` is ``spelling``; ``""`` for none.
 
-    [Note: NCCL as torch resolves it]
     The string is what the group was created with: ``"nccl"``, ``"undefined"`` (torch's default map gives
     CUDA to NCCL) or a device map in either order (``"cpu:gloo,cuda:nccl"``): not comparable with ``"nccl"``.
     """
