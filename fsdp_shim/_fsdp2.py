@@ -6,7 +6,9 @@ needs. This module reads and changes that bookkeeping, FSDP2's forward-cast glob
 (``tests/test_house.py``). ``READS`` names each; past the verified torch range ``missing_internals`` checks
 them at activation ([Note: version policy] in ``_versions``). Release differences are handled where they
 matter: ``param_groups`` (2.12), ``lazy_init_root`` (2.7), ``mark_summoned`` (2.14),
-``param_dtype_for_forward`` (2.15). ``docs/fsdp2-seam.md`` drafts the public seam that would replace them.
+``param_dtype_for_forward`` (2.15), all read against 2.7.0 through 2.15.0; 2.15's
+``set_keep_unsharded_storage`` needs nothing (the shim always gathers from the shards).
+``docs/fsdp2-seam.md`` drafts the public seam that would replace them.
 """
 
 from __future__ import annotations
@@ -211,12 +213,14 @@ def lazy_init_root(states: list[FSDPState]) -> bool:
     """Lazily initialise the FSDP2 root above ``states``, as a first forward would; whether it did.
 
     [Note: lazy init on entry]
-    A context marks FSDP2's post-init group state, so entry initialises, as FSDP1's summon does, the topmost
+    A context marks FSDP2's post-init group state (on 2.7 the root's init sets ``post_forward_mesh_info=None``
+    unconditionally: an unmark would undo it), so entry initialises, as FSDP1's summon does, the topmost
     state above the summoned module (the one a forward through the model picks), never the unit itself: else
     a cold ``summon(model.policy)`` would make an inner unit a root, and FSDP2 refuses every later forward
     through the real one. Outside ``inference_mode`` even when entered inside it (on 2.7 the reset rebuilds the
     shards' data, which would become inference tensors). Local; a no-op once initialised. A tree where a unit
-    already became a root of its own is left for FSDP2 to refuse, as it would without us.
+    already became a root of its own is left for FSDP2 to refuse, as it would without us; groups whose root
+    cannot be initialised (``fully_shard([a, b])`` at the top) are adopted instead (``adopt_module_params``).
     """
     if all(s._is_root is not None for s in states):
         return False  # no-op: already initialised
@@ -266,7 +270,8 @@ def reshard_group(group: FSDPParamGroup) -> None:
 def order_after_writeback(states: list[FSDPState]) -> None:
     """Make FSDP2's next all-gather wait for a writeback just made on the current stream. With the user's
     ``set_post_optim_event(event)`` FSDP2 waits on that event instead of the stream: the current stream waits on
-    it as recorded (an optimizer step on a side stream), then records it again, so it covers the writeback too."""
+    it as recorded (an optimizer step on a side stream), then records it again, so it covers the writeback too
+    (legal until something waits on it: FSDP2 waits once, at the next root forward, and drops it)."""
     seen: set[int] = set()
     for state in states:
         context = state._state_ctx

@@ -87,6 +87,7 @@ def agreed_grads(
             health.mark_part_way([*(g for mesh in agreement for g in mesh_dim_groups(mesh)), *groups], error)
         raise
     if refusal is not None:
+        posted.any = False  # refused alike on every rank, from the agreed answer: nothing is pending
         raise refusal
     return cast(list[tuple[int, DTensor]], chosen), groups, failure
 

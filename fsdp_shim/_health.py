@@ -235,14 +235,7 @@ class Call:
     lost = staticmethod(mark_out_of_step)
 
 
-#: Each group's last summons that received nothing: what blocks until each completed ([Note: bounded run-ahead]).
-_behind: weakref.WeakKeyDictionary[dist.ProcessGroup, collections.deque[Callable[[], object]]] = (
-    weakref.WeakKeyDictionary())
-
-
-def calls_behind(group: dist.ProcessGroup) -> collections.deque[Callable[[], object]]:
-    """The record of ``group``'s calls a rank that receives nothing paces itself by: the run-ahead bound."""
-    behind = _behind.get(group)
-    if behind is None:
-        behind = _behind[group] = collections.deque()
-    return behind
+#: The last summons that received nothing on this rank, as what blocks until each one's last collective has
+#: completed, oldest first: the run-ahead bound across calls ([Note: bounded run-ahead] in ``_gather.engine``).
+#: One for the process, any group's: the receiving rank works through the calls in program order.
+CALLS_BEHIND: collections.deque[Callable[[], object]] = collections.deque()

@@ -173,14 +173,19 @@ class DTensorSummon:
         receiver, holds_fulls = receivers_for_summon(self.rank0_only, scope.groups, scope.fsdp2_only)
         self._holds_fulls = holds_fulls
         posted, grad_inputs, failure = health.Call(), None, None
-        if self.with_grads:  # which exist anywhere, agreed by every rank; those on another mesh claimed
-            grad_inputs, grad_groups, failure = agreed_grads(self.module, scope, dtensors, self.writeback, self,
-                                                             posted)
-            if grad_groups:
-                self._claimed = [*process_groups, *grad_groups]  # a new list: the cached summon holds the first
-        gathered, grads = _gather(scope, dtensors, cached, self.cap, receiver, holds_fulls,
-                                  torch.device("cpu") if self.offload_to_cpu else None, grad_inputs,
-                                  self._claimed or process_groups, posted, failure)
+        try:  # left part way once a collective was posted, this rank marks the call's groups
+            if self.with_grads:  # which exist anywhere, agreed by every rank; those on another mesh claimed
+                grad_inputs, grad_groups, failure = agreed_grads(self.module, scope, dtensors, self.writeback, self,
+                                                                 posted)
+                if grad_groups:
+                    self._claimed = [*process_groups, *grad_groups]  # a new list: the cached summon has the first
+            gathered, grads = _gather(scope, dtensors, cached, self.cap, receiver, holds_fulls,
+                                      torch.device("cpu") if self.offload_to_cpu else None, grad_inputs, posted,
+                                      failure)
+        except BaseException as error:
+            if posted.any:  # [Note: a one-sided fault leaves its own mark] in ``_health``
+                health.mark_part_way(self._claimed or process_groups, error)
+            raise
         self.summoned += map(SummonedParam, scope.params, dtensors, gathered.layouts)  # see [Note: hot path]
         if holds_fulls:
             to_full(self.summoned, gathered.tensors, grads, self.writeback)
@@ -254,27 +259,21 @@ class DTensorSummon:
 def _gather(
     scope: Scope, dtensors: list[DTensor], cached: CachedSummon | None, cap: BucketCap, receiver: Receiver,
     holds_fulls: bool, out_device: torch.device | None, grad_inputs: list[tuple[int, DTensor]] | None,
-    groups: list[dist.ProcessGroup], posted: health.Call, failure: BaseException | None = None,
+    posted: health.Call, failure: BaseException | None = None,
 ) -> tuple[Gathered, dict[int, torch.Tensor]]:
-    """Every collective of an entry but the gradients' agreement; every value is in when it returns. Left part
-    way after a collective was posted, it marks ``groups`` out of step on this rank. ``failure``, an earlier
-    one of this rank's, is agreed on with the parameters' allocations."""
+    """Every collective of an entry but the gradients' agreement; every value is in when it returns.
+    ``failure``, an earlier one of this rank's, is agreed on with the parameters' allocations."""
     collective_bytes = cap.one_unit_bytes if len(scope.groups) == 1 and scope.fsdp2_only else None
-    behind = health.calls_behind(groups[0])  # the run-ahead bound, kept with the group
-    try:
-        gathered = gather_full_tensors(dtensors, holds_fulls=holds_fulls, out_device=out_device,
-                                       bucket_bytes=cap.bucket_bytes, receiver=receiver,
-                                       plan=None if cached is None else cached.bucket_plan,
-                                       collective_bytes=collective_bytes, meshes=scope.meshes, posted=posted,
-                                       failure=failure, behind=behind)
-        if cached is not None:
-            cached.bucket_plan = gathered.plan
-        grads = (gather_grads(grad_inputs, holds_fulls, out_device, cap.bucket_bytes, receiver, collective_bytes,
-                              posted, scope.meshes, behind) if grad_inputs else {})
-    except BaseException as error:
-        if posted.any:
-            health.mark_part_way(groups, error)
-        raise
+    behind = None if holds_fulls else health.CALLS_BEHIND  # [Note: bounded run-ahead] in ``_gather.engine``
+    gathered = gather_full_tensors(dtensors, holds_fulls=holds_fulls, out_device=out_device,
+                                   bucket_bytes=cap.bucket_bytes, receiver=receiver,
+                                   plan=None if cached is None else cached.bucket_plan,
+                                   collective_bytes=collective_bytes, meshes=scope.meshes, posted=posted,
+                                   failure=failure, behind=behind)
+    if cached is not None:
+        cached.bucket_plan = gathered.plan
+    grads = (gather_grads(grad_inputs, holds_fulls, out_device, cap.bucket_bytes, receiver, collective_bytes,
+                          posted, scope.meshes, behind) if grad_inputs else {})
     return gathered, grads
 
 

@@ -123,6 +123,27 @@ def test_d2_an_interrupt_right_after_the_gradients_agreement_is_refused_at_once(
     assert all("out of step" in text for text in words), words
 
 
+def rank_an_interrupt_right_after_the_gradients_are_agreed_marks_the_group() -> str:
+    """After D2: the gradients' agreement returned on every rank, then the interrupt landed in the entry before
+    the parameters' gather began: the other ranks gather on, so this rank must mark its groups (0.17.0 did not:
+    its next summon's collective paired with their stale all-gather, and gloo aborted the peer)."""
+    model, before, faulty = with_grads_on_a_short_timeout(CONFIG)
+    injected = (_interrupt_after_return(_grads.agreed_grads, _summon.DTensorSummon._gather_and_install) if faulty
+                else contextlib.nullcontext([True]))
+    with patched(), injected as fired, pytest.raises(KeyboardInterrupt if faulty else RuntimeError):
+        with FSDP.summon_full_params(model, writeback=False, with_grads=True):
+            raise AssertionError("the body ran")
+    assert fired[0]
+    assert_untouched(model, before)
+    return _refused_at_once(model)
+
+
+@pytest.mark.one_sided
+def test_an_interrupt_right_after_the_gradients_are_agreed_marks_the_group(dist_run):
+    words = dist_run(2, rank_an_interrupt_right_after_the_gradients_are_agreed_marks_the_group)
+    assert all("out of step" in text for text in words), words
+
+
 def rank_d3_an_interrupt_while_a_forward_places_its_casts_writes_no_rounding() -> bool:
     """D3: a cast placed before the group recorded it was missed by the put-back, and a ``writeback=True``
     exit wrote its bf16 rounding into the fp32 masters."""

@@ -438,7 +438,8 @@ def completion(works: Sequence[Waitable], device: torch.device) -> Callable[[], 
     the first, and the last would time out. So no rank posts bucket (or batch, or call) ``k + 1`` before
     ``k - 1`` has completed, while ``k`` stays on the wire: on CUDA an event recorded after ``k - 1``'s
     ``wait()``, on the host the work's own future. Across calls, ``gather_full_tensors`` paces by ``behind``
-    (``_health.calls_behind``). A host wait chooses no collective, so ranks may differ in it.
+    (``_health.CALLS_BEHIND``) on a rank that keeps nothing; a receiving rank's own consumer paces it, so it
+    pays nothing. A host wait chooses no collective, so ranks may differ in it.
     """
     if device.type == "cpu":
         # Each work's future, chained to one whose value is an int (``id``, a C function: no Python frame, so
@@ -626,8 +627,8 @@ class BucketGather:
     def _reserve_and_agree(self, buckets: list[list[BucketEntry]], keep: Reserve,
                            failure: BaseException | None = None) -> list[Reserved]:
         """``reserve_buffers``, then ``agree_ready`` ([Note: allocate, agree, gather]); ``failure``: one this rank
-        met earlier in the call, agreed on instead. Posted from its start: ``agree_ready`` clears it where every
-        rank refuses alike."""
+        met earlier in the call, agreed on instead. Posted from its start (a fault before the agreement is
+        one-sided as far as this rank knows); ``agree_ready`` clears it where every rank refuses alike."""
         self._posted.any = True
         recipe = self.plan.reservations.get((self._receiver, keep))
         if recipe is None:
@@ -773,9 +774,10 @@ def gather_full_tensors(
     group's earlier calls a rank that keeps nothing paces itself by ([Note: bounded run-ahead]).
     """
     paced = None if holds_fulls else behind  # [Note: bounded run-ahead]: call k - 1 done before k + 1
+    while paced and len(paced) > 1:
+        paced[0]()  # dropped once done: an interrupt in the wait leaves it to the next call
+        paced.popleft()
     try:
-        while paced and len(paced) > 1:
-            paced.popleft()()
         gather = BucketGather(dtensors, bucket_bytes=bucket_bytes, receiver=receiver, ahead=1, plan=plan,
                               collective_bytes=collective_bytes, meshes=meshes, posted=posted,
                               reserve=Reserve(holds_fulls, out_device), failure=failure)

@@ -244,7 +244,8 @@ def bucket_plan(
     reuse: BucketPlan | None = None, collective_bytes: int | None = None, meshes: Meshes = None,
 ) -> BucketPlan:
     """The plan for ``dtensors``: ``reuse`` if made for the same key (each spec by identity, local shape, dtype,
-    device; the caps and the cast), else a new one."""
+    device; the caps and the cast), else a new one. ``meshes`` is not in the key: it is fixed for given
+    tensors, so a plan reused for the same key was made with them."""
     key = (bucket_bytes, collective_bytes, cast_to,
            *[(id(d._spec), t.shape, t.dtype, t.device) for d in dtensors for t in (d._local_tensor,)])
     if reuse is not None and reuse.key == key:
