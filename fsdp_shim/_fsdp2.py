@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import sys
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -62,7 +62,8 @@ __all__ = [
     "mark_summoned",
     "missing_internals",
     "order_after_writeback",
-    "override_method",
+    "override_methods",
+    "redirect_apply",
     "param_dtype_for_forward",
     "param_groups",
     "param_slots",
@@ -327,18 +328,40 @@ def unwrap_guarded_calls(handles: list[tuple[str, Any]]) -> None:
 # ``nn.Module._apply`` (see [Note: conversions inside] in ``_group``) and ``_call_impl`` (see [Note: casts
 # never outlive their forward] there), each on the instance, for the context's duration.
 
-def override_method(module: nn.Module, name: str, method: Callable[..., Any], overridden: list[nn.Module]) -> None:
-    """``method`` as ``module``'s ``name``, on the instance, unless one is there (an enclosing context's: it
-    stays); ``module`` goes into ``overridden`` first, so that ``restore_methods`` finds it after any interrupt."""
-    if name not in module.__dict__:
-        overridden.append(module)  # recorded before it is installed
-        module.__dict__[name] = method
+_How = TypeVar("_How")  # what a redirected ``_apply`` hands its ``run``: the caller's
+
+
+def override_methods(name: str, methods: Iterable[tuple[nn.Module, Callable[..., Any]]],
+                     overridden: list[nn.Module]) -> None:
+    """Each ``(module, method)`` as that module's instance-level ``name`` unless it has one (an enclosing
+    context's); each recorded in ``overridden`` before it is installed (``restore_methods`` finds it)."""
+    for module, method in methods:
+        if name not in module.__dict__:
+            overridden.append(module)  # recorded before it is installed
+            module.__dict__[name] = method
+
+
+def redirect_apply(plan: Mapping[nn.Module, _How], run: Callable[[nn.Module, _How, tuple[Any, ...], dict[str, Any]],
+                   nn.Module], overridden: list[nn.Module]) -> None:
+    """An instance-level ``_apply`` calling ``run(module, plan[module], args, kwargs)`` for each module of ``plan``
+    but one that has one (an enclosing context's); all recorded in ``overridden`` before any is installed."""
+    todo = [module for module in plan if "_apply" not in module.__dict__]
+    overridden += todo
+    for module in todo:
+
+        def apply_inside(*args: Any, _module: nn.Module = module, _how: _How = plan[module], **kwargs: Any
+                         ) -> nn.Module:
+            return run(_module, _how, args, kwargs)
+
+        module.__dict__["_apply"] = apply_inside
 
 
 def restore_methods(overridden: list[nn.Module], name: str) -> None:
     """Each of ``overridden``'s own ``name`` again, then ``overridden`` emptied (all again, if interrupted)."""
     for module in overridden:
-        module.__dict__.pop(name, None)
+        attrs = module.__dict__
+        if name in attrs:
+            del attrs[name]
     overridden.clear()
 
 
@@ -472,15 +495,9 @@ def load_post_hook_sites(fsdp_params: Iterable[FSDPParam]) -> list[HookSite]:
 
 
 def group_hook_sites(group: FSDPParamGroup) -> list[HookSite]:
-    """Every hook a summon suspends while it holds the whole group: the group's state-dict save and
-    load pre-hooks (its ``to_sharded``) and every parameter's load post-hook.
-
-    Worked out once a group has its state-dict hooks and kept on it: a summon of every unit at
-    every step would otherwise look them up again. Each ``FSDPParam`` registers its load
-    post-hook when it is made; the group registers its pre-hooks at its lazy init, all at once
-    and never again (``_register_state_dict_hooks``), so a group without them yet (a lazy init
-    that has not run) is looked up afresh each time, never kept.
-    """
+    """Every hook a summon suspends while it holds the whole group: the group's state-dict save and load
+    pre-hooks (its ``to_sharded``) and every parameter's load post-hook. Kept on the group once it has its
+    pre-hooks (registered once, at its lazy init): a group without them yet is looked up afresh each time."""
     sites = group.__dict__.get(_SITES_ATTR)
     if sites is None:
         sites = []
@@ -667,7 +684,7 @@ _FIELDS: dict[type, tuple[str | tuple[str, ...], ...]] = {
 _STATE_MODULE_NAMES: tuple[str | tuple[str, ...], ...] = (CAST_FN, CAST_WALKS)
 
 #: What a context writes into FSDP2's objects besides the fields above: the ``nn.Module`` methods it overrides on
-#: units' instances (``override_method``: probed as methods of ``nn.Module``), and the attributes of the shim's
+#: units' instances (``override_methods``: probed as methods of ``nn.Module``), and the attributes of the shim's
 #: own it keeps on states and groups (``unit_summon_cache``, ``group_hook_sites``: nothing to probe).
 _OVERRIDDEN: tuple[str, ...] = ("_apply", "_call_impl")
 _STASHED: dict[type, tuple[str, ...]] = {FSDPState: (_CACHE_ATTR,), FSDPParamGroup: (_SITES_ATTR,)}

@@ -31,14 +31,8 @@ Conversion = tuple[nn.Module, tuple[Any, ...], dict[str, Any]]
 
 
 def refuse_forwards(modules: Iterable[nn.Module], message: Callable[[], str]) -> RemovableHandle:
-    """Make a forward through any of ``modules`` raise before their own hooks (FSDP2's) run.
-
-    One global forward pre-hook, for the context's duration: global hooks run
-    before every module's own, and one registration serves every module (a
-    weight-sync loop makes one a unit). The FSDP2 root is among ``modules``,
-    so a forward through the whole model is refused before the root's
-    pre-forward changes any state.
-    """
+    """Make a forward through any of ``modules`` (the FSDP2 root among them) raise before their own hooks
+    (FSDP2's) run: one global forward pre-hook, which runs before every module's own, for the context."""
     refused = set(modules)  # identity hashes: no call a module
 
     def refuse(module: nn.Module, args: Any) -> None:  # the message is written when it raises
@@ -192,18 +186,13 @@ class Conversions:
             plan[module] = (() if holds_fulls else slots, module if fsdp2_managed else None)
         for unit in units:  # a unit's conversion is FSDP2's to follow: never refused
             plan[unit] = (plan[unit][0] if unit in plan else (), None)
-        run, redirected = self._run, self._redirected
-        for module, (hidden, refused) in plan.items():
+        fsdp2.redirect_apply(plan, self._run, self._redirected)
 
-            def apply_inside(*args: Any, _module: nn.Module = module, _hidden: Sequence[tuple[dict[str, Any], str]]
-                             = hidden, _refused: nn.Module | None = refused, **kwargs: Any) -> nn.Module:
-                return run(_module, _hidden, _refused, args, kwargs)
-
-            fsdp2.override_method(module, "_apply", apply_inside, redirected)
-
-    def _run(self, module: nn.Module, hidden: Sequence[tuple[dict[str, Any], str]], refused: nn.Module | None,
+    def _run(self, module: nn.Module, how: tuple[Sequence[tuple[dict[str, Any], str]], nn.Module | None],
              args: tuple[Any, ...], kwargs: dict[str, Any]) -> nn.Module:
-        """``module._apply(*args, **kwargs)`` inside the context. See [Note: conversions inside]."""
+        """``module._apply(*args, **kwargs)`` inside the context, ``how``: the slots to hide, the module to refuse.
+        See [Note: conversions inside]."""
+        hidden, refused = how
         if self._depth == 0:
             if refused is not None:
                 raise RuntimeError(
@@ -317,6 +306,7 @@ class SummonedGroup:
             )))
             return
         self._roots = roots
+        methods = []
         for module in units:  # see [Note: casts never outlive their forward]
             call_impl = module.__class__._call_impl
 
@@ -335,7 +325,8 @@ class SummonedGroup:
                     if switch is not None and (switch._depth != depth or (depth == 0 and switch._held)):
                         switch.unwind(depth)  # a BaseException skipped the post-forward hook, or it failed
 
-            fsdp2.override_method(module, "_call_impl", guarded_call, self._guarded)
+            methods.append((module, guarded_call))
+        fsdp2.override_methods("_call_impl", methods, self._guarded)
         no_backward = _RaiseOnBackward(units)
         for module in units:
             hooks.append(module.register_forward_hook(no_backward))
