@@ -103,17 +103,22 @@ def _refused_at_once(model) -> str:
     return str(refused.value)
 
 
-def rank_d2_an_interrupt_right_after_the_gradients_agreement_is_refused_at_once() -> str:
-    """D2: the faulting rank was left unmarked, and its retry waited out the group's timeout."""
+def _one_rank_interrupted_after(callee: Callable[..., Any], caller: Callable[..., Any]) -> str:
+    """A ``with_grads`` summon on a short timeout, interrupted on one rank right after ``caller``'s call of
+    ``callee`` returned; the others fail on the timeout. Nothing changed; what the next summon says."""
     model, before, faulty = with_grads_on_a_short_timeout(CONFIG)
-    injected = (_interrupt_after_return(dist.all_reduce, _grads.agree_on_grads) if faulty
-                else contextlib.nullcontext([True]))
+    injected = _interrupt_after_return(callee, caller) if faulty else contextlib.nullcontext([True])
     with patched(), injected as fired, pytest.raises(KeyboardInterrupt if faulty else RuntimeError):
         with FSDP.summon_full_params(model, writeback=False, with_grads=True):
             raise AssertionError("the body ran")
     assert fired[0]
     assert_untouched(model, before)
     return _refused_at_once(model)
+
+
+def rank_d2_an_interrupt_right_after_the_gradients_agreement_is_refused_at_once() -> str:
+    """D2: the faulting rank was left unmarked, and its retry waited out the group's timeout."""
+    return _one_rank_interrupted_after(dist.all_reduce, _grads.agree_on_grads)
 
 
 @pytest.mark.one_sided
@@ -127,15 +132,7 @@ def rank_an_interrupt_right_after_the_gradients_are_agreed_marks_the_group() -> 
     """After D2: the gradients' agreement returned on every rank, then the interrupt landed in the entry before
     the parameters' gather began: the other ranks gather on, so this rank must mark its groups (0.17.0 did not:
     its next summon's collective paired with their stale all-gather, and gloo aborted the peer)."""
-    model, before, faulty = with_grads_on_a_short_timeout(CONFIG)
-    injected = (_interrupt_after_return(_grads.agreed_grads, _summon.DTensorSummon._gather_and_install) if faulty
-                else contextlib.nullcontext([True]))
-    with patched(), injected as fired, pytest.raises(KeyboardInterrupt if faulty else RuntimeError):
-        with FSDP.summon_full_params(model, writeback=False, with_grads=True):
-            raise AssertionError("the body ran")
-    assert fired[0]
-    assert_untouched(model, before)
-    return _refused_at_once(model)
+    return _one_rank_interrupted_after(_grads.agreed_grads, _summon.DTensorSummon._gather_and_install)
 
 
 @pytest.mark.one_sided
