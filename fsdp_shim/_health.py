@@ -49,10 +49,8 @@ class Claim:
     context: bool
 
 
-
 def has_live_context(thread: int) -> bool:
     return bool(_claims) and any(c.context and c.thread == thread for c in list(_claims.values()))
-
 
 
 def claim(owner: object, thread: int, groups: Sequence[dist.ProcessGroup], call: Callable[[], str], *,
@@ -202,7 +200,6 @@ def require_live_groups(groups: Iterable[dist.ProcessGroup], user: Callable[[], 
                 "pair with the wrong one. Destroy and recreate the process group (dist.destroy_process_group(group), "
                 "a new group and the model sharded on it), or restart the job (docs/troubleshooting.md)."
             )
-
 
 
 def live_mesh_dim_groups(mesh: DeviceMesh, user: Callable[[], str]) -> list[dist.ProcessGroup]:
