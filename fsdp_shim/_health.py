@@ -1,5 +1,5 @@
 """Group health: which thread claims each process group, which groups are out of step, destroyed or
-unguarded on NCCL, and how far a rank may run ahead of its group. Every summon and stream asks here before its
+unguarded on NCCL, and how far a rank may run ahead of the others. Every summon and stream asks here before its
 first collective and marks here what it leaves part way; the engine (``_gather``) decides none of it.
 
 [Note: threads]

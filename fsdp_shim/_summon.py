@@ -264,7 +264,7 @@ def _gather(
     """Every collective of an entry but the gradients' agreement; every value is in when it returns.
     ``failure``, an earlier one of this rank's, is agreed on with the parameters' allocations."""
     collective_bytes = cap.one_unit_bytes if len(scope.groups) == 1 and scope.fsdp2_only else None
-    behind = None if holds_fulls else health.CALLS_BEHIND  # [Note: bounded run-ahead] in ``_gather.engine``
+    behind = health.CALLS_BEHIND  # paced by where this rank keeps nothing: [Note: bounded run-ahead] in ``engine``
     gathered = gather_full_tensors(dtensors, holds_fulls=holds_fulls, out_device=out_device,
                                    bucket_bytes=cap.bucket_bytes, receiver=receiver,
                                    plan=None if cached is None else cached.bucket_plan,

@@ -771,7 +771,7 @@ def gather_full_tensors(
     ``holds_fulls=False`` (``rank0_only``, other ranks) takes part and returns ``None``s; a ``receiver`` other
     than ``"all"`` needs it on every rank it does not name (``layout.Delivery``). ``out_device``: where results
     go (``offload_to_cpu``). Results never alias local shards. ``posted``: the call's record; ``behind``: the
-    group's earlier calls a rank that keeps nothing paces itself by ([Note: bounded run-ahead]).
+    process's earlier calls a rank that keeps nothing paces itself by ([Note: bounded run-ahead]).
     """
     paced = None if holds_fulls else behind  # [Note: bounded run-ahead]: call k - 1 done before k + 1
     while paced and len(paced) > 1:
