@@ -88,7 +88,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"  supported: {', '.join(_versions.INSTRUMENTS)}; torch {torch.__version__} is {verified}")
         print(f"  patched: {fsdp_shim.is_patched()}")
         missing = _fsdp2.missing_internals()
-        print(f"  FSDP2 internals read: {len(_fsdp2.READS)}, "
+        print(f"  FSDP2 internals read or written: {len(_fsdp2.READS)}, "
               f"{'all present' if not missing else 'MISSING ' + ', '.join(missing)}: "
               f"{', '.join(_fsdp2.READS)}")
         for module, status in statuses().items():
