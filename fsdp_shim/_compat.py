@@ -1,9 +1,7 @@
 """DTensor and c10d differences between torch releases, named by behaviour (FSDP2's own are in ``_fsdp2``).
 
-[Note: torch versions]
-Up to 2.9 ``_StridedShard`` subclasses ``Shard`` (``is_shard(0)`` is True for it); from 2.10 placements are
-C++ objects and it does not; on 2.10 and 2.11 ``full_tensor()`` fails for a standalone one. So the fast path
-tests types exactly (``type(p) is Shard``): a placement it does not know takes the ``full_tensor()`` path.
+Placements are tested by exact type (``type(p) is Shard``): up to 2.9 ``_StridedShard`` subclasses ``Shard``,
+and a placement the fast path does not know takes the ``full_tensor()`` path.
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ except ImportError:  # pragma: no cover - a future torch without it
 _TORCH = parse_version(torch.__version__)
 
 def is_dim0_shard(placement: Placement) -> bool:
-    """Exactly ``Shard(0)``: no subclass (``_StridedShard`` is one on torch <= 2.9)."""
+    """Exactly ``Shard(0)``: no subclass."""
     return type(placement) is Shard and placement.dim == 0
 
 
@@ -42,11 +40,8 @@ STRIDED_SHARD_FULL_TENSOR_BROKEN = (2, 10) <= _TORCH[:2] < (2, 12)
 
 
 def cuda_backend_of(spelling: str) -> str:
-    """The backend serving CUDA tensors on a group whose ``dist.get_backend`` is ``spelling``; ``""`` for none.
-
-    The string is what the group was created with: ``"nccl"``, ``"undefined"`` (torch's default map gives
-    CUDA to NCCL) or a device map in either order (``"cpu:gloo,cuda:nccl"``): not comparable with ``"nccl"``.
-    """
+    """The backend serving CUDA tensors on a group whose ``dist.get_backend`` is ``spelling`` (``"nccl"``,
+    ``"undefined"``: torch's default map, or a device map such as ``"cpu:gloo,cuda:nccl"``); ``""`` for none."""
     spelling = spelling.strip().lower()
     if ":" in spelling:
         for pair in spelling.split(","):
@@ -101,11 +96,8 @@ def _is_standalone_strided(placement: Placement, placements: Sequence[Placement]
 
 
 def cast_wrapper_master(local: torch.Tensor) -> torch.Tensor | None:
-    """The plain tensor whose values a cast wrapper's are, or None for any other tensor subclass.
-
-    A cast wrapper (torchao's float8 weights) flattens to one plain inner tensor of its own dtype, shape and
-    device (its master), plus scalars (a scale). From types and metadata only, so every rank answers alike.
-    """
+    """A cast wrapper's master, else None: a cast wrapper (torchao's float8 weights) flattens to one plain inner
+    tensor of its own dtype, shape and device, plus scalars. From metadata only: every rank answers alike."""
     flatten = getattr(local, "__tensor_flatten__", None)
     if flatten is None:
         return None

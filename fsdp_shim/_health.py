@@ -1,11 +1,6 @@
 """Group health: which thread claims each process group, which groups are out of step, destroyed or
-unguarded on NCCL, and how far a rank may run ahead of the others. Every summon and stream asks here before its
-first collective and marks here what it leaves part way; the engine (``_gather``) decides none of it.
-
-[Note: threads]
-Contexts are per thread: a nested call is one thread's. Another thread's slots are refused, and so is any
-process group it is using: two threads issuing collectives on one group interleave them (FSDP's own rule: one
-thread per rank calls collectives). Every refusal comes before any collective or change.
+unguarded on NCCL, and how far a rank may run ahead. Summons and streams ask here before their first collective
+and mark here what they leave part way; the engine (``_gather``) decides none of it.
 """
 
 from __future__ import annotations
@@ -41,8 +36,7 @@ _claims: dict[int, Claim] = {}
 
 @dataclass(frozen=True, slots=True)
 class Claim:
-    """One owner's claim: its thread, the ``id``s of the process groups it claimed, and whether it is a
-    context (which counts as a live context of its thread: ``has_live_context``)."""
+    """One owner's claim: its thread, its groups' ``id``s, and whether it is a context (``has_live_context``)."""
 
     thread: int
     groups: frozenset[int]
@@ -55,8 +49,9 @@ def has_live_context(thread: int) -> bool:
 
 def claim(owner: object, thread: int, groups: Sequence[dist.ProcessGroup], call: Callable[[], str], *,
           context: bool = False) -> None:
-    """Claim ``groups`` for ``owner`` (a context, or a stream) in ``thread``, adding to its earlier claim; refused,
-    claiming nothing, if another thread's owner holds one ([Note: threads]). ``call()`` names the call.
+    """Claim ``groups`` for ``owner`` (a context, or a stream) in ``thread``, adding to its earlier claim;
+    ``call()`` names the call. Refused, claiming nothing, before any collective, if another thread's owner holds
+    one: two threads' collectives on one group interleave (FSDP's rule: one thread per rank calls collectives).
 
     [Note: claims]
     One record per owner, made by one dict store and given back by one dict pop (``release``): an interrupt
@@ -85,14 +80,12 @@ def release(owner: object) -> None:
     _claims.pop(id(owner), None)
 
 
-#: Process groups a wait failed on (a timeout, a dead peer): what it raised, and the failed collectives'
-#: buffers, held for as long as the group lives. See [Note: out of step].
+#: Out-of-step groups (``mark_out_of_step``): what was raised, and the buffers held while the group lives.
 _out_of_step: weakref.WeakKeyDictionary[dist.ProcessGroup, tuple[str, list[object]]] = weakref.WeakKeyDictionary()
 
 
 def mark_part_way(groups: Iterable[dist.ProcessGroup], error: BaseException) -> None:
-    """Record that this rank left a call's gathers over ``groups`` part way ([Note: a one-sided fault leaves its
-    own mark]): the other ranks may have posted collectives this rank never will."""
+    """This rank left a call's gathers over ``groups`` part way: see ``Call``."""
     for group in groups:
         mark_out_of_step(group, error, part_way=True)
 
@@ -100,16 +93,11 @@ def mark_part_way(groups: Iterable[dist.ProcessGroup], error: BaseException) -> 
 def mark_out_of_step(
     group: dist.ProcessGroup, error: BaseException, buffers: Iterable[object] = (), part_way: bool = False,
 ) -> None:
-    """Record that a collective posted on ``group`` may never complete, holding its ``buffers``.
-
-    [Note: out of step]
-    A collective whose wait raised (a timeout, a dead peer) or that a call left part way cannot be withdrawn:
-    the group's next collective would pair with the wrong one, hang or corrupt memory. So every later summon
-    or stream over it refuses at once (``require_live_groups``) where FSDP1 and FSDP2 would hang. The buffers
-    are held for as long as the group lives: gloo still writes a late peer's data into a collective it gave up
-    on. The only recovery is a new process group, or a restarted job. A fault on every rank alike before a
-    call's first collective posts nothing and marks nothing.
-    """
+    """Record that a collective posted on ``group`` may never complete (its wait raised, or a call left it
+    part way). It cannot be withdrawn and the group's next collective would pair with it, so every later summon
+    or stream over the group refuses at once (``require_live_groups``) where FSDP would hang. ``buffers`` are
+    held while the group lives: gloo still writes a late peer's data into them. Recovery: a new process group,
+    or a restarted job."""
     what = f"{type(error).__name__}: {error}".splitlines()[0][:200]
     if part_way:
         what = f"this rank left a gather part way on {what}"
@@ -129,16 +117,11 @@ NcclFaultRule = Literal["watchdog", "blocking_wait", "unguarded"]
 
 
 def nccl_fault_rule(env: Mapping[str, str]) -> NcclFaultRule:
-    """What stops an NCCL all-gather that failed (a timeout, a dead peer) from being read as arrived.
-
-    [Note: faults on NCCL]
-    On gloo ``wait()`` blocks and raises; on NCCL it raises nothing. What guards the values there:
-    ``"watchdog"`` (torch's default: async error handling 1, 3 or unset) tears the process down, so nothing is
-    written back (work already queued behind the gather still runs on partial values: the receiver's to
-    discard); ``"blocking_wait"`` (``TORCH_NCCL_BLOCKING_WAIT=1``) raises as gloo does; ``"unguarded"`` (async
-    error handling 0 or 2, no blocking wait) could hand out, or write back, values that never arrived: the shim
-    warns once. Torch's older spellings (``NCCL_*``) count too.
-    """
+    """What stops a failed NCCL all-gather from being read as arrived (on NCCL ``wait()`` raises nothing).
+    ``"watchdog"`` (async error handling 1, 3 or unset: torch's default) ends the process, so nothing is
+    written back, though work queued behind the gather runs on partial values; ``"blocking_wait"``
+    (``TORCH_NCCL_BLOCKING_WAIT=1``) raises as gloo does; ``"unguarded"`` (handling 0 or 2, no blocking wait)
+    could hand out values that never arrived: the shim warns once. Older ``NCCL_*`` spellings count too."""
     def value(name: str, default: str) -> str:
         return env.get(f"TORCH_{name}", env.get(name, default)).strip()
 
@@ -188,8 +171,7 @@ def warn_if_unguarded(groups: Iterable[dist.ProcessGroup]) -> None:
 
 
 def require_live_groups(groups: Iterable[dist.ProcessGroup], user: Callable[[], str]) -> None:
-    """A destroyed, foreign or out-of-step process group fails here, clearly, not inside a collective;
-    ``user()`` names what gathers over it."""
+    """Refuse a destroyed, foreign or out-of-step group here, not inside a collective; ``user()`` names the caller."""
     for group in groups:
         if not fsdp2.is_live_group(group):
             raise destroyed_group(user)
@@ -203,9 +185,8 @@ def require_live_groups(groups: Iterable[dist.ProcessGroup], user: Callable[[], 
 
 
 def live_mesh_dim_groups(mesh: DeviceMesh, user: Callable[[], str]) -> list[dist.ProcessGroup]:
-    """``mesh_dim_groups``, each checked by ``require_live_groups``: a group destroyed before the mesh first
-    named it (torch cannot even resolve it then) is refused in the same words. Warns once if an NCCL group's
-    faults would go unnoticed (``nccl_fault_rule``)."""
+    """``mesh_dim_groups``, checked by ``require_live_groups`` (one torch cannot resolve is refused alike),
+    and ``warn_if_unguarded``."""
     try:
         groups = mesh_dim_groups(mesh)
     except (RuntimeError, ValueError, KeyError, TypeError) as error:  # torch's words differ by release
@@ -216,23 +197,22 @@ def live_mesh_dim_groups(mesh: DeviceMesh, user: Callable[[], str]) -> list[dist
 
 
 class Call:
-    """One summon's or stream's record, passed to the engine: whether a collective was attempted yet (``any``:
-    a class attribute until then), and each one that may never complete (``lost``: marked out of step).
+    """One summon's or stream's record, passed to the engine: whether a collective was attempted yet
+    (``any``: a class attribute until then), and ``lost``, which marks one that may never complete.
 
     [Note: a one-sided fault leaves its own mark]
-    A fault on one rank (an out-of-memory error while staging: free memory differs) may raise after some of the
-    call's collectives were posted; the others post the rest, and this rank's next collective would pair with a
-    stale one (gloo aborts; NCCL hangs, corrupts, or hands over another tensor's shards). A rank cannot tell a
-    one-sided fault from one on every rank, so whatever leaves a call part way after its first collective marks
-    every group of the call (``mark_part_way``): the call knows when its last collective is posted. Before the
-    first collective nothing is marked: a fault on every rank alike leaves the group usable.
+    A fault on one rank (an out-of-memory error while staging) may raise after some of the call's collectives
+    were posted; the others post the rest, and this rank's next collective would pair with a stale one (gloo
+    aborts; NCCL hangs or hands over another tensor's shards). A rank cannot tell a one-sided fault from one on
+    every rank, so leaving a call part way after its first collective marks every group of the call
+    (``mark_part_way``). Before the first collective nothing is marked: the group stays usable.
     """
 
     any = False
     lost = staticmethod(mark_out_of_step)
 
 
-#: The last summons that received nothing on this rank, as what blocks until each one's last collective has
-#: completed, oldest first: the run-ahead bound across calls ([Note: bounded run-ahead] in ``_gather.engine``).
-#: One for the process, any group's: the receiving rank works through the calls in program order.
+#: What blocks until each of the last summons that received nothing here has completed, oldest first: the
+#: run-ahead bound across calls ([Note: bounded run-ahead] in ``_gather.engine``). One for the process: the
+#: receiving rank works through the calls in program order.
 CALLS_BEHIND: collections.deque[Callable[[], object]] = collections.deque()

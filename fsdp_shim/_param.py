@@ -1,6 +1,6 @@
 """One parameter of a summon: where it lives (``ScopedParam``) and what a context does with it
-(``SummonedParam``). A *slot* is a ``(module, attribute name)`` pair: a parameter tied across two modules
-has two, and stays one object in both. ``_place`` is the one writer of module slots in the package.
+(``SummonedParam``). A *slot* is a ``(module, attribute name)`` pair: a tied parameter has several, one object
+in all. ``_place`` is the package's one writer of module slots.
 """
 
 from __future__ import annotations
@@ -45,15 +45,14 @@ class ScopedParam:
 
 
 def shard_versions(sharded: DTensor) -> tuple[int, int, int]:
-    """In-place changes to a shard: the DTensor's version counter (DTensor ops bump it, not the local
-    tensor's) and the local tensor's. Shards, made outside ``inference_mode``, always have counters."""
+    """In-place changes to a shard: the DTensor's version counter (DTensor ops bump it) and the local tensor's."""
     local = sharded._local_tensor
     return (sharded._version, id(local), local._version)
 
 
 class SummonedParam:
-    """One scoped parameter (or DTensor buffer) while a context holds it. Made on every rank, holder of
-    full tensors or not: it is the registry's record ([Note: every rank decides alike] in ``_summon``)."""
+    """One scoped parameter (or DTensor buffer) while a context holds it; the registry's record, made on every
+    rank ([Note: every rank decides alike] in ``_summon``)."""
 
     __slots__ = (
         "scoped", "sharded", "layout", "full", "full_version", "versions_at_entry", "shard_copy", "originals",
@@ -106,27 +105,18 @@ class SummonedParam:
 
     # -- exit --------------------------------------------------------------
     def may_hold_edits(self) -> bool:
-        """Whether the full tensor may hold edits. One gathered under ``inference_mode`` has no version
-        counter: it counts as changed, and the value compare decides."""
+        """Whether the full tensor may hold edits (one without a version counter may: the values decide)."""
         if self.current is not self.full or self.full_version is None:
             return True
         assert self.full is not None  # inspected only where this rank holds full tensors
         return self.full._version != self.full_version
 
     def judge(self, exit_dtype: torch.dtype | None = None) -> None:
-        """What changed inside a ``writeback=True`` context, by version counters and by value.
-
-        [Note: exit checks]
-        At exit a tensor's slots hold its full tensor, a replacement (``load_state_dict(assign=True)``) or
-        nothing. A replacement is written back, as FSDP1 does; the whole writeback is refused, naming every
-        parameter, for a deleted slot or one changed both in full and in its shard (one change would be
-        lost); a shard changed alone stays. "Changed" is by version *and* by value, bit for bit against the
-        shard copied at entry, since an edit through ``.data`` moves no counter; a slice still holding the
-        shard's bits is not written. Judged per rank, as the writeback is. A ``Partial`` shard (one of many
-        values with one reduction) is judged by versions only and always written. ``exit_dtype``: the
-        shard's dtype once conversions made inside are replayed, if another; values compare in it, so an
-        edit only it can hold counts.
-        """
+        """What changed inside a ``writeback=True`` context, per rank, for ``write_back``: by version *and* by
+        value, bit for bit against the shard copied at entry (an edit through ``.data`` moves no counter); a
+        slice still holding the shard's bits is not written. A ``Partial`` shard is judged by versions only and
+        always written. ``exit_dtype``: the shard's dtype once conversions inside are replayed, if another;
+        values compare in it."""
         sharded, current = self.sharded, self.current
         self.shard_changed = shard_versions(sharded) != self.versions_at_entry
         self.full_changed = self.may_hold_edits()
@@ -149,8 +139,7 @@ class SummonedParam:
 # -- a context's parameters at once: every summon runs these loops, so they make no call a parameter ----
 
 def _place(writes: Iterable[tuple[dict[str, Any], str, Any]]) -> None:
-    """Each ``(tensors, name, value)``: ``value`` into a module's ``_parameters`` or ``_buffers`` dict
-    (``MISSING``: the slot is emptied)."""
+    """Each ``(tensors, name, value)`` into a module's ``_parameters`` or ``_buffers`` (``MISSING``: emptied)."""
     for tensors, name, value in writes:
         if value is MISSING:
             tensors.pop(name, None)
@@ -159,8 +148,7 @@ def _place(writes: Iterable[tuple[dict[str, Any], str, Any]]) -> None:
 
 
 def hide_slots(slots: Sequence[tuple[dict[str, Any], str]]) -> list[tuple[dict[str, Any], str, Any]]:
-    """Each slot emptied to ``None`` (which ``nn.Module`` skips), keeping its key and place; returns what
-    they held, for ``put_back_slots``."""
+    """Each slot emptied to ``None`` (which ``nn.Module`` skips), keeping its key; returns what they held."""
     held = [(tensors, name, tensors[name]) for tensors, name in slots if tensors.get(name) is not None]
     _place([(tensors, name, None) for tensors, name, _ in held])
     return held
@@ -173,8 +161,7 @@ def put_back_slots(held: Sequence[tuple[dict[str, Any], str, Any]]) -> None:
 
 def to_full(params: Sequence[SummonedParam], fulls: Sequence[torch.Tensor | None],
             grads: dict[int, torch.Tensor] | None, writeback: bool) -> None:
-    """Each full tensor (a new ``nn.Parameter``, plain for a buffer) into every slot of its parameter:
-    ties stay one object."""
+    """Each full tensor (a new ``nn.Parameter``, plain for a buffer) into every slot of its parameter."""
     writes: list[tuple[dict[str, Any], str, Any]] = []
     for index, (param, full) in enumerate(zip(params, fulls, strict=True)):
         assert full is not None  # ranks that hold full tensors hold every one
@@ -211,8 +198,7 @@ def to_sharded(params: Sequence[SummonedParam]) -> None:
 
 def inspect_slots(params: Sequence[SummonedParam],
                   exit_dtype: Callable[[SummonedParam], torch.dtype | None] | None = None) -> None:
-    """Record what each parameter's slots hold now (``current``); under writeback (``exit_dtype``), judge
-    each."""
+    """Record what each parameter's slots hold now (``current``); under writeback (``exit_dtype``), judge each."""
     for param in params:
         full, scoped = param.full, param.scoped
         slots = scoped.slots
@@ -236,8 +222,7 @@ def inspect_slots(params: Sequence[SummonedParam],
 
 
 def carry_requires_grad(params: Sequence[SummonedParam]) -> None:
-    """``requires_grad`` set inside carries over to the sharded parameter, as FSDP1
-    (``use_orig_params=True``) keeps it on its one object."""
+    """``requires_grad`` set inside carries to the sharded parameter, as FSDP1 (``use_orig_params``) keeps it."""
     for param in params:
         current = param.current
         if param.scoped.is_buffer or not isinstance(current, torch.Tensor):
@@ -247,8 +232,10 @@ def carry_requires_grad(params: Sequence[SummonedParam]) -> None:
 
 
 def write_back(params: Sequence[SummonedParam], name: Callable[[SummonedParam], str], with_grads: bool) -> None:
-    """All or nothing, by what ``judge`` recorded. Under ``with_grads`` the gradients go into the same
-    ``write_back_locals`` call, so a failure while a gradient's value is made writes no parameter either."""
+    """All or nothing, by what ``judge`` recorded: a slot holding a replacement (``load_state_dict(assign=True)``)
+    is written, as FSDP1 does; a shard changed alone stays; a deleted slot, or one changed both in full and in
+    its shard, refuses the whole writeback naming every such parameter. Gradients (``with_grads``) go into the
+    same ``write_back_locals`` call, so a failure making one writes no parameter either."""
     problems: list[str] = []
     items: list[tuple[DTensor, torch.Tensor, Dim0Layout | None]] = []
     for item in params:
@@ -279,10 +266,9 @@ def write_back(params: Sequence[SummonedParam], name: Callable[[SummonedParam], 
 
 @torch.no_grad()
 def write_back_locals(items: Sequence[tuple[DTensor, torch.Tensor, Dim0Layout | None]]) -> None:
-    """Copy this rank's slice of each ``full`` into its ``dtensor``'s local shard, in place, with no
-    collective, as FSDP1's ``_writeback_to_local_shard`` does: every rank holds the whole full tensor. Every
-    shape is checked and every source made before anything is written: a bad tensor, an allocation failure
-    or an interrupt leaves all shards as they were."""
+    """This rank's slice of each ``full`` into its ``dtensor``'s local shard, in place, with no collective
+    (as FSDP1's ``_writeback_to_local_shard``). Every shape is checked and every source made before anything is
+    written: a failure or an interrupt leaves all shards as they were."""
     for dtensor, full, _ in items:
         if full.shape != dtensor.shape:
             raise WritebackRefusedError(
@@ -319,8 +305,7 @@ _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int6
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor | None) -> bool:
-    """Whether two tensors hold the very same bits (a NaN equals itself, -0.0 differs from 0.0); ``b``
-    None (no copy kept) differs from anything."""
+    """The very same bits (a NaN equals itself, -0.0 differs from 0.0); ``b`` None differs from anything."""
     if b is None or a.shape != b.shape or a.dtype != b.dtype:
         return False
     if a.dtype.is_floating_point or a.dtype.is_complex:
@@ -355,8 +340,8 @@ def sharded_param(param: torch.Tensor) -> nn.Parameter | None:
 
 
 def original_params(param: torch.Tensor) -> list[nn.Parameter]:
-    """Every object the slots of a live full ``param`` held outside contexts: the sharded parameter and,
-    if FSDP2 has one, its unsharded parameter (a map built after a forward holds it); else empty."""
+    """What a live full ``param``'s slots held outside contexts: the sharded parameter and FSDP2's unsharded
+    one, if any (a map built after a forward holds it); else empty."""
     summoned = cast("SummonedParam | None", registry.record_of(param))
     if summoned is None:
         return []
