@@ -1,8 +1,7 @@
 """fsdp_shim: FSDP1's ``summon_full_params`` for FSDP2, HSDP and tensor-parallel models.
 
-``import fsdp_shim`` patches ``FullyShardedDataParallel.summon_full_params``, so existing call sites work on
-models sharded with ``fully_shard`` (FSDP1 trees still go to FSDP1). New weight-sync code can stream
-instead (``iter_full_params``, ``vllm_weight_source``). The README is the user guide.
+``import fsdp_shim`` patches ``FullyShardedDataParallel.summon_full_params`` (FSDP1 trees still go to FSDP1).
+Weight sync can stream instead (``iter_full_params``, ``vllm_weight_source``). The README is the user guide.
 """
 
 from __future__ import annotations
@@ -67,13 +66,10 @@ def _load_probe() -> Callable[[], list[str]]:
 
 
 def _activate() -> str | None:
-    """Check the environment once, patch unless disabled; returns ``unsupported_reason``.
-
-    ``import fsdp_shim`` imports no torch: a post-import hook on ``torch.distributed.fsdp`` activates before
-    any caller can reach FSDP, and public calls activate first, so nothing depends on import order. If a
-    submodule imported first brings in FSDP half way, the hook waits for the first submodule hook to fire
-    with no other submodule importing. Re-entrant: the check imports FSDP, whose hook returns at once.
-    """
+    """Check the environment once, patch unless disabled; returns ``unsupported_reason``. Run by a post-import
+    hook on ``torch.distributed.fsdp`` (``import fsdp_shim`` imports no torch) and by every public call, so
+    import order does not matter; a submodule importing FSDP half way defers it to ``_on_submodule_imported``.
+    Re-entrant: the check imports FSDP, whose hook returns at once."""
     global _activation, unsupported_reason, _refusal
     with _activation_lock:
         if _activation == "done":
@@ -98,7 +94,7 @@ def _activate() -> str | None:
 
 
 def _install(refusal: str | None) -> bool:
-    """``_patching.patch``, handed the summon's wrapper unless refusing (``_patching`` never imports the summon)."""
+    """``_patching.patch``, handed the summon's wrapper unless refusing."""
     from fsdp_shim import _patching  # noqa: PLC0415  (torch is imported by now, not at ours)
 
     if refusal is not None:
@@ -167,11 +163,9 @@ def _require_support() -> None:
 
 
 def patch() -> bool:
-    """Make ``FullyShardedDataParallel.summon_full_params`` serve DTensor models too.
-
-    Returns False if ours is already installed (the import installs it) or ``FSDP_SHIM_DISABLE`` is set. On a
-    torch it cannot serve (``unsupported_reason``) DTensor summons raise ``UnsupportedTorchError``.
-    """
+    """Make ``FullyShardedDataParallel.summon_full_params`` serve DTensor models too; False if already installed
+    (the import installs it) or ``FSDP_SHIM_DISABLE`` is set. Where ``unsupported_reason`` is set, DTensor
+    summons raise ``UnsupportedTorchError``."""
     reason = _activate()
     if reason is not None and _refusal is None:
         raise UnsupportedTorchError(f"fsdp_shim is inactive: {reason}")
@@ -200,15 +194,8 @@ def is_patched() -> bool:
 
 
 def sharded_param(param: torch.Tensor) -> nn.Parameter | None:
-    """The original (sharded) parameter behind a full parameter of a live context, else ``None``.
-
-    Inside the context each slot holds a new full ``nn.Parameter``; use this to key a map built before it::
-
-        names = {p: n for n, p in model.named_parameters()}   # before
-        with FSDP.summon_full_params(model, writeback=False):
-            for p in model.parameters():
-                name = names[fsdp_shim.sharded_param(p)]
-    """
+    """The original (sharded) parameter behind a full parameter of a live context, else ``None``: inside, each
+    slot holds a new ``nn.Parameter``, so a map built before the context is keyed through this."""
     if _activate() is not None:
         return None
     from fsdp_shim._param import sharded_param as _sharded_param  # noqa: PLC0415  (after activation)
@@ -226,10 +213,8 @@ def summon_full_params(
     *,
     bucket_mb: float | None = None,
 ) -> ContextManager[Any]:
-    """Gather full parameters for ``module``, with FSDP1's signature and semantics.
-
-    Usable without patching. FSDP1 trees go to FSDP1; DTensor parameters in scope are gathered and
-    swapped in; anything else is a null context.
+    """Gather full parameters for ``module``, with FSDP1's signature and semantics; usable without patching.
+    FSDP1 trees go to FSDP1, DTensor parameters are gathered and swapped in, anything else is a null context.
 
     Args:
         recurse: include nested FSDP units; ``False`` keeps to the module's own unit.
@@ -262,25 +247,19 @@ def iter_full_params(
     device: torch.device | str | None = None,
     bucket_mb: float | None = None,
 ) -> Iterator[tuple[str, torch.Tensor | None]]:
-    """Stream ``(name, full tensor)`` for every parameter of a DTensor model, unit by unit::
+    """Stream ``(name, full tensor)`` for every parameter of a DTensor model, FSDP2 unit by unit, the next unit
+    in flight; each tensor is fresh memory (keep none, and extra memory stays near the two largest units).
 
-        for name, tensor in fsdp_shim.iter_full_params(model, dtype=torch.bfloat16):
-            if tensor is not None:          # rank 0
-                engine.load_weight(name, tensor)
-
-    A collective: every rank iterates to the end, in step, and sees the same names in the same order
-    (FSDP2 unit by unit, a tie once under its first name). Left early (``break``, an exception) after the
-    first gather, the stream waits for what it posted and leaves its groups out of step (later calls raise
-    ``GroupOutOfStepError``). It refuses what ``summon_full_params`` refuses before the first gather, and
-    changes nothing in the model. The next unit is in flight while you use the current one; keep no
-    references and extra memory stays near the two largest units. Each tensor is fresh memory.
+    A collective: every rank iterates to the end, in step, with the same names (a tie once, under its first).
+    Left early (``break``, an exception) after the first gather, the stream waits for what it posted and its
+    groups are out of step (later calls raise ``GroupOutOfStepError``). Refuses what ``summon_full_params``
+    refuses, before the first gather; changes nothing in the model.
 
     Args:
         dtype: floating parameters travel in this dtype, each shard cast *before* the gather (values
             equal ``full.to(dtype)``). ``None``: the stored dtype, exact.
-        keep_dtype: parameters exempt from ``dtype`` (e.g. an MoE router kept fp32): a glob pattern or a
-            sequence of them (``fnmatch`` on the dotted name, e.g. ``"*.router.weight"``), or a predicate
-            ``name -> bool``. A tie is kept if any of its names matches. Patterns matching nothing warn.
+        keep_dtype: parameters exempt from ``dtype``: a glob pattern (``"*.router.weight"``) or a sequence of
+            them, or a predicate ``name -> bool``; a tie is kept if any name matches; matching nothing warns.
         rank0_only: only global rank 0 receives tensors; the others get ``None`` for each name.
         device: where the full tensors land (``"cpu"``, ``"cuda"``); default where the gather runs.
         bucket_mb: cap on one gather bucket, in MiB (default: ``$FSDP_SHIM_BUCKET_MB`` or 6).
@@ -310,16 +289,10 @@ def vllm_weight_source(
     device: torch.device | str | None = None,
     bucket_mb: float | None = None,
 ) -> Any:
-    """``iter_full_params`` as vLLM's own ``WeightSource``, for its native weight-transfer engines::
-
-        source = fsdp_shim.vllm_weight_source(model, torch.bfloat16)   # on every trainer rank
-        engine = WeightTransferTrainerFactory.trainer_init(init_info, client=client, source=source)
-        engine.send_weights()                                            # each round, every rank
-
-    Returns a subclass of vLLM's ``WeightSource`` (vLLM imported by this call). ``metadata``: every parameter
-    once, in ``iter_full()``'s order, wire dtype and full shape, read without a collective once the model is
-    sharded. ``iter_full()``: a fresh pass of ``iter_full_params``, a collective. Names lose
-    ``_checkpoint_wrapped_module.`` and ``_orig_mod.``, then go through ``name_map``.
+    """``iter_full_params`` as a subclass of vLLM's own ``WeightSource`` (vLLM imported by this call), for its
+    weight-transfer engines: ``trainer_init(..., source=source)`` on every trainer rank. ``metadata``: each
+    parameter's name, wire dtype and full shape, in ``iter_full()``'s order, no collective; ``iter_full()``: a
+    fresh pass, a collective. Names lose ``_checkpoint_wrapped_module.`` and ``_orig_mod.``, then ``name_map``.
 
     Args:
         dtype: the wire dtype of floating parameters, cast before the gather (``None``: stored dtype).

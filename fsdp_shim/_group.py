@@ -1,11 +1,10 @@
-"""One FSDP2 parameter group of a summon (``SummonedGroup``): everything a context changes on FSDP2's state
-and its units, made by ``summon`` and undone by ``release``, as one pair; and the conversions made inside
-(``Conversions``), across groups.
+"""One FSDP2 parameter group of a summon (``SummonedGroup``): what a context changes on FSDP2's state and
+units, made by ``summon`` and undone by ``release``; and the conversions made inside (``Conversions``).
 
-A group whose every parameter is summoned, where this rank holds full tensors, is marked ([Note: summoned
-groups] in ``_fsdp2``), its state-dict hooks suspended, and a forward inside runs on the full parameters in
-FSDP2's ``param_dtype``, a backward through it refused (as FSDP1 does). A forward that cannot be right
-(``rank0_only``, a unit only partly summoned) is refused before FSDP2's pre-forward changes anything.
+A fully summoned group, where this rank holds full tensors, is marked ([Note: summoned groups] in ``_fsdp2``),
+its state-dict hooks suspended; a forward inside runs in FSDP2's ``param_dtype`` and a backward through it is
+refused (as FSDP1 does). A forward that cannot be right (``rank0_only``, a unit partly summoned) is refused
+before FSDP2's pre-forward changes anything.
 """
 
 from __future__ import annotations
@@ -31,8 +30,7 @@ Conversion = tuple[nn.Module, tuple[Any, ...], dict[str, Any]]
 
 
 def refuse_forwards(modules: Iterable[nn.Module], message: Callable[[], str]) -> RemovableHandle:
-    """Make a forward through any of ``modules`` (the FSDP2 root among them) raise before their own hooks
-    (FSDP2's) run: one global forward pre-hook, which runs before every module's own, for the context."""
+    """A forward through any of ``modules`` raises before their own (FSDP2's) hooks: one global pre-hook."""
     refused = set(modules)  # identity hashes: no call a module
 
     def refuse(module: nn.Module, args: Any) -> None:  # the message is written when it raises
@@ -43,12 +41,9 @@ def refuse_forwards(modules: Iterable[nn.Module], message: Callable[[], str]) ->
 
 
 class _RefuseBackward(torch.autograd.Function):
-    """Identity in forward; raises in backward, before any hook of the tensor it wraps.
-
-    The tensor itself is returned, marked dirty: its history is rebased onto this node, so
-    in-place ops on it work as outside the context (verl scales logits in place), and hooks
-    registered on it before (FSDP2's pre-backward) sit below the refusal in the graph.
-    """
+    """Identity in forward; raises in backward, before any hook of the tensor it wraps. The tensor itself is
+    returned, marked dirty, so in-place ops on it still work (verl scales logits in place) and hooks registered
+    on it before (FSDP2's pre-backward) sit below the refusal."""
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, message: str) -> torch.Tensor:
@@ -71,15 +66,9 @@ class _RefuseBackwardOfLeaf(_RefuseBackward):
 
 
 class _RaiseOnBackward:
-    """A forward hook that makes any backward through the unit's outputs fail clearly.
-
-    FSDP2's post-backward would reduce-scatter gradients of unsharded
-    parameters that a summoned unit never had, and fail deep inside. The
-    outputs FSDP2 returns are wrapped once more, so the refusal comes before
-    FSDP2's own pre-backward hooks and leaves its state untouched. The
-    message is written when a forward needs it: every summon of a unit
-    installs this hook, and few run a forward inside.
-    """
+    """A forward hook that makes any backward through the unit's outputs fail clearly, before FSDP2's own
+    pre-backward hooks (its post-backward would fail deep inside, its state changed). The message is written
+    only when a forward needs it: every summon installs this hook, few run a forward."""
 
     __slots__ = ("_modules",)
 
@@ -101,17 +90,15 @@ class _RaiseOnBackward:
 
 
 class _ForwardInParamDtype:
-    """Runs a summoned unit's forward in FSDP2's ``param_dtype``, as FSDP2 would: for the forward each slot
-    holds a cast of what it holds now (a replacement made inside included), afterwards exactly that again. The
-    cast is made afresh every forward, as FSDP2's is: an edit through ``.data`` moves no version counter, so no
-    cached cast can be proven valid.
+    """A summoned unit's forward in FSDP2's ``param_dtype``: during it each slot holds a cast of what it holds
+    now (a replacement included), afterwards exactly that again. Cast afresh every forward, as FSDP2 does: an
+    edit through ``.data`` moves no version counter, so no cached cast can be proven valid.
 
     [Note: casts never outlive their forward]
-    Put back by the post-forward hook, by an ``always_call`` hook on an ``Exception``, and for any other
-    ``BaseException`` (which ``nn.Module`` runs no hook for) by ``SummonedGroup``'s guard on the unit's
-    ``_call_impl``, which also settles FSDP2's per-forward state. A fault part way puts back the casts already
-    placed (``held`` grows one at a time), and exit ``unwind``s what a compiled forward left before it reads
-    the slots: exit never takes a cast for the user's replacement.
+    Put back by the post-forward hook, an ``always_call`` hook on an ``Exception``, and for any other
+    ``BaseException`` (no hook runs) by ``SummonedGroup``'s guard on the unit's ``_call_impl``. A fault part way
+    puts back the casts placed so far (``held``), and exit ``unwind``s what a compiled forward left before it
+    reads the slots: exit never takes a cast for the user's replacement.
     """
 
     __slots__ = ("_items", "_depth", "_held")
@@ -145,8 +132,7 @@ class _ForwardInParamDtype:
             held.pop()
 
     def unwind(self, depth: int = 0) -> None:
-        """Back to ``depth`` forwards in progress: at 0, the slots hold what they held before (also where
-        the post-forward hook counted down but could not put every cast back)."""
+        """Back to ``depth`` forwards in progress: at 0, every cast put back."""
         if self._depth > depth:
             self._depth = depth
         if self._depth == 0 and self._held:
@@ -154,18 +140,15 @@ class _ForwardInParamDtype:
 
 
 class Conversions:
-    """The conversions (``.to()``, ``.double()``, ...) made inside one context: redirected while it is
-    open (``redirect``), replayed on the shards at exit (``replay``), across groups in call order.
+    """The conversions (``.to()``, ``.double()``, ...) made inside one context, across groups in call order.
 
     [Note: conversions inside]
     Conversions end in ``_apply``. FSDP2's would reshard mid-context and adopt a full tensor as its shard; a
-    plain module's would convert a ``rank0_only`` non-holder's shard on that rank alone, and the ranks' buckets
-    would differ. So while open, every unit in scope and every module holding a summoned slot runs
-    ``nn.Module._apply`` with this rank's shard-holding slots hidden: full tensors convert where held, the rest
-    alike on every rank, and the outermost call is recorded (before it runs: a fault part way is completed by
-    the replay). At exit each is replayed through the module's own ``_apply`` on the restored slots, before
-    writeback. A conversion of a plain submodule holding FSDP2 parameters is refused on every rank first:
-    FSDP2 follows whole units only.
+    plain module's would convert a ``rank0_only`` non-holder's shard on that rank alone. So while open, every
+    unit in scope and every module holding a summoned slot runs ``nn.Module._apply`` with this rank's
+    shard-holding slots hidden, and the outermost call is recorded before it runs (a fault part way is completed
+    by the replay). At exit each is replayed through the module's own ``_apply`` on the restored slots, before
+    writeback. Converting a plain submodule holding FSDP2 parameters is refused: FSDP2 follows whole units only.
     """
 
     __slots__ = ("made", "_redirected", "_depth", "_covered")
@@ -178,9 +161,8 @@ class Conversions:
         self._covered: set[int] | None = None  # modules under a recorded conversion (``exit_dtype``)
 
     def redirect(self, units: Iterable[nn.Module], owners: Iterable[SlotOwner], holds_fulls: bool) -> None:
-        """Redirect ``_apply`` of ``units`` and of each module holding summoned slots (``owners``).
-        A module whose ``_apply`` is already redirected (an enclosing context's) is left to it."""
-        # Keyed by the modules themselves (identity hashes): every summon runs this, so it makes no call a module.
+        """Redirect ``_apply`` of ``units`` and of each slot owner not redirected already (by an enclosing context).
+        Keyed by identity hash: every summon runs this, so it makes no call a module."""
         plan: dict[nn.Module, tuple[Sequence[tuple[dict[str, Any], str]], nn.Module | None]] = {}
         for module, slots, fsdp2_managed in owners:
             plan[module] = (() if holds_fulls else slots, module if fsdp2_managed else None)
@@ -190,8 +172,7 @@ class Conversions:
 
     def _run(self, module: nn.Module, how: tuple[Sequence[tuple[dict[str, Any], str]], nn.Module | None],
              args: tuple[Any, ...], kwargs: dict[str, Any]) -> nn.Module:
-        """``module._apply(*args, **kwargs)`` inside the context, ``how``: the slots to hide, the module to refuse.
-        See [Note: conversions inside]."""
+        """``module._apply(*args, **kwargs)`` inside the context; ``how``: the slots to hide, the module to refuse."""
         hidden, refused = how
         if self._depth == 0:
             if refused is not None:
@@ -205,7 +186,7 @@ class Conversions:
         held = hide_slots(hidden) if hidden else None
         self._depth += 1
         try:
-            return fsdp2.convert_bypassing_fsdp2(module, args, kwargs)  # see the note
+            return fsdp2.convert_bypassing_fsdp2(module, args, kwargs)
         finally:
             self._depth -= 1
             if held is not None:
@@ -216,8 +197,7 @@ class Conversions:
         fsdp2.restore_methods(self._redirected, "_apply")
 
     def exit_dtype(self, param: SummonedParam) -> torch.dtype | None:
-        """The dtype ``param``'s shard will have once the conversions are replayed: its full tensor's,
-        where a recorded conversion covers one of its slots; else None."""
+        """``param``'s full dtype where a recorded conversion covers one of its slots (its shard's after replay)."""
         full = param.full
         if not self.made or full is None or full.dtype == param.sharded.dtype:
             return None
@@ -227,8 +207,8 @@ class Conversions:
         return full.dtype if any(id(m) in covered for m, _ in param.slots) else None
 
     def replay(self, summoned: Sequence[SummonedParam], name: Callable[[SummonedParam], str]) -> None:
-        """Each recorded conversion again, through the module's own ``_apply``, on the restored slots; a
-        warning for each parameter converted inside otherwise (its shard keeps its dtype)."""
+        """Each recorded conversion again, on the restored slots; a warning for each parameter converted inside
+        otherwise (its shard keeps its dtype)."""
         made, self.made = self.made, []
         for module, args, kwargs in made:
             fsdp2.convert(module, args, kwargs)
@@ -245,13 +225,9 @@ class Conversions:
 
 
 class SummonedGroup:
-    """One FSDP2 parameter group with a parameter in a context's scope.
-
-    ``fully_summoned``: every parameter of the group is summoned, by this
-    call or an enclosing one. ``prepare`` runs before the gather, ``summon``
-    once this call's parameters are in their slots; ``release`` undoes whatever ``summon`` reached, each step
-    even if another raised.
-    """
+    """One FSDP2 parameter group with a parameter in a context's scope. ``fully_summoned``: every parameter is
+    summoned, by this call or an enclosing one. ``prepare`` runs before the gather, ``summon`` once the
+    parameters are in their slots; ``release`` undoes whatever ``summon`` reached."""
 
     __slots__ = ("group", "fully_summoned", "units", "_mark", "_suspended", "_hooks", "_switch", "_guarded",
                  "_roots", "_cut_short")
@@ -269,22 +245,17 @@ class SummonedGroup:
         self._cut_short = False  # a forward through the units raised (their ``_call_impl`` guard)
 
     def prepare(self) -> bool:
-        """FSDP2's group in a known state before anything is gathered, all local, nothing to undo: parameter
-        resets adopted, and resharded if a forward left it unsharded (``_summon._prepare``). Whether FSDP2
-        adopted a parameter (the DTensors to gather changed)."""
+        """Before the gather, all local, nothing to undo: parameter resets adopted, the group resharded if a
+        forward left it unsharded. Whether FSDP2 adopted a parameter (the DTensors to gather changed)."""
         adopted = fsdp2.adopt_module_params(self.group)
         fsdp2.reshard_group(self.group)
         return adopted
 
     def summon(self, params: list[SummonedParam], holds_fulls: bool, forwards: bool,
                roots: Callable[[], list[nn.Module]]) -> None:
-        """Mark, suspend and hook the forwards, for this call's ``params`` of the group.
-
-        ``holds_fulls``: this rank's slots hold full parameters (only then is
-        FSDP2's state marked and are forwards hooked); ``forwards``: a forward
-        inside may run (not under ``rank0_only``, whose refusal is the
-        context's); ``roots``: the FSDP2 roots above, guarded too where a
-        forward is refused."""
+        """Mark, suspend and hook the forwards, for this call's ``params``. ``holds_fulls``: this rank holds full
+        parameters (else nothing is marked or hooked); ``forwards``: a forward may run (not under ``rank0_only``,
+        whose refusal is the context's); ``roots``: the FSDP2 roots above, refused too with the units."""
         if holds_fulls:
             if self.fully_summoned:
                 mark = self._mark = fsdp2.GroupMark.of(self.group)  # kept before anything changes
@@ -311,8 +282,7 @@ class SummonedGroup:
             call_impl = module.__class__._call_impl
 
             def guarded_call(*args: Any, _unit: nn.Module = module, _call_impl: Any = call_impl, **kwargs: Any) -> Any:
-                """The unit's ``_call_impl`` in a ``try/finally``: whatever raised, the forward's casts are
-                put back and FSDP2's per-forward state of the group is as before it."""
+                """The unit's ``_call_impl``; whatever raised, the casts are put back and FSDP2's state settled."""
                 switch = self._switch
                 depth = 0 if switch is None else switch._depth
                 try:
@@ -342,11 +312,9 @@ class SummonedGroup:
                 hooks.append(module.register_forward_hook(switch.post_forward, always_call=True))
 
     def release(self) -> None:
-        """Undo ``summon``: the mark undone, hooks resumed and removed, a forward cut short settled.
-
-        Each step runs even if another raised, and the first error is raised after all of them. Each
-        forgets what it undid only once undone, so a second call (exit's, after an interrupt) finishes
-        what the first did not reach (see [Note: exit always restores] in ``_summon``)."""
+        """Undo ``summon``: unmark, resume and remove hooks, settle a forward cut short. Each step runs even if
+        another raised (the first error raised after) and forgets what it undid only once undone, so a second call
+        finishes what the first did not reach ([Note: exit always restores] in ``_summon``)."""
         settle = self._roots is not None and (self._cut_short or fsdp2.forward_cut_short(self.group))
         first = run_each((None if self._mark is None else self._mark.unmark,
                           functools.partial(fsdp2.resume_hooks, self._suspended) if self._suspended else None,
@@ -362,8 +330,7 @@ class SummonedGroup:
         fsdp2.settle_forward(self.group, [*self.units, *roots()])  # see fsdp2.settle_forward
 
     def remove_hooks(self) -> None:
-        """Any cast a forward left put back, then the forward hooks off; one at a time, so that an
-        interrupted removal leaves the rest to ``release``."""
+        """Any cast a forward left put back, then the hooks off, one at a time (an interrupt leaves the rest)."""
         if self._switch is not None:
             self._switch.unwind()
         fsdp2.restore_methods(self._guarded, "_call_impl")
@@ -377,9 +344,8 @@ def summon_groups(
     groups: list[SummonedGroup], summoned: list[SummonedParam], scope: Scope, conversions: Conversions,
     holds_fulls: bool, rank0_only: bool,
 ) -> RemovableHandle | None:
-    """Every FSDP2 group of a call summoned (marks, hooks, ``_apply``), each with its own parameters;
-    conversions redirected on its units and every slot owner; under ``rank0_only``, every forward refused
-    (ranks would disagree on which units need an all-gather): that refusal's handle, for the call to remove."""
+    """Every FSDP2 group of a call summoned, conversions redirected; under ``rank0_only`` every forward refused
+    (ranks would disagree on which units need an all-gather): returns that refusal's handle."""
     by_group: dict[fsdp2.FSDPParamGroup, list[SummonedParam]] = {}
     if len(scope.groups) == 1 and scope.fsdp2_only:  # one unit: every parameter is its group's
         by_group = dict.fromkeys(scope.groups, summoned)

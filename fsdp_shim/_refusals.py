@@ -1,6 +1,5 @@
-"""Every refusal the summon and the stream make, in the words they share: each raises before any change or
-collective, alike on every rank. FSDP1's misuse gets FSDP1's exception types; what only FSDP2 and DTensor
-can get wrong gets an error that names the parameter and says what to do. Group health is ``_health``'s.
+"""The summon's and the stream's refusals: each before any change or collective, alike on every rank. FSDP1's
+misuse gets FSDP1's exception types; the rest name the parameter and say what to do. Group health: ``_health``.
 """
 
 from __future__ import annotations
@@ -46,8 +45,7 @@ def validate_args(writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_
         warnings.warn(OFFLOAD_WARNING, stacklevel=4)  # validate_args <- summon <- the patch's wrapper <- caller
 
 
-#: FSDP1's ``offload_to_cpu`` warning, word for word ("the" and "unsharded" joined as there): code that
-#: filters FSDP1's warning filters ours.
+#: FSDP1's warning word for word ("the" and "unsharded" joined as there), so filters of FSDP1's catch ours.
 OFFLOAD_WARNING = (
     "offload_to_cpu=True and rank0_only=False may result in the"
     "unsharded parameters being redundantly copied to CPU memory for "
@@ -63,10 +61,8 @@ FORWARD_BACKWARD_ERROR = "Cannot manually unshard parameters during forward/back
 def refuse_before_anything(
     module: nn.Module, scope: Scope, writeback: bool, thread: int, cached: CachedSummon | None = None,
 ) -> tuple[list[dist.ProcessGroup], list[DTensor]]:
-    """Every misuse this call can detect, before any collective or change, alike on every rank. Returns the
-    process groups the call gathers over, checked alive (the engine does not check again), and each
-    parameter's DTensor as resolved now. With ``cached``, the spec checks are skipped for the very specs it
-    passed before."""
+    """Every misuse this call can detect. Returns the process groups it gathers over, checked alive (the engine
+    does not check again), and each parameter's DTensor; ``cached`` skips the specs it passed before."""
     refuse_busy(lambda: f"summon_full_params({module_label(module)})", scope.states, list(scope.groups))
     if registry.has_live_slots():
         for entry in scope.params:
@@ -99,7 +95,7 @@ def refuse_before_anything(
 
 
 def on_meta_device(call: str, fqn: str) -> RuntimeError:
-    """A parameter still on the meta device: nothing to gather (the summon and the stream alike)."""
+    """A parameter still on the meta device: nothing to gather."""
     return RuntimeError(
         f"{call} refused: {fqn!r} is still on the meta device. Materialise the model first "
         "(model.to_empty(device=...), then initialise its parameters); nothing was changed."
@@ -117,10 +113,8 @@ def refuse_busy(call: Callable[[], str], states: list[FSDPState], groups: list[F
 def refuse_placements(
     named: Iterable[tuple[Callable[[], str], DTensor]], writeback: bool, gather_meshes: Meshes = None,
 ) -> list[dist.ProcessGroup]:
-    """Every placement this torch cannot gather (or, under ``writeback``, write back), and every dead or
-    out-of-step group, refused before anything moves; returns the process groups the DTensors gather over.
-    ``named``: each DTensor with a function naming it; ``gather_meshes``: the mesh each is gathered over,
-    where it is not its own (FSDP2's)."""
+    """Refuse placements this torch cannot gather (or write back) and dead or out-of-step groups; returns the
+    groups the DTensors gather over. ``named``: ``(namer, DTensor)``; ``gather_meshes``: FSDP2's, where not its own."""
     meshes: dict[int, tuple[Callable[[], str], DeviceMesh]] = {}  # one name a mesh
     for index, (name, dtensor) in enumerate(named):
         placements = dtensor.placements
@@ -143,14 +137,10 @@ def refuse_placements(
 
 
 def gather_extension(fqn: str, subclass: type) -> NotImplementedError:
-    """The refusal of a tensor subclass FSDP2 gathers through its all-gather extension
-    (``fsdp_pre_all_gather``), which says how training moves it, not what its values are.
-
-    A cast wrapper (torchao's float8 weights: one plain inner master of the shard's dtype, shape and device,
-    beside scalar scales: ``_compat.cast_wrapper_master``) is not refused: it is gathered as that master,
-    exactly, and written back in place through the subclass. Anything else (torchao's ``NF4Tensor``) is
-    refused, since a plain all-gather of it fails inside the subclass naming no parameter. Both tests read
-    types and metadata only: alike on every rank."""
+    """The refusal of a tensor subclass with FSDP2's all-gather extension (``fsdp_pre_all_gather``: how training
+    moves it, not its values), other than a cast wrapper (``_compat.cast_wrapper_master``), which is gathered as
+    its master and written back in place. A plain all-gather of the rest (torchao's ``NF4Tensor``) fails inside
+    the subclass, naming no parameter."""
     return NotImplementedError(
         f"cannot summon {fqn!r}: it is a {subclass.__module__}.{subclass.__qualname__}, a tensor subclass that "
         "FSDP2 gathers through its all-gather extension (fsdp_pre_all_gather / fsdp_post_all_gather); "
@@ -171,8 +161,7 @@ def refuse_writeback_inside_no_writeback(module: nn.Module, enclosing: Iterable[
 
 
 def refuse_grad_layouts(call: str, name: str, plain: type | None = None) -> RuntimeError:
-    """The ``with_grads`` refusal of a gradient laid out otherwise than its parameter: ``plain``, the type
-    of a plain tensor beside a DTensor parameter; else laid out differently across ranks."""
+    """``with_grads``' refusal of a gradient laid out otherwise than its parameter (``plain``: its plain type)."""
     if plain is not None:
         return RuntimeError(f"{call} refused: {name!r} is a plain {plain.__name__}, not a DTensor like its "
                             "parameter. Nothing was gathered.")

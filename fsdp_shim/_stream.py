@@ -1,7 +1,4 @@
-"""The streaming weight sync behind ``iter_full_params``: full parameters unit by unit, the next unit in flight.
-
-Owns the stream's plan (``batch_params``, which ``_vllm`` reuses) and its batches in flight.
-"""
+"""``iter_full_params``: the stream's plan (``batch_params``, which ``_vllm`` reuses) and its batches in flight."""
 
 from __future__ import annotations
 
@@ -32,8 +29,7 @@ from fsdp_shim._scope import fsdp_slot_owners, module_label, slot_key, tracked_s
 
 logger = logging.getLogger("fsdp_shim")
 
-#: The stream's default bucket cap, in MiB: with a whole batch in flight, fewer and larger collectives than
-#: the summon's 4 MiB won (``docs/gather-engine.md``).
+#: The stream's default bucket cap, in MiB: larger than the summon's 4, measured in ``docs/gather-engine.md``.
 STREAM_BUCKET_MB = 6.0
 
 FullParams = Iterator[tuple[str, torch.Tensor | None]]
@@ -112,9 +108,8 @@ def _distinct_params(model: nn.Module) -> list[_Distinct]:
 def batch_params(
     model: nn.Module, bucket_bytes: int, cast_to: torch.dtype | None, uncast: Callable[[str], bool] | None = None,
 ) -> list[_Batch]:
-    """Every distinct parameter of ``model``, named and batched: one batch per FSDP2 unit, runs of unmanaged
-    parameters cut at the bucket cap, then small neighbours merged. Reads structure only, so every rank plans
-    alike. ``uncast`` picks, by name, parameters that keep their stored dtype (``keep_dtype``)."""
+    """Every distinct parameter, batched: one batch per FSDP2 unit, unmanaged ones cut at the bucket cap, small
+    neighbours merged. Reads structure only: every rank plans alike. ``uncast``: names that keep their dtype."""
     batches: dict[int, _Batch] = {}
     ordered: list[_Batch] = []
     rest: _Batch | None = None
@@ -145,7 +140,7 @@ def batch_params(
 
 
 def _merge_small(batches: list[_Batch], bucket_bytes: int) -> list[_Batch]:
-    """Consecutive batches that fit one bucket together travel together: one collective, not several."""
+    """Consecutive batches that fit one bucket together, merged: one collective, not several."""
     merged: list[_Batch] = []
     for batch in batches:
         last = merged[-1] if merged else None
@@ -162,9 +157,8 @@ def _merge_small(batches: list[_Batch], bucket_bytes: int) -> list[_Batch]:
 
 
 class _InFlightBatch:
-    """One batch, staged and (unless ``launch=False``) launched: one gather per dtype (a bucket holds one
-    anyway), in order of first appearance, so every rank starts them alike; if one fails to start, those
-    started are waited for first."""
+    """One batch, staged and (unless ``launch=False``) launched: one gather per dtype, in order of first
+    appearance (alike on every rank); if one fails to start, those started are waited for first."""
 
     def __init__(self, batch: _Batch, bucket_bytes: int, receiver: Receiver, posted: health.Call, launch: bool = True):
         self.batch = batch
@@ -191,7 +185,7 @@ class _InFlightBatch:
             pending.launch()
 
     def wait(self) -> list[Callable[[], object]]:
-        """Wait for the batch's collectives (nothing copied out); returns what blocks the host until they complete."""
+        """Wait for the batch's collectives; returns what blocks the host until they complete."""
         fences: list[Callable[[], object]] = []
         try:
             for _, pending in self._pending:
@@ -268,15 +262,11 @@ def stream_full_params(
     bucket_mb: float | None,
     keep_dtype: KeepDtype = None,
 ) -> FullParams:
-    """The generator behind ``fsdp_shim.iter_full_params`` (arguments already checked).
-
-    Batch ``k + 1`` is staged before batch ``k`` is waited for, and launched once ``k`` is in and the host
-    has seen ``k - 1`` complete (on NCCL ``wait()`` does not block the host: a rank receiving nothing
-    would otherwise post every gather at once). So it holds two adjacent batches, and ``k + 1`` transfers
-    while the caller uses ``k``. It reads the sharded parameters FSDP2 holds, even of a unit a forward left
-    unsharded. Left between its first collective and its last batch, this rank marks its groups out of
-    step: the other ranks may have posted batches it never will.
-    """
+    """The generator behind ``fsdp_shim.iter_full_params`` (arguments checked). Batch ``k + 1`` is staged before
+    ``k`` is waited for, and launched once ``k`` is in and the host has seen ``k - 1`` complete (on NCCL
+    ``wait()`` does not block the host: a rank receiving nothing would post every gather at once). So ``k + 1``
+    transfers while the caller uses ``k``. Reads FSDP2's sharded parameters, even of a unit left unsharded.
+    Left part way, it marks its groups out of step (``health.Call``)."""
     bucket_bytes = bucket_cap(bucket_mb, STREAM_BUCKET_MB).bucket_bytes
     device = resolve_device(device)
     call = f"iter_full_params({module_label(model)})"
@@ -294,8 +284,7 @@ def stream_full_params(
     started = time.perf_counter()
     in_flight: list[_InFlightBatch] = []
     sent_bytes = 0
-    # ``posted`` also owns the stream's claim on its groups, made and given back in one ``try``.
-    posted, all_in = health.Call(), False
+    posted, all_in = health.Call(), False  # ``posted`` also owns the stream's claim on its groups
     completed_before: list[Callable[[], object]] = []  # batch k - 1's completion, in step k
     grad_enabled = torch.is_grad_enabled()  # the caller's, as each step starts: put back on every error path
     try:

@@ -1,7 +1,5 @@
-"""Supported dependency ranges, the version policy (``served``), and how the package warns: once a group.
-
-Imports only the standard library at import time: the CLI, the import-time guard and the matrix read these
-facts without torch, and "torch cannot be imported" can still be said.
+"""Supported dependency ranges, the version policy (``served``), and warnings once a group. Standard library
+only at import: the CLI, the guard and the matrix read it without torch, and "torch cannot be imported" is said.
 """
 
 from __future__ import annotations
@@ -81,8 +79,7 @@ def is_verified_torch(version: str) -> bool:
 
 
 def verdict(load_probe: Callable[[], Callable[[], list[str]]]) -> tuple[str | None, str | None]:
-    """``(inactive, refusing)``: why the shim cannot patch here, or why it patches refusing; None each where
-    it serves. ``load_probe`` imports the FSDP2 internals and returns the probe ``served`` may ask."""
+    """``(inactive, refusing)`` reasons, None where it serves; ``load_probe`` imports and returns the probe."""
     try:
         import torch  # noqa: PLC0415  (the probe: torch may be missing)
     except ImportError as exc:
@@ -100,15 +97,14 @@ def verdict(load_probe: Callable[[], Callable[[], list[str]]]) -> tuple[str | No
 
 
 def served(torch_version: str, missing_internals: Callable[[], list[str]]) -> str | None:
-    """Whether this torch is served: None to serve it, else why DTensor summons are refused.
+    """None to serve this torch, else why DTensor summons are refused.
 
     [Note: version policy]
     A DTensor summon gathers correctly or raises, never FSDP1's silent no-op; so ``import fsdp_shim`` always
-    patches (unless ``FSDP_SHIM_DISABLE``): *active* on ``SUPPORTED_TORCH``, or with a warning on a newer
-    torch where every FSDP2 internal it reads is present (the probe, asked only then); else *refusing*
-    (DTensor summons raise). ``FSDP_SHIM_ALLOW_UNSUPPORTED_TORCH`` serves anyway, with a warning: a wrong
-    gather is worse than an error, so it is the user's choice. Only a missing torch or an old wrapt leave it
-    *inactive*. ``setup.cfg`` has lower bounds only: an upper one would make pip replace the user's torch.
+    patches (unless ``FSDP_SHIM_DISABLE``): *active* on ``SUPPORTED_TORCH``, or, with a warning, on a newer
+    torch with every FSDP2 internal it reads (the probe); else *refusing*. ``FSDP_SHIM_ALLOW_UNSUPPORTED_TORCH``
+    serves anyway, warning (a wrong gather is worse than an error). A missing torch or an old wrapt: *inactive*.
+    ``setup.cfg`` has lower bounds only: an upper one would make pip replace the user's torch.
     """
     if is_supported_torch(torch_version):
         return None
@@ -136,8 +132,7 @@ logger = logging.getLogger("fsdp_shim")
 
 
 def is_leader(mesh: DeviceMesh | None = None) -> bool:
-    """Whether this process speaks for its group: the lowest rank of ``mesh``, else global rank 0, else
-    (no process group yet) the process whose ``RANK`` is 0 or unset."""
+    """This process speaks for its group: lowest rank of ``mesh``, else global rank 0, else ``RANK`` 0 or unset."""
     try:
         import torch.distributed as dist  # noqa: PLC0415  (this module is torch-free at import)
     except ImportError:

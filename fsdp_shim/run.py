@@ -1,17 +1,7 @@
-"""``fsdp-shim run`` / ``python -m fsdp_shim.run``: patch, then run a program as ``python`` would.
-
-    torchrun --nproc-per-node 8 -m fsdp_shim.run train.py --lr 3e-4
-    fsdp-shim run -m my_pkg.train --lr 3e-4
-    fsdp-shim run -c "import train; train.main()"
-
-``sys.argv``, ``sys.path[0]``, ``__main__``, an absolute ``__file__``, the
-exit status, the messages for a missing file or an unknown option (exit 2)
-and tracebacks (the program's frames only) are those of plain ``python``;
-the only difference is that ``FullyShardedDataParallel.summon_full_params``
-is patched first. ``FSDP_SHIM_DISABLE=1`` runs the program unpatched; on a
-torch outside the supported range the patch refuses DTensor summons (refusing
-mode, with the import's warning), and where the shim cannot be active (no
-torch, a wrapt too old) the program runs unpatched, with its warning.
+"""``fsdp-shim run`` / ``python -m fsdp_shim.run`` (``torchrun ... -m fsdp_shim.run train.py``): patch, then run a
+program as ``python`` would: ``sys.argv``, ``sys.path[0]``, ``__main__``, an absolute ``__file__``, the exit
+status, the messages for a missing file or an unknown option (exit 2) and tracebacks (the program's frames
+only) are plain ``python``'s. Patched as ``import fsdp_shim`` patches (disabled, refusing or inactive alike).
 """
 
 from __future__ import annotations
@@ -45,12 +35,8 @@ class UsageError(Exception):
 
 
 def split_command(argv: Sequence[str]) -> tuple[str, str | None, list[str]]:
-    """``["-m", "pkg.train", "--lr", "1"]`` -> ``("module", "pkg.train", ["--lr", "1"])``.
-
-    Kinds: ``"module"``, ``"command"``, ``"script"`` or ``"help"``. Parsed by
-    hand, not argparse: everything after the script, module or command
-    belongs to the program, ``--help`` included.
-    """
+    """``["-m", "pkg.train", "--lr", "1"]`` -> ``("module", "pkg.train", ["--lr", "1"])`` (or ``"command"``,
+    ``"script"``, ``"help"``). Not argparse: all after the target is the program's, ``--help`` too."""
     argv = list(argv)
     if not argv:
         raise UsageError("missing SCRIPT, -m MODULE or -c COMMAND")
@@ -110,8 +96,7 @@ def _run_program(kind: str, target: str, program: list[str]) -> None:
 
 
 def run_patched(kind: str, target: str, program: Sequence[str]) -> int:
-    """Patch (unless disabled or inactive; refusing on a torch it cannot serve), then run the program; returns
-    its exit status."""
+    """Patch as the import does, then run the program; returns its exit status."""
     if kind == "script" and not os.path.exists(target):
         exe = os.path.basename(sys.executable)
         print(f"{exe}: can't open file {os.path.abspath(target)!r}: [Errno 2] No such file or directory",
