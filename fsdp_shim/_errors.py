@@ -1,7 +1,4 @@
-"""The errors a caller may catch by type; importing nothing (``import fsdp_shim`` imports no torch).
-
-Each is a ``RuntimeError``, so ``except RuntimeError`` keeps working; misuse FSDP1 refuses keeps FSDP1's types.
-"""
+"""The errors a caller may catch by type, each a ``RuntimeError``; importing nothing (no torch at import)."""
 
 from __future__ import annotations
 
@@ -9,8 +6,8 @@ __all__ = ["DestroyedGroupError", "GroupOutOfStepError", "UnsupportedTorchError"
 
 
 class GroupOutOfStepError(RuntimeError):
-    """A gather was left part way on this rank, so its process group is out of step (a collective could hang or
-    pair wrongly); raised before any collective. Recover by recreating the group and its model, or restart."""
+    """A gather was left part way on this rank, so its group is out of step; raised before any collective.
+    Recover by recreating the group and its model, or restart."""
 
 
 class DestroyedGroupError(RuntimeError):
@@ -22,5 +19,4 @@ class UnsupportedTorchError(RuntimeError):
 
 
 class WritebackRefusedError(RuntimeError):
-    """A ``writeback=True`` exit refused before writing anything (shard and full tensor both edited, a changed
-    shape); every shard is as it was."""
+    """A ``writeback=True`` exit refused before writing anything; every shard is as it was."""

@@ -1,6 +1,4 @@
-"""What is live on this rank: the contexts open in every thread, their slots and full tensors, and the
-lookups nesting, routing and the stream make of them.
-"""
+"""The contexts live on this rank, in every thread, and the lookups nesting, routing and the stream make."""
 
 from __future__ import annotations
 
@@ -16,8 +14,7 @@ SlotKey = tuple[int, str]
 
 
 class Summoned(Protocol):
-    """What the registry reads of one summoned tensor's record (``_param.SummonedParam``), kept on every
-    rank, holder of full tensors or not ([Note: every rank decides alike] in ``_summon``)."""
+    """What the registry reads of one record (``_param.SummonedParam``), kept on every rank."""
 
     @property
     def full(self) -> torch.Tensor | None: ...
@@ -33,8 +30,8 @@ class Summoned(Protocol):
 
 
 class LiveContext(Protocol):
-    """What the registry reads of one live context (``_summon.DTensorSummon``). Lookups derive what they
-    need from ``summoned`` when they first ask, so that registering costs one dict entry a call."""
+    """What the registry reads of one live context (``_summon.DTensorSummon``). Lookups derive their maps on
+    first ask: registering costs one dict entry."""
 
     @property
     def thread(self) -> int: ...
@@ -48,7 +45,7 @@ class LiveContext(Protocol):
 
 @dataclass(eq=False, slots=True)
 class _Registered:
-    """A registered context, and what lookups derived from its records (worked out on first ask)."""
+    """A registered context, and the maps lookups derived from its records."""
 
     context: LiveContext
     slot_keys: set[SlotKey] | None = None
@@ -101,8 +98,8 @@ def owner_of(key: SlotKey) -> LiveContext | None:
 
 
 def summoned_at(key: SlotKey, value: object = None) -> Summoned | None:
-    """The record of the tensor a live context summoned into slot ``key``, or whose full or sharded tensor
-    the slot holds (``value``): alike on every rank, whatever this rank's slot holds."""
+    """The record summoned into slot ``key``, or whose full or sharded tensor it holds (``value``): alike on
+    every rank."""
     if not _live:
         return None
     for registered in list(_live.values()):
@@ -115,12 +112,9 @@ def summoned_at(key: SlotKey, value: object = None) -> Summoned | None:
 
 
 def holding(tensor: object) -> tuple[LiveContext, Summoned] | None:
-    """The live context, and its record, whose full tensor or sharded DTensor is ``tensor`` itself.
-
-    A tie made inside a context (``side.weight = blocks[0].fc2.weight``) puts in a slot no context swapped
-    the full parameter where this rank holds full tensors, the shard where it does not. Either stands for the
-    same record, kept alike on every rank, so routing, scope and the stream read such a slot through the
-    record, never its type."""
+    """The live context and record whose full tensor or sharded DTensor is ``tensor`` itself. A tie made inside
+    (``side.weight = blocks[0].fc2.weight``) puts the full parameter in an unswapped slot on a holder, the shard
+    elsewhere: both stand for one record, so routing, scope and the stream read the record, never the type."""
     if not _live or tensor is None:
         return None
     for registered in list(_live.values()):

@@ -1,7 +1,5 @@
-"""The stream as vLLM's ``WeightSource``: ``fsdp_shim.vllm_weight_source``.
-
-Owns the adapter class (made at the first call: vLLM is optional) and the names vLLM is told.
-"""
+"""``fsdp_shim.vllm_weight_source``: the adapter class (made at the first call: vLLM is optional) and the
+names vLLM is told."""
 
 from __future__ import annotations
 
@@ -78,11 +76,8 @@ def wire_params(
     name_map: Callable[[str], str] | None = None,
     bucket_mb: float | None = None,
 ) -> list[WireParam]:
-    """What ``iter_full()`` will yield, in its order, without a collective: the source's ``metadata``.
-
-    The stream's own plan, so order and dtypes cannot drift from iteration's. Refuses two parameters renamed
-    alike from names only, so every rank refuses alike, before any collective.
-    """
+    """The source's ``metadata``, no collective: the stream's own plan, so it cannot drift from ``iter_full()``.
+    Two parameters renamed alike are refused from names only: alike on every rank."""
     bucket_bytes = bucket_cap(bucket_mb, STREAM_BUCKET_MB).bucket_bytes
     rename = _renamer(name_map)
     wire: list[WireParam] = []
@@ -115,12 +110,9 @@ def _vllm_base() -> tuple[type, type]:
 
 @functools.cache
 def source_class() -> type:
-    """The adapter class: a subclass of vLLM's own ``WeightSource``, made once vLLM is imported.
-
-    ``metadata`` is a ``cached_property`` (vLLM's ``__init_subclass__`` requires it) read on any rank any
-    number of times, so it runs no collective. It and ``iter_full()`` both come from ``wire_params``, so
-    they agree, as vLLM's sender check (``_checked_iter``) requires. Every rank must drive every gather.
-    """
+    """A subclass of vLLM's ``WeightSource``. ``metadata``: a ``cached_property`` (vLLM requires it), read on any
+    rank any number of times, so no collective. It and ``iter_full()`` both come from ``wire_params``: they agree,
+    as vLLM's sender check (``_checked_iter``) requires."""
     weight_source, param_meta = _vllm_base()
 
     class FsdpShimWeightSource(weight_source):  # type: ignore[valid-type,misc]  # vLLM's class, found at run time
@@ -144,8 +136,7 @@ def source_class() -> type:
                     for p in wire_params(self.model, self.dtype, self.keep_dtype, self.name_map, self.bucket_mb)]
 
         def iter_full(self) -> Iterator[tuple[str, torch.Tensor | None]]:
-            """A fresh pass of the stream, a collective; renamed through ``wire_params`` made afresh, so it
-            refuses what ``metadata`` would, even where that is never read."""
+            """A fresh pass, a collective; ``wire_params`` made afresh refuses what ``metadata`` would."""
             renamed = {p.streamed_as: p.name for p in
                        wire_params(self.model, self.dtype, self.keep_dtype, self.name_map, self.bucket_mb)}
             stream = cast(  # a generator: closed at once if the caller stops early

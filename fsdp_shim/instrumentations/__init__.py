@@ -1,7 +1,5 @@
-"""The instrumentations ``patch()`` installs, in OpenTelemetry's manner: one module a client library
-(``composer``, ``compose_rl``), plus ``forward_io``'s mends of how FSDP2 walks forward inputs and outputs.
-Only ``_patching`` imports this package.
-"""
+"""The instrumentations ``patch()`` installs (OpenTelemetry's manner: one module a client library, plus
+``forward_io``'s mends of FSDP2's forward walks). Only ``_patching`` imports this package."""
 
 from __future__ import annotations
 

@@ -16,10 +16,9 @@ logger = logging.getLogger("fsdp_shim")
 
 
 class Instrumentation:
-    """One module's adaptation, applied when the module is imported (at once if it is) if it looks as
-    read (``expects``), else logged and skipped; undone by handle; off with ``FSDP_SHIM_DISABLE_<NAME>``.
-    Subclasses fill in the class attributes and mirror-image ``_apply``/``_undo``, changing only what
-    blocks FSDP2 (or makes it wrong).
+    """One module's adaptation, applied when it is imported if it looks as read (``expects``), else logged and
+    skipped; off with ``FSDP_SHIM_DISABLE_<NAME>``. Subclasses write mirror-image ``_apply``/``_undo``, changing
+    only what blocks FSDP2 (or makes it wrong).
 
     [Note: binders]
     ``binders`` copy some of the module's ``bound_names`` by ``from ... import name``. While applied, a
@@ -60,8 +59,7 @@ class Instrumentation:
             self._watch(binder, self._on_binder_import)
 
     def _watch(self, name: str, callback: Any) -> None:
-        """Call ``callback(module)`` now if ``name`` is imported, else when it is. wrapt fires a hook once, so
-        one is registered whenever none is pending: a module imported again is seen again."""
+        """``callback(module)`` once ``name`` is imported; a hook a time, re-registered: wrapt fires one once."""
         with self._lock:
             if name in self._pending:
                 return

@@ -14,16 +14,14 @@ from fsdp_shim.instrumentations.base import Instrumentation
 
 
 class FSDPUnitGate(wrapt.ObjectProxy):
-    """``FullyShardedDataParallel`` as one module sees it: FSDP2 units pass its ``isinstance``; all else is the
-    real class, and ``isinstance`` elsewhere is unchanged."""
+    """``FullyShardedDataParallel`` as one module sees it: FSDP2 units pass its ``isinstance`` too."""
 
     def __instancecheck__(self, instance: Any) -> bool:
         return isinstance(instance, (self.__wrapped__, FSDPModule))
 
 
 class NamesOfSummonedParams(dict):
-    """A parameter -> name map built outside a context that also answers for its full parameters (FSDP1 kept
-    the objects, and clients rely on it): a miss falls back to the sharded parameter's name."""
+    """A parameter -> name map built outside a context that answers for full parameters too, as under FSDP1."""
 
     def __missing__(self, key: Any) -> Any:
         for original in original_params(key):
@@ -33,8 +31,8 @@ class NamesOfSummonedParams(dict):
 
 
 class ComposeRLWeightSync(Instrumentation):
-    """compose-rl's vLLM weight sync: its ``FSDP`` global, which selects units by ``isinstance``, becomes an
-    ``FSDPUnitGate``; ``build_param_fullnames``, looked up inside the summons, a ``NamesOfSummonedParams``."""
+    """compose-rl's vLLM weight sync: its ``FSDP`` global (an ``isinstance`` check) becomes an ``FSDPUnitGate``,
+    ``build_param_fullnames``' map a ``NamesOfSummonedParams``."""
 
     name = "compose_rl"
     module = "compose_rl.algorithms.online.generation_utils.vllm_utils"
@@ -109,11 +107,8 @@ def _fsdp2_aware_flip_in_ffn(wrapped: Any, instance: Any, args: tuple[Any, ...],
 
 
 class ComposeRLPadTokenFlip(Instrumentation):
-    """compose-rl's MPT generation helpers reach an FSDP2 block itself, not FSDP1's wrapper.
-
-    Both reach MPT's ``use_pad_tok_in_ffn`` through ``block._fsdp_wrapped_module``, which an FSDP2 unit lacks;
-    FSDP2 units get none, since FSDP1 code (torch's state-dict helpers) reads it as "an FSDP1 wrapper".
-    """
+    """compose-rl's MPT generation helpers reach ``use_pad_tok_in_ffn`` through ``block._fsdp_wrapped_module``,
+    which FSDP2 units lack and must not get (torch's FSDP1 code reads it as "an FSDP1 wrapper")."""
 
     name = "compose_rl_mpt"
     module = "compose_rl.utils.utils"

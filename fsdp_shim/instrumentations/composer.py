@@ -37,12 +37,9 @@ def _recognises_fsdp2(gate: Any) -> bool:
 
 
 class ComposerFSDPGate(Instrumentation):
-    """Composer's ``is_model_fsdp`` gate: True for FSDP2 models too, as Composer main (#3907) answers.
-
-    Released Composer answers True only for FSDP1, so every summon behind the gate (Composer's and
-    compose-rl's ``generate``, among others) is skipped on FSDP2. The function is wrapped, since it imports
-    the class inside and has no global to swap; a gate that already recognises FSDP2 is left alone.
-    """
+    """Composer's ``is_model_fsdp`` gate, True for FSDP2 too (as main's #3907): released Composer skips every
+    summon behind it on FSDP2. Wrapped (it imports the class inside: no global to swap); one that already
+    recognises FSDP2 is left alone."""
 
     name = "composer"
     module = "composer.utils.misc"

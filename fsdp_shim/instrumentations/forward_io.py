@@ -1,6 +1,4 @@
-"""How FSDP2 walks a unit's forward inputs and outputs: two mends for RL code that ran on FSDP1, which walks
-them without torch's pytree.
-"""
+"""Two mends of how FSDP2 walks a unit's forward inputs and outputs, for RL code that ran on FSDP1."""
 
 from __future__ import annotations
 
@@ -27,8 +25,8 @@ def _is_namedtuple(x: Any) -> bool:
 
 
 def cast_keeping_identity(cast: Any, x: Any) -> Any:
-    """``cast`` applied to every tensor in ``x``, walked as torch's ``_apply_to_tensors``. An object none of
-    whose tensors the cast replaced is returned itself; a type the walk does not know is a leaf."""
+    """``cast`` on every tensor in ``x``, walked as torch's ``_apply_to_tensors``; an object none of whose
+    tensors changed is returned itself, an unknown type is a leaf."""
     if isinstance(x, torch.Tensor):
         return cast(x)
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
@@ -60,11 +58,8 @@ def cast_keeping_identity(cast: Any, x: Any) -> Any:
 
 
 class FSDP2ForwardCast(Instrumentation):
-    """FSDP2's forward-input and output cast, keeping what it does not change.
-
-    FSDP2 casts unit inputs (and outputs) whenever ``param_dtype`` is set; torch 2.7's walk copies
-    transformers' ``DynamicCache``, so ``generate`` silently samples from wrong logits. The mend walks with
-    ``cast_keeping_identity``: a cast that changes no dtype leaves the inputs exactly as passed.
+    """FSDP2's forward-input and output cast, keeping what it does not change: torch 2.7's walk copies
+    transformers' ``DynamicCache``, so ``generate`` silently samples from wrong logits.
 
     [Note: where the cast is reached]
     On torch 2.7 to 2.15, ``_fsdp_state`` casts through one module global (``tree_map`` on 2.7,
@@ -119,12 +114,9 @@ def shadowed_dict_methods(cls: type) -> set[str]:
 
 
 class ModelOutputFlatten(Instrumentation):
-    """pytree's flatten of ``ModelOutput`` subclasses whose fields shadow a ``dict`` method.
-
-    transformers flattens with ``output.values()``, which a ``values`` field (compose-rl's) breaks, and FSDP2's
-    root post-forward flattens outputs (torch 2.7 to 2.12). The fault is transformers', so every shadowing
-    subclass, present or later (``__init_subclass__``), reads through ``dict`` itself; others keep theirs.
-    """
+    """pytree's flatten of ``ModelOutput`` subclasses whose fields shadow a ``dict`` method: transformers'
+    ``output.values()`` breaks on a ``values`` field (compose-rl's), and FSDP2's root post-forward flattens
+    outputs (torch 2.7 to 2.12). Every such subclass, present or later, reads through ``dict`` itself."""
 
     name = "model_output"
     module = "transformers.utils.generic"
