@@ -1,12 +1,13 @@
-"""Every touch of FSDP2's (and c10d's) private state, in one place, and the probe of it.
+"""Every touch of FSDP2's (and c10d's) private state, and every write on FSDP2's classes, in one place, and the
+probe of it.
 
 FSDP2 exposes ``unshard()`` and ``reshard()``, not the per-parameter bookkeeping ``summon_full_params``
-needs. This module reads and changes that bookkeeping, FSDP2's forward-cast globals, its units' ``_apply`` and
-``_call_impl`` (overridden for a context), and c10d's world of live groups; nothing else does
-(``tests/test_house.py``). ``READS`` names each; past the verified torch range ``missing_internals`` checks
-them at activation ([Note: version policy] in ``_versions``). Release differences are handled where they
-matter: ``param_groups`` (2.12), ``lazy_init_root`` (2.7), ``mark_summoned`` (2.14),
-``param_dtype_for_forward`` (2.15), all read against 2.7.0 through 2.15.0; 2.15's
+needs. This module reads and changes that bookkeeping, FSDP2's forward-cast globals, its classes (methods
+wrapped, the instance form added), its units' ``_apply`` and ``_call_impl`` (overridden for a context), and
+c10d's world of live groups; nothing else does (``tests/test_house.py``). ``READS`` names each; past the
+verified torch range ``missing_internals`` checks them at activation ([Note: version policy] in ``_versions``).
+Release differences are handled where they matter: ``param_groups`` (2.12), ``lazy_init_root`` (2.7),
+``mark_summoned`` (2.14), ``param_dtype_for_forward`` (2.15), all read against 2.7.0 through 2.15.0; 2.15's
 ``set_keep_unsharded_storage`` needs nothing (the shim always gathers from the shards).
 ``docs/fsdp2-seam.md`` drafts the public seam that would replace them.
 """
@@ -41,6 +42,7 @@ __all__ = [
     "GroupMark",
     "READS",
     "Suspended",
+    "add_instance_form",
     "adopt_module_params",
     "all_fsdp_states",
     "busy_training_state",
@@ -63,10 +65,11 @@ __all__ = [
     "missing_internals",
     "order_after_writeback",
     "override_methods",
-    "redirect_apply",
     "param_dtype_for_forward",
     "param_groups",
     "param_slots",
+    "redirect_apply",
+    "remove_instance_form",
     "reshard_group",
     "restore_methods",
     "resume_hooks",
@@ -290,7 +293,7 @@ def group_params(group: FSDPParamGroup) -> list[FSDPParam]:
     return group.fsdp_params
 
 
-# -- what the shim wraps or redirects of FSDP2 (listed in ``READS`` too) ---------------------------
+# -- what the patch writes on FSDP2's classes (listed in ``READS`` too) ---------------------------
 
 def wrap_state_init(wrapper: Any) -> Any:
     """Put ``wrapper`` (a wrapt wrapper function) around ``FSDPState.__init__``; returns the handle.
@@ -322,6 +325,23 @@ def wrap_guarded_calls(wrapper: Any) -> list[tuple[str, Any]]:
 def unwrap_guarded_calls(handles: list[tuple[str, Any]]) -> None:
     for name, handle in handles:
         wrapt.unwrap_object(FSDPModule, name, handle, missing_ok=True)
+
+
+#: The attribute the instance form takes on ``FSDPModule``: FSDP1's name.
+INSTANCE_FORM = "summon_full_params"
+
+
+def add_instance_form(form: staticmethod[..., Any]) -> None:
+    """``form`` as ``FSDPModule.summon_full_params`` (``unit.summon_full_params(unit, ...)``, as FSDP1 code calls it),
+    unless a class in its MRO defines the attribute: torch's own is never replaced."""
+    if not any(INSTANCE_FORM in vars(cls) for cls in FSDPModule.__mro__):
+        setattr(FSDPModule, INSTANCE_FORM, form)
+
+
+def remove_instance_form(form: staticmethod[..., Any]) -> None:
+    """``add_instance_form`` undone, by identity: only ``form`` is removed."""
+    if vars(FSDPModule).get(INSTANCE_FORM) is form:
+        delattr(FSDPModule, INSTANCE_FORM)
 
 
 # -- what a context overrides on FSDP2's units (and on plain modules alike), listed in ``READS`` too ------
@@ -665,8 +685,8 @@ def cuda_backend_name(group: dist.ProcessGroup) -> str | None:
 # default are optional and not listed. The probe is static, so it runs
 # without a process group, once, at activation on an unverified torch.
 _METHODS: dict[type, tuple[str, ...]] = {
-    FSDPModule: ("_apply", "reshard", "unshard"),  # ``_apply`` bypassed inside contexts, replayed; the rest guarded
-    FSDPState: ("_lazy_init", "__init__"),  # ``__init__``: wrapped by the ``fully_shard`` guard
+    FSDPModule: ("_apply",),  # bypassed inside contexts, replayed
+    FSDPState: ("_lazy_init",),
     FSDPParamGroup: ("_to_sharded", "is_sharded"),
     FSDPParam: ("reset_sharded_param",),
 }
@@ -688,6 +708,11 @@ _STATE_MODULE_NAMES: tuple[str | tuple[str, ...], ...] = (CAST_FN, CAST_WALKS)
 #: own it keeps on states and groups (``unit_summon_cache``, ``group_hook_sites``: nothing to probe).
 _OVERRIDDEN: tuple[str, ...] = ("_apply", "_call_impl")
 _STASHED: dict[type, tuple[str, ...]] = {FSDPState: (_CACHE_ATTR,), FSDPParamGroup: (_SITES_ATTR,)}
+#: What the patch writes on FSDP2's classes: the methods it wraps (``wrap_state_init``, ``wrap_guarded_calls``;
+#: probed as methods, though ``set_reshard_after_forward`` is wrapped where it exists: 2.7 lacks it) and the
+#: attribute it adds (``add_instance_form``: nothing to probe).
+_WRAPPED: dict[type, tuple[str, ...]] = {FSDPState: ("__init__",), FSDPModule: GUARDED_CALLS}
+_ADDED: dict[type, tuple[str, ...]] = {FSDPModule: (INSTANCE_FORM,)}
 
 #: Everything probed, and everything written into FSDP2's objects, for ``fsdp-shim check -v``.
 READS: tuple[str, ...] = (
@@ -700,6 +725,8 @@ READS: tuple[str, ...] = (
        "distributed_c10d._world.pg_map")
     + tuple(f"nn.Module.{name} (overridden per instance)" for name in _OVERRIDDEN)
     + tuple(f"{owner.__name__}.{name} (the shim's own)" for owner, names in _STASHED.items() for name in names)
+    + tuple(f"{owner.__name__}.{name} (wrapped)" for owner, names in _WRAPPED.items() for name in names)
+    + tuple(f"{owner.__name__}.{name} (added to the class)" for owner, names in _ADDED.items() for name in names)
 )
 
 
@@ -721,7 +748,7 @@ def _names_in(cls: type) -> set[str]:
 def missing_internals() -> list[str]:
     """The internals in ``READS`` this torch lacks, as ``Owner.name``; empty when all are there."""
     missing: list[str] = []
-    for owner, methods in _METHODS.items():
+    for owner, methods in (*_METHODS.items(), *_WRAPPED.items()):
         missing += [f"{owner.__name__}.{m}" for m in methods if getattr(owner, m, None) is None]
     missing += [f"nn.Module.{m}" for m in _OVERRIDDEN if getattr(nn.Module, m, None) is None]
     for owner, fields in _FIELDS.items():

@@ -1,7 +1,8 @@
 """The patch lifecycle: which wrapper serves ``FullyShardedDataParallel.summon_full_params``, and its undo.
 
-Active mode adds the instrumentations and two guards; refusing mode only ``_refusing_wrapper``. Module-level
-imports read public torch only (the rest is imported in active mode), so refusing mode can import it.
+Active mode adds the instrumentations, two guards and the instance form; refusing mode only ``_refusing_wrapper``,
+on FSDP1's class. Module-level imports read public torch only, and every write into FSDP2's classes goes through
+``_fsdp2``, imported in active mode only: refusing mode serves a torch whose FSDP2 internals may not import.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch.nn as nn
 import wrapt
-from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.distributed.fsdp import FullyShardedDataParallel
 
 from fsdp_shim import _versions
 from fsdp_shim._common import refuse_arguments, route
@@ -62,19 +63,6 @@ def _instance_form(*args: Any, **kwargs: Any) -> Any:
 
 
 _INSTANCE_FORM = staticmethod(_instance_form)
-
-
-def _install_instance_form() -> None:
-    """Give ``FSDPModule`` the instance form (``unit.summon_full_params(unit, ...)``, as FSDP1 code calls it),
-    unless a class in its MRO defines the attribute: torch's own is never replaced. Removed by identity."""
-    if any(_NAME in vars(cls) for cls in FSDPModule.__mro__):
-        return
-    setattr(FSDPModule, _NAME, _INSTANCE_FORM)
-
-
-def _remove_instance_form() -> None:
-    if vars(FSDPModule).get(_NAME) is _INSTANCE_FORM:
-        delattr(FSDPModule, _NAME)
 
 
 _guard_handle: wrapt.FunctionWrapper | None = None  # on FSDPState.__init__, while patched
@@ -143,11 +131,11 @@ def patch(refusal: str | None = None, summon: Wrapper | None = None) -> bool:
             return False
         _handle = wrapt.wrap_function_wrapper(_TARGET, _NAME, wrapper)
         _active = refusal is None
-        _install_instance_form()
         if _active:
             from fsdp_shim import instrumentations  # noqa: PLC0415  (not in refusing mode)
             from fsdp_shim import _fsdp2  # noqa: PLC0415  (FSDP2's internals: not in refusing mode)
 
+            _fsdp2.add_instance_form(_INSTANCE_FORM)
             if _guard_handle is None:
                 _guard_handle = _fsdp2.wrap_state_init(_refuse_fully_shard_inside)
             if not _call_handles:
@@ -165,11 +153,11 @@ def unpatch() -> bool:
             return False
         removed = wrapt.unwrap_object(_TARGET, _NAME, _handle, missing_ok=True)
         _handle = None
-        _remove_instance_form()
         if _active:
             from fsdp_shim import _fsdp2  # noqa: PLC0415  (not in refusing mode)
             from fsdp_shim.instrumentations import uninstrument_all  # noqa: PLC0415  (not in refusing mode)
 
+            _fsdp2.remove_instance_form(_INSTANCE_FORM)
             uninstrument_all()
             if _guard_handle is not None:
                 _fsdp2.unwrap_state_init(_guard_handle)

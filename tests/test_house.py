@@ -11,8 +11,9 @@ never import ``instrumentations/``: ``_patching`` installs them, deferred.
 One summon, entered and left on one of two ranks, runs code in the eleven rooms of
 ``docs/contributing.md`` and no others. Imports run down the layers (``LAYERS``), never up or
 across, and ``_param.SummonedParam._place`` is the only code that writes a module's slot. Only
-``_fsdp2`` names FSDP2's or c10d's private state or overrides a module's method on the instance (``_apply``,
-``_call_impl``), and its ``__all__`` is what the others take from it.
+``_fsdp2`` names FSDP2's or c10d's private state, writes an attribute of an FSDP2 class (wrapt's wrappers too) or
+overrides a module's method on the instance (``_apply``, ``_call_impl``), and its ``__all__`` is what the others
+take from it.
 """
 
 from __future__ import annotations
@@ -284,7 +285,8 @@ def _fsdp2_boundary_crossings(path: Path, private_names: set[str]) -> set[str]:
     """What ``path`` names of FSDP2's or c10d's private state: an import of one of ``_PRIVATE_MODULES``
     (under ``TYPE_CHECKING`` too), an attribute named like one of their private module-level names
     or of the fields in ``_FSDP2_PRIVATE``, a string (not a docstring) naming one, or naming one of
-    those modules (what ``getattr``, wrapt and post-import hooks take)."""
+    those modules (what ``getattr``, wrapt and post-import hooks take); or writes into FSDP2's objects
+    (``_method_overrides``, ``_class_writes``)."""
     tree = ast.parse(path.read_text())
     docstrings = {id(node.value) for node in ast.walk(tree)
                   if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)}
@@ -304,7 +306,7 @@ def _fsdp2_boundary_crossings(path: Path, private_names: set[str]) -> set[str]:
         elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
               and (node.value in private_names or node.value.startswith(_PRIVATE_MODULES))):
             found.add(repr(node.value))
-    return found | _method_overrides(tree)
+    return found | _method_overrides(tree) | _class_writes(tree, _fsdp2_classes())
 
 
 def _module_methods() -> set[str]:
@@ -357,10 +359,64 @@ def _method_overrides(tree: ast.AST) -> set[str]:
     return found
 
 
+def _fsdp2_classes() -> set[str]:
+    """The names of FSDP2's classes, public (``FSDPModule``, exported by ``_fully_shard``) and private
+    (``FSDPState``, ``FSDPParamGroup``, ...: those its modules define)."""
+    import importlib
+    import pkgutil
+
+    package = importlib.import_module(_PRIVATE_MODULES[0])
+    names = {name for name in package.__all__ if isinstance(getattr(package, name), type)}
+    for sub in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{sub.name}")
+        names.update(name for name, value in vars(module).items()
+                     if isinstance(value, type) and value.__module__.startswith(package.__name__))
+    return names
+
+
+#: wrapt's calls that install or remove a wrapper on the object (or dotted path) they are given.
+_WRAPT_WRITES = {"wrap_function_wrapper", "unwrap_object", "wrap_object", "wrap_object_attribute",
+                 "patch_function_wrapper", "transient_function_wrapper", "apply_patch"}
+
+
+def _class_writes(tree: ast.AST, classes: set[str]) -> set[str]:
+    """Where ``tree`` writes an attribute of one of FSDP2's ``classes`` (named, as an attribute of a module,
+    or through a name bound to one): an attribute assigned or deleted, ``setattr``/``delattr``
+    (``type.__setattr__`` too) on the class, or a wrapt call that wraps or unwraps on it or on a dotted
+    path starting with its name (``"FSDPModule.reshard"``)."""
+    def names_class(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Name) and node.id in classes) or (
+            isinstance(node, ast.Attribute) and node.attr in classes)
+
+    aliases = {target.id for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AnnAssign))
+               and node.value is not None and names_class(node.value)
+               for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+               if isinstance(target, ast.Name)}
+
+    def a_class(node: ast.AST) -> bool:
+        return names_class(node) or (isinstance(node, ast.Name) and node.id in aliases)
+
+    def a_path(node: ast.AST) -> bool:
+        return isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.split(".")[0] in classes
+
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del)) and a_class(node.value):
+            found.add(f"writes {ast.unparse(node)} (line {node.lineno})")
+        elif isinstance(node, ast.Call):
+            called = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+            if called in ("setattr", "delattr", "__setattr__", "__delattr__") and any(map(a_class, node.args[:1])):
+                found.add(f"{called} on {ast.unparse(node.args[0])} (line {node.lineno})")
+            elif called in _WRAPT_WRITES and any(a_class(a) or a_path(a) for a in node.args[:2]):
+                found.add(f"{called} on {ast.unparse(node.args[0])} (line {node.lineno})")
+    return found
+
+
 def test_only_fsdp2_touches_fsdp2s_private_state():
     """FSDP2's and c10d's private names, fields and module globals alike, are read, wrapped and called,
-    and ``nn.Module`` methods overridden on an instance (FSDP2's units' ``_apply`` and ``_call_impl``), in
-    ``_fsdp2`` only: every other module (instrumentations and tools too) goes through it."""
+    FSDP2's classes written (wrapped, given the instance form), and ``nn.Module`` methods overridden on an
+    instance (FSDP2's units' ``_apply`` and ``_call_impl``), in ``_fsdp2`` only: every other module
+    (instrumentations and tools too) goes through it."""
     private_names = _private_module_names()
     assert {"_cast_fp_tensor", "_apply_to_tensors", "_world", "_get_module_fsdp_state"} <= private_names
     touches = {str(path.relative_to(PACKAGE)): crossings for path in MODULES if path.name != "_fsdp2.py"
@@ -378,6 +434,24 @@ def test_the_boundary_sees_an_override_of_a_module_method():
     others = ['"_apply" in module.__dict__', "module._apply(fn)", 'setattr(module, "weight", w)',
               'namespace.__dict__["__spec__"] = None', 'fsdp2.override_methods("_apply", [(module, fn)], overridden)']
     assert [snippet for snippet in others if _method_overrides(ast.parse(snippet))] == []
+
+
+def test_the_boundary_sees_a_write_to_an_fsdp2_class():
+    """What the test above counts as a write to one of FSDP2's classes, and what not."""
+    classes = _fsdp2_classes()
+    assert {"FSDPModule", "FSDPState", "FSDPParamGroup", "FSDPParam", "MixedPrecisionPolicy"} <= classes
+    writes = ['setattr(FSDPModule, "summon_full_params", form)', 'delattr(FSDPModule, name)',
+              "FSDPModule.summon_full_params = form", "del fsdp.FSDPModule.summon_full_params",
+              '_TARGET = FSDPModule\nsetattr(_TARGET, name, form)', 'type.__setattr__(FSDPState, "x", 1)',
+              'wrapt.wrap_function_wrapper(FSDPModule, "reshard", guard)',
+              'wrapt.unwrap_object(FSDPState, "__init__", handle)',
+              'wrap_function_wrapper("torch.distributed.fsdp", "FSDPModule.unshard", guard)']
+    assert [snippet for snippet in writes if not _class_writes(ast.parse(snippet), classes)] == []
+    others = ['vars(FSDPModule).get("summon_full_params")', "isinstance(module, FSDPModule)",
+              'wrapt.wrap_function_wrapper(FullyShardedDataParallel, "summon_full_params", wrapper)',
+              'inspect.getattr_static(FSDPModule, "reshard")', "FSDPModule.__mro__", 'setattr(module, "x", 1)',
+              "fsdp2.add_instance_form(form)"]
+    assert [snippet for snippet in others if _class_writes(ast.parse(snippet), classes)] == []
 
 
 def test_fsdp2s_all_is_what_the_package_takes_from_it():
@@ -410,7 +484,8 @@ def test_fsdp2s_all_is_what_the_package_takes_from_it():
 def test_the_probe_lists_what_is_wrapped_and_redirected():
     from fsdp_shim import _fsdp2
 
-    for name in ("FSDPModule._apply", "FSDPState.__init__", "_fsdp_state._cast_fp_tensor",
+    for name in ("FSDPModule._apply", "FSDPState.__init__ (wrapped)", "FSDPModule.reshard (wrapped)",
+                 "FSDPModule.summon_full_params (added to the class)", "_fsdp_state._cast_fp_tensor",
                  "_fsdp_state.tree_map or _apply_to_tensors", "FSDPParamGroup.fsdp_params", "FSDPState._state_ctx",
                  "nn.Module._apply (overridden per instance)", "nn.Module._call_impl (overridden per instance)",
                  "FSDPState._fsdp_shim_summon_cache (the shim's own)"):

@@ -57,6 +57,24 @@ def test_patch_unpatch_round_trip_restores_the_exact_object():
     assert inspect.getattr_static(FSDP, "summon_full_params").__wrapped__ is ORIGINAL
 
 
+def test_the_instance_form_comes_and_goes_with_active_mode():
+    """``patch()`` gives ``FSDPModule`` the instance form and ``unpatch()`` takes it away; refusing mode writes
+    nothing into FSDP2's classes (its torch's FSDP2 internals may not import), so a unit has none there, as
+    without the shim: ``unit.summon_full_params`` raises ``AttributeError``, never FSDP1's silent no-op."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from fsdp_shim import _patching
+
+    assert "summon_full_params" in vars(FSDPModule)
+    fsdp_shim.unpatch()
+    assert "summon_full_params" not in vars(FSDPModule)
+    _patching.patch("a reason")
+    try:
+        assert "summon_full_params" not in vars(FSDPModule)
+    finally:
+        fsdp_shim.unpatch()  # the fixture patches again, in active mode
+
+
 def test_unpatch_beneath_a_third_party_wrapper_keeps_theirs():
     calls = []
 
