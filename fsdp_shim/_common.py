@@ -1,72 +1,27 @@
-"""What the rooms share, from public torch alone (refusing mode imports it too): routing, shared by both
-modes, the public unit helpers, and the one loop of every error path's undo (``run_each``).
+"""What the rooms share, from public torch alone (refusing mode imports it too): the refusal of arguments FSDP1
+does not take, shared by both modes, the public unit helpers, and the one loop of every error path's undo
+(``run_each``). The ``recurse`` rule and routing are the scope room's (``_scope_rule``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Literal, NoReturn
+from typing import Any, NoReturn
 
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-from torch.distributed.tensor import DTensor
 
-#: Which implementation serves one ``summon_full_params`` call.
-Route = Literal["fsdp1", "dtensor", "none"]
+# Importers of the rule through ``_common`` (``_summon``, ``_stream``, ``tests/test_units.py``) are to import it
+# from ``_scope_rule``; until they do, the names stay here too.
+from fsdp_shim._scope_rule import holds_distributed as holds_distributed
+from fsdp_shim._scope_rule import is_fsdp1_tree as is_fsdp1_tree
+from fsdp_shim._scope_rule import route as route
+from fsdp_shim._scope_rule import scope_modules as scope_modules
 
 _UNIT_TYPES: tuple[type, ...] = (FullyShardedDataParallel, FSDPModule)
 
 #: The prefix FSDP1 wrappers add to every name below them.
 FSDP1_PREFIX = "_fsdp_wrapped_module."
-
-
-def is_fsdp1_tree(module: nn.Module, recurse: bool) -> bool:
-    """Whether FSDP1 serves ``summon_full_params(module, recurse)``: the module is an FSDP1 wrapper, or,
-    with ``recurse``, holds one."""
-    if isinstance(module, FullyShardedDataParallel):
-        return True
-    return recurse and any(isinstance(m, FullyShardedDataParallel) for m in module.modules())
-
-
-def scope_modules(root: nn.Module, recurse: bool) -> list[nn.Module]:
-    """``root``'s subtree in ``named_modules()`` order; without ``recurse``,
-    nested FSDP2 units and everything below them are left out."""
-    seen: set[int] = set()
-    ordered: list[nn.Module] = []
-    stack = [root]
-    while stack:
-        module = stack.pop()
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
-        if module is not root and not recurse and isinstance(module, FSDPModule):
-            continue
-        ordered.append(module)
-        stack.extend(reversed([c for c in module._modules.values() if c is not None]))
-    return ordered
-
-
-def holds_distributed(modules: list[nn.Module]) -> bool:
-    """Whether ``modules`` hold something distributed, by public torch alone: a DTensor in a slot, or an
-    FSDP2 unit (whose slots hold plain tensors after a forward)."""
-    return any(isinstance(m, FSDPModule) or any(isinstance(t, DTensor) for t in (*m._parameters.values(),
-                                                                                 *m._buffers.values()))
-               for m in modules)
-
-
-def route(
-    module: nn.Module, recurse: bool, distributed: Callable[[list[nn.Module]], bool] = holds_distributed,
-) -> tuple[Route, list[nn.Module] | None]:
-    """Which implementation serves ``summon_full_params(module, recurse)``: FSDP1's for FSDP1 trees, the
-    DTensor summon for an FSDP2 unit (which validates its arguments) or a scope ``distributed`` says holds
-    something distributed, else none; and the scope's modules if the answer walked them. Alike on every rank
-    ([Note: every rank decides alike] in ``_summon``)."""
-    if is_fsdp1_tree(module, recurse):
-        return "fsdp1", None
-    if isinstance(module, FSDPModule):
-        return "dtensor", None
-    modules = scope_modules(module, recurse)
-    return ("dtensor" if distributed(modules) else "none"), modules
 
 
 def refuse_arguments(fsdp1: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> NoReturn:

@@ -19,8 +19,9 @@ import wrapt
 from torch.distributed.fsdp import FullyShardedDataParallel
 
 from fsdp_shim import _versions
-from fsdp_shim._common import refuse_arguments, route
+from fsdp_shim._common import refuse_arguments
 from fsdp_shim._errors import UnsupportedTorchError
+from fsdp_shim._scope_rule import route
 
 logger = logging.getLogger("fsdp_shim")
 
@@ -44,7 +45,7 @@ def _fsdp1_arguments(
 
 def _refusing_wrapper(refusal: str, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Refusing mode's wrapper: FSDP1's own context, unless the call would take the DTensor route: then raise.
-    Routes by ``_common.route`` (public torch only), so it works where FSDP2's internals moved."""
+    Routes by ``_scope_rule.route`` (public torch only), so it works where FSDP2's internals moved."""
     try:
         module, recurse, *rest = _fsdp1_arguments(*args, **kwargs)
     except TypeError:  # arguments FSDP1's signature does not take: refused in its own words

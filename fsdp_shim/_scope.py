@@ -1,4 +1,6 @@
-"""Which parameters a call covers: the ``recurse`` rule, ties, FSDP2 ownership, and the summon cache.
+"""Which parameters a call covers: ties, FSDP2 ownership, what enclosing contexts hold, and the summon cache;
+the modules it covers by the ``recurse`` rule, which is ``_scope_rule``'s (refusing mode routes by it without this
+module, whose imports need FSDP2's internals).
 A slot FSDP2 manages may hold its plain unsharded tensor (after forward), so it is resolved through its
 ``FSDPParam``, whose sharded DTensor is what is gathered.
 """
@@ -19,7 +21,7 @@ from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim import _registry as registry
 from fsdp_shim._param import ScopedParam
 from fsdp_shim._registry import SlotKey
-from fsdp_shim._common import holds_distributed, scope_modules
+from fsdp_shim._scope_rule import holds_distributed, scope_modules
 
 if TYPE_CHECKING:
     from fsdp_shim._gather.layout import BucketPlan

@@ -20,7 +20,7 @@ import fsdp_shim
 from _helpers import LMConfig, assert_unchanged, full_state, patch_state_restored, patched, snapshot, tokens_for
 from _helpers import reference_and_sharded as _models
 from fsdp_shim import _versions
-from fsdp_shim._common import is_fsdp1_tree
+from fsdp_shim._scope_rule import is_fsdp1_tree
 from fsdp_shim._summon import summon
 
 ORIGINAL = inspect.getattr_static(FSDP, "summon_full_params")
