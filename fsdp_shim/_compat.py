@@ -39,6 +39,23 @@ def is_strided_shard(placement: Placement) -> bool:
 STRIDED_SHARD_FULL_TENSOR_BROKEN = (2, 10) <= _TORCH[:2] < (2, 12)
 
 
+#: Backends whose ``allgather_into_tensor_coalesced`` is exact for tensors of one dtype and device (gloo's is not
+#: across dtypes). Through ``TORCH_DISTRIBUTED_DEBUG=DETAIL``'s wrapper only from 2.13 (2.7.0 refuses it).
+_COALESCING = ("gloo", "nccl", "fake")
+_COALESCES_UNDER_DETAIL = _TORCH[:2] >= (2, 13)
+
+
+def coalesces_all_gathers(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether one launch may post several all-gathers of one dtype on ``device`` over ``group``. From the
+    backend, the release and the debug level, which every rank shares."""
+    backend = str(dist.get_backend(group)).lower()
+    if ":" in backend:  # a device map: "cpu:gloo,cuda:nccl"
+        backend = dict(pair.strip().partition(":")[::2] for pair in backend.split(",")).get(device.type, "")
+    if backend not in _COALESCING or backend == "gloo" and device.type != "cpu":
+        return False
+    return _COALESCES_UNDER_DETAIL or dist.get_debug_level() != dist.DebugLevel.DETAIL
+
+
 def cuda_backend_of(spelling: str) -> str:
     """The backend serving CUDA tensors on a group whose ``dist.get_backend`` is ``spelling`` (``"nccl"``,
     ``"undefined"``: torch's default map, or a device map such as ``"cpu:gloo,cuda:nccl"``); ``""`` for none."""

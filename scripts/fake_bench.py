@@ -142,8 +142,7 @@ def _quantiles(values: list[float]) -> tuple[float, ...]:
 
 
 def _interleaved(runs: dict[str, Callable], reps: int, sync: Callable, deadline: float) -> dict[str, list[float]]:
-    """Seconds of each timed pass, each repetition in a new seeded shuffled order, an untimed pass before each
-    timed one (the allocator state the last contender left is not this one's cost); none started past ``deadline``."""
+    """Seconds of each timed pass, in a seeded shuffle a repetition, each after an untimed pass; none past deadline."""
     samples: dict[str, list[float]] = {name: [] for name in runs}
     shuffle = random.Random(0)
     for rep in range(reps):
@@ -264,8 +263,7 @@ def _one(config: dict) -> list[dict]:
             unit.reshard()
 
     def each_tensor(pairs: Callable[[], Iterable], gather: bool, dtype: torch.dtype | None = None) -> Callable:
-        """One full tensor at a time: a stream's, or ``x.full_tensor()`` after its unit's window opens, cast to
-        ``dtype`` if given; a window a unit, a probe a tensor."""
+        """One full tensor at a time (a stream's, or ``full_tensor()``), cast to ``dtype`` if given; a window a unit."""
         def run(m: _Peaks | None) -> None:
             last = None
             for name, x in pairs():
@@ -404,10 +402,12 @@ def _check(config: dict, model, units: list, sync: Callable, deadline: float) ->
     if cuda:
         paths.update(zip(CUDA_ONLY, (stream("cuda", here), stream(f"cuda:{here.index}", here)), strict=True))
     gathers, real_gather = [0], getattr(dist, _ALL_GATHER)  # the name the engine posts by
+    launch = vars(dist.ProcessGroup)["allgather_into_tensor_coalesced"]  # a launch of several: put back as is
 
-    def counting_gather(*args, **kwargs):
-        gathers[0] += 1
-        return real_gather(*args, **kwargs)
+    def counting_gather(*args, **kwargs):  # (output, input), or a launch's (group, outputs, inputs)
+        several = isinstance(args[1], list)
+        gathers[0] += len(args[1]) if several else 1
+        return (launch.__func__ if several else real_gather)(*args, **kwargs)
 
     base = {"world": math.prod(int(d) for d in config["world"].split("x")), "mesh": config["world"],
             "device": config["device"], "units": len(units)}
@@ -419,12 +419,14 @@ def _check(config: dict, model, units: list, sync: Callable, deadline: float) ->
                 how = _make_grads(model, tokens_for(LMConfig(vocab=1000, width=256, layers=12, heads=4)).to(here),
                                   hsdp="x" in config["world"])
             setattr(dist, _ALL_GATHER, counting_gather)
+            dist.ProcessGroup.allgather_into_tensor_coalesced = counting_gather
             gathers[0] = 0
             try:
                 run(True)
                 sync()
             finally:
                 setattr(dist, _ALL_GATHER, real_gather)
+                dist.ProcessGroup.allgather_into_tensor_coalesced = launch
             if path != PATHS[1] and gathers[0] == 0:
                 raise AssertionError(f"{path}: no all-gather was posted (the group-of-one path?)")
             rows[path].update(status="ok", all_gathers=gathers[0], detail=f"{gathers[0]} all-gathers"
@@ -453,8 +455,7 @@ def _check(config: dict, model, units: list, sync: Callable, deadline: float) ->
 
 
 def _make_grads(model, tokens, hsdp: bool) -> str:
-    """Gradients from a forward and backward, or (torch 2.7's HSDP backward asserts on the CPU) clones of the shards;
-    says which."""
+    """Gradients from a backward, or (torch 2.7's HSDP backward asserts on the CPU) clones of the shards; says which."""
     import inspect
 
     import torch
@@ -475,8 +476,7 @@ def _make_grads(model, tokens, hsdp: bool) -> str:
 
 
 def _cuda_memory(run: Callable[[], None]) -> dict[str, int | None]:
-    """``run``'s peak device bytes allocated and reserved (on a fresh cache), and pinned host bytes where this torch
-    counts them: peak, still held, still checked out."""
+    """``run``'s peak device bytes allocated and reserved (a fresh cache), and pinned host bytes where counted."""
     import torch
 
     gc.collect()

@@ -27,13 +27,13 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
-from _helpers import LMConfig, build_lm, shard_lm, wrapping_dist
+from _helpers import ALL_GATHERS, LMConfig, build_lm, shard_lm, wrapping_dist
 from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim import _health, _registry
 
 #: The operations ``inject`` can fail, each the names it wraps on ``torch.distributed``.
 OPERATIONS = {
-    "all_gather": ("all_gather_single", "all_gather_into_tensor"),
+    "all_gather": ALL_GATHERS,
 }
 
 
@@ -60,6 +60,17 @@ def inject(operation: str, *, after: int = 0, exception: type[BaseException] = I
 
     with wrapping_dist(OPERATIONS[operation], wrap):
         yield calls
+
+
+def outputs_before_first_launch(model: nn.Module, bucket_mb: float) -> int:
+    """The allocations ``iter_full_params(model, bucket_mb=...)`` makes before its first launch: an output a
+    bucket of its first batch, all staged before the batch's one launch."""
+    from fsdp_shim._gather.layout import bucket_cap, bucket_plan
+    from fsdp_shim._stream import batch_params
+
+    cap = bucket_cap(bucket_mb).bucket_bytes
+    first = batch_params(model, cap, None)[0]
+    return len(bucket_plan([t for t in first.tensors if isinstance(t, DTensor)], cap).buckets)
 
 
 @contextlib.contextmanager

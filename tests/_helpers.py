@@ -133,23 +133,34 @@ def assert_unchanged(model: nn.Module, before: dict[str, object], *, values: boo
     ], "FSDP2 group state changed"
 
 
-_COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "all_gather", "all_reduce", "broadcast",
-                "reduce_scatter_tensor", "all_to_all_single", "barrier")
+#: Every way the shim posts an all-gather: c10d's function (renamed in 2.13), and a launch of several
+#: ([Note: one launch a group]): the process group's own method, wrapped on its class.
+ALL_GATHERS = ("all_gather_single", "all_gather_into_tensor", "ProcessGroup.allgather_into_tensor_coalesced")
+_COLLECTIVES = (*ALL_GATHERS, "all_gather", "all_reduce", "broadcast", "reduce_scatter_tensor",
+                "all_to_all_single", "barrier")
+
+
+def _owner(name: str) -> tuple[object, str]:
+    """Where a wrapped name lives: ``torch.distributed``, or c10d's ``ProcessGroup`` class for ``ProcessGroup.x``."""
+    owner, _, attribute = name.rpartition(".")
+    return (dist.ProcessGroup if owner else dist), attribute
 
 
 @contextlib.contextmanager
 def wrapping_dist(names, wrap) -> Iterator[None]:
-    """Each of ``names`` that ``torch.distributed`` has, replaced by ``wrap(name, original)`` for the block
-    (the shim looks c10d's functions up there at each call): the originals still run, on the real
-    process group, and are back after the block."""
-    originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
-    for name, original in originals.items():
-        setattr(dist, name, wrap(name, original))
+    """Each of ``names`` that ``torch.distributed`` (or, for ``ProcessGroup.x``, its process groups) has,
+    replaced by ``wrap(name, original)`` for the block (the shim looks each up at each call): the originals
+    still run, on the real process group, and are back after the block."""
+    # put back as stored: a class's raw entry (pybind's ``instancemethod``), which ``getattr`` unwraps
+    stored = {name: vars(owner)[attribute] for name in names for owner, attribute in [_owner(name)]
+              if attribute in vars(owner)}
+    for name in stored:
+        setattr(*_owner(name), wrap(name, getattr(*_owner(name))))
     try:
         yield
     finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
+        for name, original in stored.items():
+            setattr(*_owner(name), original)
 
 
 @contextlib.contextmanager

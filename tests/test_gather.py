@@ -333,9 +333,9 @@ def test_summon_window_holds_two_buckets_at_most(dist_run):
 def rank_one_unit_takes_one_collective():
     """``layout.UNCAPPED``: on the all-gather path a per-unit summon packs its unit's
     tensors below the cap in one collective, as FSDP2's unshard() does, even where they add up to more
-    than the cap, unless a bucket size is chosen; a tensor above the cap gets a collective of its own,
-    whose output is its full tensor (held once, never copied out of a flat buffer); a summon of several
-    units keeps the cap."""
+    than the cap, unless a bucket size is chosen; a tensor above the cap gets a bucket of its own, whose
+    output is its full tensor (held once, never copied out of a flat buffer), in the unit's one launch
+    ([Note: one launch a group]); a summon of several units keeps the cap, a launch a bucket."""
     import torch.nn as nn
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import fully_shard
@@ -378,7 +378,7 @@ def rank_one_unit_takes_one_collective():
     with patched():
         assert collectives(check(small[0], small_ref[0], recurse=False)) == 1  # small ones: one, past the cap
         assert collectives(check(small[0], small_ref[0], recurse=False, bucket_mb=1)) > 1  # chosen: the cap holds
-        assert collectives(check(big[0], big_ref[0], recurse=False)) == 2  # the weight alone, then the rest
+        assert collectives(check(big[0], big_ref[0], recurse=False)) == 1  # the weight in its own, one launch
         assert collectives(check(small, small_ref)) > 2  # several units: capped, more than one a unit
         with FSDP.summon_full_params(small[1], recurse=False, writeback=False):  # the patched call site too
             assert torch.equal(small[1][0].weight, small_ref[1][0].weight)

@@ -22,9 +22,9 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor
 
 import fsdp_shim
-from _helpers import assert_params_equal, build_lm, patched, shard_lm, tokens_for, wrapping_dist
+from _helpers import ALL_GATHERS, assert_params_equal, build_lm, patched, shard_lm, tokens_for, wrapping_dist
 
-_GATHERS = ("all_gather_single", "all_gather_into_tensor")
+_GATHERS = ALL_GATHERS
 
 
 @contextlib.contextmanager

@@ -29,10 +29,11 @@ from _faults import (
     inject,
     inject_allocation,
     local_shards,
+    outputs_before_first_launch,
     short_timeout_mesh,
     with_grads_on_a_short_timeout,
 )
-from _helpers import LMConfig, build_lm, patched, shard_lm, wrapping_dist
+from _helpers import ALL_GATHERS, LMConfig, build_lm, patched, shard_lm, wrapping_dist
 
 CONFIG = LMConfig(layers=3)
 SMALL = 0.002  # MiB: many buckets a unit, so a fault can come after the first was posted
@@ -40,8 +41,8 @@ SMALL = 0.002  # MiB: many buckets a unit, so a fault can come after the first w
 FAULTS = {
     # the second all-gather raises before it reaches c10d: the first one was posted
     "all_gather": lambda: inject("all_gather", after=1),
-    # the stream's second buffer (batch 1's output) fails: batch 0 was posted
-    "allocation": lambda: inject_allocation(after=1),
+    # batch 1's first output fails: batch 0 (one launch: its outputs allocated first) was posted
+    "allocation": lambda model: inject_allocation(after=outputs_before_first_launch(model, SMALL)),
     "interrupt": lambda: inject("all_gather", after=1, exception=KeyboardInterrupt),
 }
 
@@ -78,7 +79,8 @@ def rank_a_one_sided_fault_part_way_is_refused_on_the_faulting_rank(caller: str,
     model = shard_lm(build_lm(CONFIG), mesh)
     before = local_shards(model)
     faulty = dist.get_rank() == 0
-    injected = FAULTS[fault]() if faulty and fault != "early_stop" else contextlib.nullcontext([0])
+    injected = (FAULTS[fault](*[model][:fault == "allocation"]) if faulty and fault != "early_stop"
+                else contextlib.nullcontext([0]))
     expected = ((InjectedFault, KeyboardInterrupt) if faulty else RuntimeError)  # the peer: its wait times out
     with patched(), injected:
         if faulty and fault == "early_stop":
@@ -158,7 +160,7 @@ def _interrupt_right_after_a_post(after: int):
             return work
         return posted_then_interrupted
 
-    with wrapping_dist(("all_gather_single", "all_gather_into_tensor"), wrap):
+    with wrapping_dist(ALL_GATHERS, wrap):
         yield calls
 
 

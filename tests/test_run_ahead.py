@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
-from _helpers import LMConfig, assert_params_equal, build_lm, patched, shard_lm, wrapping_dist
+from _helpers import ALL_GATHERS, LMConfig, assert_params_equal, build_lm, patched, shard_lm, wrapping_dist
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor
 
@@ -27,7 +27,7 @@ import fsdp_shim
 from fsdp_shim._gather.layout import bucket_cap, bucket_plan
 
 # --------------------------------------------------------------------------- bounded run-ahead
-_ALL_GATHERS = ("all_gather_single", "all_gather_into_tensor")
+_ALL_GATHERS = ALL_GATHERS
 
 
 class _ReturnsAtOnce:
@@ -113,17 +113,18 @@ def test_a_rank_that_receives_nothing_stays_two_units_ahead_in_a_per_unit_loop(d
     assert peak <= 2, f"rank 1 had {peak} all-gathers posted and unfinished (of {posts})"
 
 
-def _buckets_per_batch(model, bucket_mb: float) -> list[int]:
+def _launches_per_batch(model, bucket_mb: float) -> list[int]:
+    """A batch's buckets share launches where they can ([Note: one launch a group]): posts are launches."""
     from fsdp_shim._stream import batch_params
 
     cap = bucket_cap(bucket_mb).bucket_bytes
-    return [len(bucket_plan([t for t in b.tensors if isinstance(t, DTensor)], cap).buckets)
+    return [len(bucket_plan([t for t in b.tensors if isinstance(t, DTensor)], cap, together=True).launches)
             for b in batch_params(model, cap, None)]
 
 
 def rank_a_rank_that_receives_nothing_stays_two_batches_ahead_in_the_stream(bucket_mb: float):
     model, ref = shard_lm(build_lm(CONFIG)), build_lm(CONFIG)
-    per_batch = _buckets_per_batch(model, bucket_mb)
+    per_batch = _launches_per_batch(model, bucket_mb)
     expected = dict(ref.named_parameters())
     received = 0
     with nccl_like_waits() as unfinished:

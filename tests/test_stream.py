@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import fsdp_shim
 from _helpers import (
+    ALL_GATHERS,
     wrapping_dist,
     LMConfig,
     assert_unchanged,
@@ -147,12 +148,13 @@ def rank_cast_before_gather_moves_half_the_bytes():
     """What each rank hands c10d: its shard, all-gathered."""
     model = shard_lm(build_lm())
     moved: list[tuple[torch.dtype, int]] = []
-    names = ("all_gather_single", "all_gather_into_tensor")
+    names = ALL_GATHERS
 
     def recording(name, original):
         def record(*args, **kwargs):
-            tensor = args[1]  # (output, input)
-            moved.append((tensor.dtype, tensor.numel() * tensor.element_size()))
+            # (output, input), or a launch of several: (group, outputs, inputs)
+            for tensor in args[2] if name.startswith("ProcessGroup.") else args[1:2]:
+                moved.append((tensor.dtype, tensor.numel() * tensor.element_size()))
             return original(*args, **kwargs)
         return record
 

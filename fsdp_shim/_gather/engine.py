@@ -52,6 +52,13 @@ def all_gather_single(*args: Any, **kwargs: Any) -> Any:
     return getattr(dist, _ALL_GATHER)(*args, **kwargs)
 
 
+def all_gather_coalesced(outputs: list[torch.Tensor], inputs: list[torch.Tensor], group: dist.ProcessGroup
+                         ) -> Waitable:
+    """Several all-gathers over ``group`` in one launch, one dtype and device (``_compat.coalesces_all_gathers``):
+    one grouped NCCL call, one gloo collective. The process group's own method, looked up at each call."""
+    return group.allgather_into_tensor_coalesced(outputs, inputs)
+
+
 class Waitable(Protocol):
     """A collective's ``dist.Work``."""
 
@@ -69,6 +76,7 @@ class InFlight:
     split_sizes: list[int]  # each tensor's padded shard, in elements
     work: Waitable | None = None
     call: Posted | None = None  # the record of the call that launched it
+    ends_launch: bool = False  # the last bucket of its launch ([Note: one launch a group])
 
     def launched(self, posted: Posted) -> None:
         """Launch this flight's collective, ``posted`` set first (a no-op for anything else)."""
@@ -107,6 +115,31 @@ class AllGatherFlight(InFlight):
             posted.any = True
             self.launch = None
             self.work = launch()
+
+
+# [Note: one launch a group]
+# A single unit's summon (and each batch of the stream) posts its buckets on one process group, dtype and device
+# as one launch, as FSDP2's ``unshard()`` posts one all-gather: launches cost host time and NCCL kernel starts,
+# and grow with the world size. Each bucket keeps its own output (a tensor above the cap lands in its full tensor:
+# held once, where FSDP2's flat buffer holds it twice), so a launch is a coalesced all-gather. The plan decides
+# which buckets share a launch (``layout.BucketPlan.launches``), from metadata every rank shares; a launch is
+# what ``ahead`` counts and what the run-ahead bound paces, and its buckets share one ``Work``.
+def launched_together(flights: Sequence[InFlight], posted: Posted) -> None:
+    """Launch one launch's collectives: each ``launched()``, or, for several all-gathers, one coalesced call,
+    each flight's ``launch`` dropped first ([Note: posted from the attempt])."""
+    gathers = [f for f in flights if isinstance(f, AllGatherFlight) and f.launch is not None]
+    if len(gathers) < 2:
+        for flight in gathers:
+            flight.launched(posted)
+        return
+    posted.any = True
+    for flight in gathers:
+        flight.call, flight.launch = posted, None
+    work = all_gather_coalesced([cast(torch.Tensor, f.output) for f in gathers],
+                                [cast(torch.Tensor, f.gather_input) for f in gathers],
+                                gathers[0].bucket[0].layout.group)
+    for flight in gathers:
+        flight.work = work
 
 
 def copy_in(
@@ -262,14 +295,16 @@ def reservation(plan: BucketPlan, buckets: Sequence[list[BucketEntry]], receiver
                 dtensors: Sequence[DTensor], meshes: Meshes) -> Reservation:
     """What ``reserve_buffers`` allocates for ``plan``'s buckets, worked out once and kept on the plan.
 
-    Outputs nobody keeps take turns in one buffer per device, even turns at its front, odd at its back, so
-    buckets ``k`` and ``k + 1`` (in flight together) never overlap. The agreement's groups are every dim of
-    every mesh, in first-seen order: ranks' own groups differ, only whole meshes tell every rank the same.
+    Outputs nobody keeps take turns in one buffer per device, a launch's outputs one turn, even turns at its
+    front, odd at its back, so launches ``k`` and ``k + 1`` (in flight together) never overlap. The agreement's
+    groups are every dim of every mesh, in first-seen order: ranks' own groups differ, whole meshes do not.
     """
-    sizes: dict[torch.device, list[int]] = {}  # each device's outputs nobody keeps, in turn order (bytes)
+    sizes: dict[torch.device, list[int]] = {}  # each device's outputs nobody keeps: bytes a launch, in turn order
+    last_launch: dict[torch.device, int] = {}
     landing: dict[torch.device, int] = {}  # the largest output offloaded in pieces, per host device
     recipes: list[Any] = []
-    for bucket, shape in zip(buckets, plan.shapes, strict=True):
+    launch_of = [launch for launch, n in enumerate(plan.launches) for _ in range(n)]
+    for bucket, shape, launch in zip(buckets, plan.shapes, launch_of, strict=True):
         layout, device, dtype = bucket[0].layout, comm_device_of(bucket[0].dtensor), shape.dtype
         target = keep.out_device if keep.holds_fulls and keep.out_device is not None else device
         numel = layout.world_size * sum(shape.split_sizes)
@@ -282,8 +317,11 @@ def reservation(plan: BucketPlan, buckets: Sequence[list[BucketEntry]], receiver
             recipes.append((_Own(numel, dtype, device), None, None))  # its output is the full tensor
         else:
             turns = sizes.setdefault(device, [])
-            turns.append(_aligned(numel * dtype.itemsize))
-            output = (device, len(turns) - 1, numel, dtype)  # placed below, once the buffer's size is known
+            if last_launch.get(device) != launch:  # a launch's outputs are in flight together: one turn
+                last_launch[device] = launch
+                turns.append(0)
+            output = (device, len(turns) - 1, turns[-1], numel, dtype)  # placed below, once sizes are known
+            turns[-1] += _aligned(numel * dtype.itemsize)
             if not keep.holds_fulls:
                 recipes.append((output, None, None))
             elif len(bucket) == 1:  # offloaded: the host copy is the full tensor
@@ -306,10 +344,10 @@ def reservation(plan: BucketPlan, buckets: Sequence[list[BucketEntry]], receiver
             return spec
         if spec[0] == "host":
             return _Turn(hosts[spec[1]], 0, spec[2], spec[3])
-        device, turn, numel, dtype = spec
+        device, turn, within, numel, dtype = spec
         buffer = index[device]
         offset = 0 if turn % 2 == 0 else shared[buffer][0] - sizes[device][turn]
-        return _Turn(buffer, offset, numel, dtype)
+        return _Turn(buffer, offset + within, numel, dtype)
 
     mesh_groups: dict[int, dist.ProcessGroup] = {}
     seen: set[int] = set()
@@ -574,10 +612,11 @@ class Gathered(NamedTuple):
 
 
 class BucketGather:
-    """The one driver: a list of DTensors' buckets, staged ``ahead`` at a time, finished in order.
+    """The one driver: a list of DTensors' buckets, staged ``ahead`` launches at a time, finished in order.
 
     ``ahead=1`` is the summon's window ([Note: one bucket in flight]); ``ahead=None`` stages every bucket at
-    once, the stream's batch ([Note: staged, then launched]). A collective: every rank builds, launches and
+    once, the stream's batch ([Note: staged, then launched]). ``together``: buckets share launches where they can
+    ([Note: one launch a group]). A collective: every rank builds, launches and
     finishes the same gathers in the same order; whatever raises, every launched collective is waited for first.
     """
 
@@ -596,20 +635,24 @@ class BucketGather:
         posted: Posted,
         reserve: Reserve | None = None,
         failure: BaseException | None = None,
+        together: bool = False,
     ) -> None:
         self._posted = posted
         self.last_work: tuple[Waitable, torch.device] | None = None  # its last collective: ``gather_full_tensors``
         self._host_copies: list[Any] = []  # see ``copy_in``
         self.plan = bucket_plan(dtensors, bucket_bytes, cast_to, reuse=plan, collective_bytes=collective_bytes,
-                                meshes=meshes)
+                                meshes=meshes, together=together)
         buckets, self._fallback = self.plan.bind(dtensors), list(self.plan.fallback)
         self._dtensors = list(dtensors)
         self._meshes = meshes
         self._cast_to = cast_to
         self._receiver = receiver
         self._unstaged = collections.deque(zip(buckets, self.plan.shapes, strict=True))
-        self._ahead = len(buckets) if ahead is None else ahead
+        self._launches = collections.deque(self.plan.launches)  # buckets a launch, for those not staged
+        self._ahead = len(self._launches) if ahead is None else ahead
+        self._in_flight = 0  # launches staged and not finished
         self._flights: collections.deque[InFlight] = collections.deque()
+        self._to_launch: list[list[InFlight]] = []  # staged launches whose collectives ``launch`` posts
         self._unlaunched = not launch  # staged buckets whose collectives ``launch`` (or ``finish``) posts
         self._reserved: collections.deque[Reserved] | None = None
         grad_enabled = torch.is_grad_enabled()
@@ -647,24 +690,30 @@ class BucketGather:
         return reserved
 
     def _stage_ahead(self, launch: bool, finishing: int = 0) -> None:
-        """Stage (and launch) buckets until ``ahead`` are in flight beyond the ``finishing`` one."""
+        """Stage (and launch) launches until ``ahead`` are in flight beyond the ``finishing`` one."""
         reserved = self._reserved
-        while self._unstaged and len(self._flights) - finishing < self._ahead:
-            flight = stage_bucket(*self._unstaged.popleft(), self._receiver, self._host_copies,
-                                  None if reserved is None else reserved.popleft())
-            self._flights.append(flight)  # recorded before its collective is posted: never dropped
+        while self._unstaged and self._in_flight - finishing < self._ahead:
+            staged: list[InFlight] = []
+            for _ in range(self._launches.popleft()):
+                staged.append(stage_bucket(*self._unstaged.popleft(), self._receiver, self._host_copies,
+                                           None if reserved is None else reserved.popleft()))
+                self._flights.append(staged[-1])  # recorded before its collective is posted: never dropped
+            staged[-1].ends_launch = True
+            self._in_flight += 1
             if launch:
-                flight.launched(self._posted)
+                launched_together(staged, self._posted)
+            else:
+                self._to_launch.append(staged)
 
     def launch(self) -> None:
-        """Launch every staged bucket's collective, in bucket order. A collective; a no-op once done."""
+        """Launch every staged launch's collectives, in bucket order. A collective; a no-op once done."""
         try:
-            for flight in self._flights:
-                flight.launched(self._posted)
+            for staged in self._to_launch:
+                launched_together(staged, self._posted)
         except BaseException:
             self._drop()
             raise
-        self._unlaunched = False
+        self._to_launch, self._unlaunched = [], False
 
     def wait(self) -> Callable[[], object] | None:
         """Wait for every launched collective, in bucket order; ``finish`` copies out. The stream waits for batch
@@ -709,10 +758,11 @@ class BucketGather:
                 for b, full in zip(flight.bucket, _finish_bucket(flight, holds_fulls, out_device), strict=False):
                     results[b.position] = full
                 if work is not None:
-                    device = flight.output.device  # type: ignore[attr-defined]  # an AllGatherFlight: it posted
-                    self.last_work = work, device
-                    if self._unstaged:  # a bucket k + 2 is still to be posted: it will wait for this
-                        fence = completion((work,), device)
+                    self.last_work = work, flight.output.device  # type: ignore[attr-defined]  # it posted
+                if flight.ends_launch:
+                    self._in_flight -= 1
+                    if self._unstaged and self.last_work is not None:  # launch k + 2 will wait for this one
+                        fence = completion((self.last_work[0],), self.last_work[1])
                 flights.popleft()
                 del flight
             if self._fallback:
@@ -734,6 +784,7 @@ class BucketGather:
     def _drop(self) -> BaseException | None:
         """Wait for every launched collective and drop the rest. Raises nothing; returns the first failed wait."""
         flights, self._flights = list(self._flights), collections.deque()
+        self._to_launch, self._launches, self._in_flight = [], collections.deque(), 0
         if self._reserved is not None:
             self._reserved.clear()
         self._unstaged.clear()
@@ -780,7 +831,8 @@ def gather_full_tensors(
     try:
         gather = BucketGather(dtensors, bucket_bytes=bucket_bytes, receiver=receiver, ahead=1, plan=plan,
                               collective_bytes=collective_bytes, meshes=meshes, posted=posted,
-                              reserve=Reserve(holds_fulls, out_device), failure=failure)
+                              reserve=Reserve(holds_fulls, out_device), failure=failure,
+                              together=collective_bytes is not None)  # one unit: [Note: one launch a group]
         gathered = gather.finish(holds_fulls=holds_fulls, out_device=out_device)
     except BaseException:
         if paced is not None:
@@ -813,4 +865,4 @@ def start_gather(
     the group never holds more than one batch's collectives.
     """
     return BucketGather(dtensors, cast_to=cast_to, bucket_bytes=bucket_bytes, receiver=receiver, launch=launch,
-                        meshes=meshes, posted=posted)
+                        meshes=meshes, posted=posted, together=True)

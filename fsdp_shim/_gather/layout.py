@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fsdp_shim import _fsdp2 as fsdp2
-from fsdp_shim._compat import is_dim0_shard, is_replicate
+from fsdp_shim._compat import coalesces_all_gathers, is_dim0_shard, is_replicate
 
 
 #: Environment variable that overrides the default bucket cap, in MiB.
@@ -227,6 +227,7 @@ class BucketPlan(NamedTuple):
     #: What a summon allocates before its first collective, by who receives and what it keeps (``engine``'s
     #: ``reservation``): worked out once per plan.
     reservations: dict[Any, Any]
+    launches: list[int]  # buckets a launch, in bucket order ([Note: one launch a group] in ``engine``)
 
     def bind(self, dtensors: Sequence[DTensor]) -> list[list[BucketEntry]]:
         """The buckets, holding this call's DTensors (the last call's buckets, if they are the same objects:
@@ -242,11 +243,13 @@ class BucketPlan(NamedTuple):
 def bucket_plan(
     dtensors: Sequence[DTensor], bucket_bytes: int, cast_to: torch.dtype | None = None,
     reuse: BucketPlan | None = None, collective_bytes: int | None = None, meshes: Meshes = None,
+    together: bool = False,
 ) -> BucketPlan:
     """The plan for ``dtensors``: ``reuse`` if made for the same key (each spec by identity, local shape, dtype,
-    device; the caps and the cast), else a new one. ``meshes`` is not in the key: it is fixed for given
-    tensors, so a plan reused for the same key was made with them."""
-    key = (bucket_bytes, collective_bytes, cast_to,
+    device; the caps, the cast, ``together``), else a new one. ``meshes`` is not in the key: it is fixed for given
+    tensors, so a plan reused for the same key was made with them. ``together``: buckets that can share a launch
+    do (``launches``)."""
+    key = (bucket_bytes, collective_bytes, cast_to, together,
            *[(id(d._spec), t.shape, t.dtype, t.device) for d in dtensors for t in (d._local_tensor,)])
     if reuse is not None and reuse.key == key:
         return reuse
@@ -257,7 +260,24 @@ def bucket_plan(
         for bucket in buckets
     ]
     return BucketPlan(key, [[(b.position, b.layout) for b in bucket] for bucket in buckets], fallback,
-                      [d._spec for d in dtensors], shapes, [], {})
+                      [d._spec for d in dtensors], shapes, [], {}, _launches(buckets, shapes, together))
+
+
+def _launches(buckets: list[list[BucketEntry]], shapes: list[BucketShape], together: bool) -> list[int]:
+    """Buckets a launch, in order: with ``together``, each run of buckets on one process group, dtype and device
+    whose backend coalesces them; else one each. From global metadata: every rank launches alike."""
+    sizes: list[int] = []
+    last, coalesces = None, False
+    for bucket, shape in zip(buckets, shapes, strict=True):
+        layout, device = bucket[0].layout, torch.device(bucket[0].dtensor.device_mesh.device_type)
+        key = (layout.group, shape.dtype, device)
+        if together and key == last and coalesces:
+            sizes[-1] += 1
+            continue
+        if key != last:
+            last, coalesces = key, together and coalesces_all_gathers(layout.group, device)
+        sizes.append(1)
+    return sizes
 
 
 def split_into_buckets(
