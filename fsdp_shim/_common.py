@@ -1,7 +1,6 @@
 """What the rooms share, from public torch alone (refusing mode imports it too): the refusal of arguments FSDP1
-does not take, shared by both modes, the public unit helpers, and the one loop of every error path's undo
-(``run_each``). The ``recurse`` rule and routing are the scope room's (``_scope_rule``).
-"""
+does not take, the public unit helpers, and the one loop of every error path's undo (``run_each``). The ``recurse``
+rule and routing are the scope room's (``_scope_rule``)."""
 
 from __future__ import annotations
 

@@ -28,16 +28,15 @@ __all__ = ["agreed_grads", "gather_grads"]
 def agreed_grads(
     module: nn.Module, scope: Scope, dtensors: list[DTensor], writeback: bool, owner: LiveContext, posted: health.Call,
 ) -> tuple[list[tuple[int, DTensor]], list[dist.ProcessGroup], BaseException | None]:
-    """The gradients to gather, as every rank agrees; the process groups of those on another mesh, claimed
-    for ``owner``; and what making FSDP1's zeros raised on this rank, if anything (the parameters' gather
-    agrees on it before it gathers).
+    """The gradients to gather, as every rank agrees; the process groups of those on another mesh, claimed for
+    ``owner``; and what making FSDP1's zeros raised on this rank, if anything (the parameters' gather agrees on it).
 
-    Which gradients exist is rank-local, and the buckets a gather runs must not be, so the ranks agree first,
-    as FSDP1's ``unshard_grad`` does: a gradient no rank of its mesh has stays ``None``; one some ranks lack
-    is gathered with zeros there. One laid out otherwise than its parameter is gathered by its own spec where
-    every rank lays it out alike, else refused everywhere (zeros could not take its layout). The agreement is
-    the call's first collective: a fault from then on marks the call's groups, but a refusal made from the
-    agreed answer is alike on every rank, keeps them in step, and is raised once nothing else can fail."""
+    Which gradients exist is rank-local, and a gather's buckets must not be, so the ranks agree first, as FSDP1's
+    ``unshard_grad`` does: a gradient no rank of its mesh has stays ``None``; one some ranks lack is gathered with
+    zeros there. One laid out otherwise than its parameter is gathered by its own spec where every rank lays it out
+    alike, else refused everywhere (zeros could not take its layout). The agreement is the call's first collective:
+    a fault from then on marks the call's groups, but a refusal made from the agreed answer is alike on every rank,
+    keeps them in step, and is raised once nothing else can fail."""
     by_mesh: dict[int, list[int]] = {}
     meshes = scope.meshes
     agreement: list[Any] = []  # the meshes the agreement runs over
@@ -69,7 +68,7 @@ def agreed_grads(
                 if refusal is not None:
                     break
                 foreign.append((name, cast(DTensor, grad)))
-            chosen.append((index, grad))  # None: FSDP1's zeros, made below
+            chosen.append((index, grad))
         if refusal is None:  # gradients on another mesh: their groups checked, then claimed
             try:
                 groups = refuse_placements(foreign, writeback=writeback) if foreign else []

@@ -1,6 +1,5 @@
-"""The DTensor summon: one context object, from the call to the exit. It drives each parameter's
-``_param.SummonedParam`` and each FSDP2 group's ``_group.SummonedGroup``, as FSDP2's state drives its groups.
-"""
+"""The DTensor summon: one context object, from the call to the exit, driving each ``_param.SummonedParam``
+and each FSDP2 group's ``_group.SummonedGroup`` as FSDP2's state drives its groups."""
 
 from __future__ import annotations
 
@@ -46,7 +45,6 @@ from fsdp_shim._scope import (
 logger = logging.getLogger("fsdp_shim")
 
 
-#: FSDP1's parameters, in its order.
 _FSDP1_PARAMETERS = ("module", "recurse", "writeback", "rank0_only", "offload_to_cpu", "with_grads")
 _FSDP1_KEYWORDS = frozenset(_FSDP1_PARAMETERS)
 
@@ -90,23 +88,22 @@ def summon(
 
 
 # [Note: faults]
-# A failure before the body (on one rank or all, ``KeyboardInterrupt`` too) writes nothing, whatever
-# ``writeback`` says, and leaves the shards bit-identical: full tensors whose values never arrived must not
-# reach the weights. A failure in the body keeps FSDP1's rule: writeback still applies, all or nothing, and
-# the body's error propagates. Every posted collective is waited for before an error leaves, so a fault
-# alike on every rank leaves the group usable; after a one-sided one this rank marks the group out of step
-# (``_health``, ``docs/troubleshooting.md``).
+# A failure before the body (on one rank or all, ``KeyboardInterrupt`` too) writes nothing, whatever ``writeback``
+# says, and leaves the shards bit-identical: full tensors whose values never arrived must not reach the weights. A
+# failure in the body keeps FSDP1's rule: writeback still applies, all or nothing, and the body's error propagates.
+# Every posted collective is waited for before an error leaves, so a fault alike on every rank leaves the group
+# usable; after a one-sided one this rank marks the group out of step (``_health``, ``docs/troubleshooting.md``).
 #
 # [Note: exit always restores]
-# Inspection reads the slots, so it precedes their restore; the writeback comes last, onto restored shards.
-# Whatever raises on the way, ``KeyboardInterrupt`` too, ``_release`` runs first and in full, then the error
-# propagates; after a failed inspection nothing is written; grad mode is put back. The release is idempotent
-# (each step forgets what it undid only once undone) and runs again when cut short, so an interrupt at any of
-# its calls is finished by the second pass (``tests/test_interrupts.py`` injects at each).
+# Inspection reads the slots, so it precedes their restore; the writeback comes last, onto restored shards. Whatever
+# raises on the way, ``KeyboardInterrupt`` too, ``_release`` runs first and in full, then the error propagates; after
+# a failed inspection nothing is written; grad mode is put back. The release is idempotent (each step forgets what it
+# undid only once undone) and runs again when cut short, so an interrupt at any of its calls is finished by the
+# second pass (``tests/test_interrupts.py`` injects at each).
 class DTensorSummon:
     """``summon_full_params`` for DTensors, single-use; the registry's ``LiveContext``. ``__enter__`` refuses,
-    prepares, gathers and installs, in an order that keeps every rank's collectives aligned, or undoes what it
-    did; ``__exit__`` restores, also when the body raised ([Note: faults], [Note: exit always restores])."""
+    prepares, gathers and installs, every rank's collectives aligned, or undoes what it did; ``__exit__``
+    restores ([Note: faults], [Note: exit always restores])."""
 
     __slots__ = ("module", "recurse", "writeback", "rank0_only", "offload_to_cpu", "with_grads", "cap", "_modules",
                  "_entered", "thread", "scope", "summoned", "groups", "conversions", "_forward_refusal", "_body_ran",
@@ -174,7 +171,7 @@ class DTensorSummon:
         self._holds_fulls = holds_fulls
         posted, grad_inputs, failure = health.Call(), None, None
         try:  # left part way once a collective was posted, this rank marks the call's groups
-            if self.with_grads:  # which exist anywhere, agreed by every rank; those on another mesh claimed
+            if self.with_grads:
                 grad_inputs, grad_groups, failure = agreed_grads(self.module, scope, dtensors, self.writeback, self,
                                                                  posted)
                 if grad_groups:
@@ -197,8 +194,7 @@ class DTensorSummon:
             _log_gathered(self, dtensors, started)
 
     def restore(self) -> None:
-        """Hooks off, inspect, release, then replay and write back if the body ran ([Note: exit always
-        restores])."""
+        """Hooks off, inspect, release, then replay and write back if the body ran ([Note: exit always restores])."""
         inspected, released, grad_enabled = False, False, torch.is_grad_enabled()
         try:
             try:
@@ -240,8 +236,7 @@ class DTensorSummon:
             raise first
 
     def _release_after(self, error: BaseException, grad_enabled: bool | None = None) -> None:
-        """``_release`` after a failed entry or exit, twice if cut short; a failure of the second is logged,
-        so that the caller sees ``error``."""
+        """``_release`` after a failed entry or exit, twice if cut short; the second's failure is logged."""
         try:
             try:
                 self._release()
@@ -289,8 +284,7 @@ def _log_gathered(context: DTensorSummon, dtensors: list[DTensor], started: floa
 def _scope_of_call(
     module: nn.Module, recurse: bool, writeback: bool, thread: int, modules: list[nn.Module] | None
 ) -> tuple[Scope, CachedSummon | None]:
-    """What this call covers, leaving out what this thread's enclosing contexts hold; and the unit's
-    cached summon, if it can have one."""
+    """What this call covers, less what this thread's enclosing contexts hold; and the unit's cached summon, if any."""
     if not health.has_live_context(thread):
         return cached_scope(module, recurse, modules)
     mine, modules = enclosing_slots(module, recurse, thread, modules)  # ties made inside them too
@@ -301,17 +295,13 @@ def _scope_of_call(
 
 
 def _prepare(scope: Scope, resolved: list[DTensor], groups: list[SummonedGroup]) -> list[DTensor]:
-    """FSDP2's groups in scope brought to a known state, all local: the root lazily initialised, then each
-    group prepared (resets adopted, units left unsharded resharded). Returns the DTensors to gather:
-    ``resolved`` unless a lazy init or an adoption ran, which may replace a parameter (resharding puts back
-    the objects already resolved).
+    """FSDP2's groups in scope brought to a known state, all local: the root lazily initialised, then each group
+    prepared (resets adopted, units left unsharded resharded). Returns the DTensors to gather: ``resolved`` unless
+    a lazy init or an adoption ran, which may replace a parameter (resharding puts back the objects resolved).
 
-    A unit left unsharded (the root after forward, ``reshard_after_forward=False``) is resharded and gathered
-    from its sharded parameters, as FSDP2's ``state_dict()`` does: the optimizer updates those, and the
-    unsharded copy may be stale (a step after a ``no_grad`` forward). It stays sharded after exit, unlike
-    FSDP1's "storage behaviour the same as forward": in plain FSDP2, training from units a ``no_grad``
-    forward left unsharded drifts, and is exact after ``reshard()`` (``docs/semantics.md``).
-    """
+    A unit left unsharded (the root after forward, ``reshard_after_forward=False``) is gathered from its sharded
+    parameters, as FSDP2's ``state_dict()`` does: the optimizer updates those, and the unsharded copy may be stale.
+    It stays sharded after exit, unlike FSDP1 (why: ``docs/semantics.md``)."""
     changed = fsdp2.lazy_init_root(states_of(scope))
     for group in groups:
         changed = group.prepare() or changed
@@ -327,17 +317,16 @@ def _prepare(scope: Scope, resolved: list[DTensor], groups: list[SummonedGroup])
 
 
 # [Note: every rank decides alike]
-# Whatever chooses a call's collectives (whether any, which tensors, which buckets, a refusal) reads only
-# state every rank shares: arguments, the module tree, FSDP2's state, DTensor specs, and the registry, which
-# records every live context on every rank, holder of full tensors or not. Never what one rank holds (full
-# tensors under ``rank0_only``, slot contents, ``.grad``): a slot tied to a live summon's tensor is that
-# summon's on every rank; a nested call its enclosing contexts cover runs no collective anywhere (FSDP1's
-# answer); which gradients exist is agreed by an all-reduce first, as FSDP1 does. Out-of-step marks are
-# rank-local by nature. Exit and writeback run no collective. CI runs the suite once under
-# ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, which fails at the first mismatched collective.
+# Whatever chooses a call's collectives (whether any, which tensors, which buckets, a refusal) reads only state
+# every rank shares: arguments, the module tree, FSDP2's state, DTensor specs, and the registry, which records every
+# live context on every rank, holder of full tensors or not. Never what one rank holds (full tensors under
+# ``rank0_only``, slot contents, ``.grad``): a slot tied to a live summon's tensor is that summon's on every rank; a
+# nested call its enclosing contexts cover runs no collective anywhere (FSDP1's answer); which gradients exist is
+# agreed by an all-reduce first, as FSDP1 does. Out-of-step marks are rank-local by nature. Exit and writeback run
+# no collective. CI runs the suite once under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (fails at the first mismatch).
 
 # [Note: hot path]
-# The weight-sync loop enters one summon a unit, so on NCCL a warm summon's host time is what users wait
-# for (``docs/host-cost.md``). Each shortcut marked with this note stays only while ``scripts/fake_bench.py``
-# shows it pays: the summon and layout caches, one collective a dtype, a slotted context whose
-# ``SummonedParam``s one ``map`` makes, the C ``no_grad`` switch, the root state listed first.
+# The weight-sync loop enters one summon a unit, so on NCCL a warm summon's host time is what users wait for
+# (``docs/host-cost.md``). Each shortcut marked with this note stays only while ``scripts/fake_bench.py`` shows it
+# pays: the summon and layout caches, one collective a dtype, a slotted context whose ``SummonedParam``s one ``map``
+# makes, the C ``no_grad`` switch, the root state listed first.
