@@ -108,12 +108,12 @@ def all_fsdp_states() -> list[FSDPState]:
 
 
 def param_groups(state: FSDPState) -> list[FSDPParamGroup]:
-    """The state's param groups: up to torch 2.11 one ``FSDPState._fsdp_param_group`` attribute; from 2.12 a
-    list, ``_fsdp_param_groups`` (the singular then a property)."""
+    """The state's param groups: the list ``_fsdp_param_groups`` from torch 2.12 (the singular then a property),
+    one ``_fsdp_param_group`` before."""
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is not None:
         return list(groups)
-    group = getattr(state, "_fsdp_param_group", None)  # torch <= 2.11
+    group = getattr(state, "_fsdp_param_group", None)
     return [group] if group is not None else []
 
 
@@ -153,9 +153,8 @@ _CACHE_ATTR = "_fsdp_shim_summon_cache"
 
 
 def unit_summon_cache(module: nn.Module) -> dict[Any, Any] | None:
-    """The dict fsdp_shim keeps cached summons in, on the FSDP2 state of ``module`` (made on first use), if
-    ``module`` is an FSDP2 unit, else None. On the state it lives as long as the unit does, where a global
-    map would keep every model alive."""
+    """The dict of cached summons on ``module``'s FSDP2 state (made on first use: [Note: summon cache]), or None
+    if ``module`` is not an FSDP2 unit."""
     if not isinstance(module, FSDPModule):
         return None
     state = _get_module_fsdp_state(module)
@@ -202,32 +201,29 @@ def busy_training_state(states: list[FSDPState], groups: list[FSDPParamGroup]) -
 def _roots_by_module() -> dict[int, FSDPState]:
     """For each module below a live FSDP2 state, the topmost state above it (by ``id(module)``)."""
     states = [s for s in all_fsdp_states() if len(s._modules) == 1]
-    # Largest trees first: a module is claimed by the topmost state above it.
     trees = sorted(((s, list(s._modules[0].modules())) for s in states), key=lambda t: -len(t[1]))
     roots: dict[int, FSDPState] = {}
     for state, modules in trees:
         if id(state._modules[0]) in roots:
-            continue  # inside a larger tree, already claimed
+            continue
         for module in modules:
             roots.setdefault(id(module), state)
     return roots
 
 
 def lazy_init_root(states: list[FSDPState]) -> bool:
-    """Lazily initialise the FSDP2 root above ``states``, as a first forward would; whether it did.
+    """Lazily initialise the FSDP2 root above ``states``, as a first forward would; whether it did (local).
 
-    [Note: lazy init on entry]
-    A context marks FSDP2's post-init group state (on 2.7 the root's init sets ``post_forward_mesh_info=None``
-    unconditionally: an unmark would undo it), so entry initialises, as FSDP1's summon does, the topmost
-    state above the summoned module (the one a forward through the model picks), never the unit itself: else
-    a cold ``summon(model.policy)`` would make an inner unit a root, and FSDP2 refuses every later forward
-    through the real one. Outside ``inference_mode`` even when entered inside it (on 2.7 the reset rebuilds the
-    shards' data, which would become inference tensors). Local; a no-op once initialised. A tree where a unit
-    already became a root of its own is left for FSDP2 to refuse, as it would without us; groups whose root
-    cannot be initialised (``fully_shard([a, b])`` at the top) are adopted instead (``adopt_module_params``).
+    A context marks FSDP2's post-init group state (2.7's root init sets ``post_forward_mesh_info=None``
+    unconditionally: an unmark would undo it), so entry initialises, as FSDP1's summon does, the topmost state
+    above the summoned module (the one a forward through the model picks), never the unit: a cold
+    ``summon(model.policy)`` would make an inner unit a root, and FSDP2 refuses every later forward through the
+    real one. Outside ``inference_mode`` (2.7's reset rebuilds the shards' data, which would become inference
+    tensors). A tree where a unit already became a root is left for FSDP2 to refuse; groups whose root cannot be
+    initialised (``fully_shard([a, b])`` at the top) are adopted instead (``adopt_module_params``).
     """
     if all(s._is_root is not None for s in states):
-        return False  # no-op: already initialised
+        return False
     initialised = False
     live = [s for s in all_fsdp_states() if len(s._modules) == 1]
     roots = _roots_by_module()
@@ -237,22 +233,18 @@ def lazy_init_root(states: list[FSDPState]) -> bool:
         root = roots.get(id(state._modules[0]), state)
         tree = [s for s in live if roots.get(id(s._modules[0])) is root]
         if all(s._is_root is None for s in tree):
-            with torch.inference_mode(False):  # see [Note: lazy init on entry]
+            with torch.inference_mode(False):
                 root._lazy_init()
             initialised = True
     return initialised
 
 
 def adopt_module_params(group: FSDPParamGroup) -> bool:
-    """Run the parameter reset FSDP2's lazy init would run, if it has not yet.
-
-    Before the first forward, FSDP2 adopts whatever tensor the module attribute
-    holds as the sharded parameter (``model.to()``, ``load_state_dict(assign=True)``).
-    Doing it now, while the attributes are still FSDP2's, means a first forward
-    inside the context cannot adopt a full tensor instead. Returns whether it reset anything.
-    """
+    """Run the parameter reset FSDP2's lazy init would, if it has not yet; whether it did. Until then FSDP2 adopts
+    whatever the module attribute holds (``model.to()``, ``load_state_dict(assign=True)``): done now, while the
+    attributes are FSDP2's, a first forward inside a context cannot adopt a full tensor."""
     if group.is_sharded and not group._reset_sharded_params:  # every summon asks: no decorator on the way
-        with torch.no_grad(), torch.inference_mode(False):  # see [Note: lazy init on entry]
+        with torch.no_grad(), torch.inference_mode(False):  # as ``lazy_init_root``
             for fsdp_param in group.fsdp_params:
                 fsdp_param.reset_sharded_param()
         group._reset_sharded_params = True
@@ -261,12 +253,8 @@ def adopt_module_params(group: FSDPParamGroup) -> bool:
 
 
 def reshard_group(group: FSDPParamGroup) -> None:
-    """Free the unsharded copy and register the sharded parameters, as ``reshard()`` does.
-
-    Used for units an earlier forward left unsharded (the root, or
-    ``reshard_after_forward=False``); ``state_dict()``'s pre-hook does the
-    same. The next forward all-gathers again (``_summon._prepare``).
-    """
+    """Free the unsharded copy and register the sharded parameters, as ``reshard()`` and ``state_dict()``'s
+    pre-hook do, for a unit an earlier forward left unsharded (the root, or ``reshard_after_forward=False``)."""
     if not group.is_sharded:
         group._to_sharded()
 
@@ -284,8 +272,8 @@ def order_after_writeback(states: list[FSDPState]) -> None:
         seen.add(id(context))
         event = getattr(context, "post_optim_event", None)  # optional: torch >= 2.7 has it
         if event is not None:
-            event.wait()  # the current stream after the user's recording (another stream's, perhaps) ...
-            event.record()  # ... and the event after the writeback: both orderings hold
+            event.wait()
+            event.record()
 
 
 def group_params(group: FSDPParamGroup) -> list[FSDPParam]:
@@ -296,12 +284,8 @@ def group_params(group: FSDPParamGroup) -> list[FSDPParam]:
 # -- what the patch writes on FSDP2's classes (listed in ``READS`` too) ---------------------------
 
 def wrap_state_init(wrapper: Any) -> Any:
-    """Put ``wrapper`` (a wrapt wrapper function) around ``FSDPState.__init__``; returns the handle.
-
-    ``fully_shard``'s ``contract`` builds the state before it registers
-    anything on the module, so a wrapper that raises leaves the module untouched
-    (``_patching``'s guard against ``fully_shard`` inside a context).
-    """
+    """``wrapper`` (wrapt's) around ``FSDPState.__init__``; returns the handle. ``fully_shard``'s ``contract``
+    builds the state before it registers anything on the module: a wrapper that raises leaves it untouched."""
     return wrapt.wrap_function_wrapper(FSDPState, "__init__", wrapper)
 
 
@@ -316,8 +300,7 @@ GUARDED_CALLS = ("reshard", "unshard", "set_reshard_after_forward")
 
 
 def wrap_guarded_calls(wrapper: Any) -> list[tuple[str, Any]]:
-    """Put ``wrapper`` (a wrapt wrapper function) around each of ``GUARDED_CALLS`` this torch has;
-    returns ``(name, handle)`` pairs."""
+    """``wrapper`` (wrapt's) around each of ``GUARDED_CALLS`` this torch has; returns ``(name, handle)`` pairs."""
     return [(name, wrapt.wrap_function_wrapper(FSDPModule, name, wrapper))
             for name in GUARDED_CALLS if hasattr(FSDPModule, name)]
 
@@ -357,7 +340,7 @@ def override_methods(name: str, methods: Iterable[tuple[nn.Module, Callable[...,
     context's); each recorded in ``overridden`` before it is installed (``restore_methods`` finds it)."""
     for module, method in methods:
         if name not in module.__dict__:
-            overridden.append(module)  # recorded before it is installed
+            overridden.append(module)
             module.__dict__[name] = method
 
 
@@ -432,8 +415,7 @@ def has_cast_walk(state_module: types.ModuleType) -> bool:
 
 
 def wrap_cast_walks(state_module: types.ModuleType, wrapper: Any) -> dict[str, Any]:
-    """Put ``wrapper`` (a wrapt wrapper function) around each of ``CAST_WALKS`` ``state_module`` has;
-    returns ``{name: handle}``."""
+    """``wrapper`` (wrapt's) around each of ``CAST_WALKS`` ``state_module`` has; returns ``{name: handle}``."""
     return {name: wrapt.wrap_function_wrapper(state_module, name, wrapper)
             for name in CAST_WALKS if callable(getattr(state_module, name, None))}
 
@@ -444,20 +426,16 @@ def unwrap_cast_walks(state_module: types.ModuleType, handles: dict[str, Any]) -
 
 
 def param_dtype_for_forward(group: FSDPParamGroup, fsdp_param: FSDPParam) -> torch.dtype | None:
-    """The dtype FSDP2 would compute this parameter in, if it differs from the stored one.
-
-    FSDP2's lazy init resolves it per parameter (``FSDPParam.param_dtype``,
-    ``None`` for no cast). Before that (a group whose root cannot be
-    initialised) the policy is read where this release keeps it: per
-    parameter from 2.15 (``param_dtype_override_fn``; ``FSDPParam.mp_policy``,
-    the group has none), on the group (``mp_policy``) before.
-    """
-    if hasattr(fsdp_param, "param_dtype"):  # set by init_dtype_attrs at lazy init, every release
+    """The dtype FSDP2 would compute this parameter in, if it differs from the stored one. Lazy init resolves
+    it per parameter (``FSDPParam.param_dtype``, None for no cast); before that (a group whose root cannot be
+    initialised) it is read from the policy: the parameter's from 2.15 (``FSDPParam.mp_policy``, for
+    ``param_dtype_override_fn``), the group's before."""
+    if hasattr(fsdp_param, "param_dtype"):
         dtype = fsdp_param.param_dtype
     else:
-        policy = getattr(fsdp_param, "mp_policy", None)  # torch >= 2.15: resolved per parameter
+        policy = getattr(fsdp_param, "mp_policy", None)
         if policy is None:
-            policy = group.mp_policy  # torch <= 2.14
+            policy = group.mp_policy
         dtype = policy.param_dtype
     if dtype is None or dtype == fsdp_param.sharded_param.dtype or not fsdp_param.sharded_param.is_floating_point():
         return None
@@ -473,15 +451,9 @@ Suspended = list[tuple[dict[int, Any], int, Any]]
 
 
 def suspend_hooks(sites: Iterable[HookSite], suspended: Suspended) -> None:
-    """Make the hook at each site a no-op for a while (one already suspended, or gone, is left
-    alone), recording it in ``suspended``; ``resume_hooks`` gives each back in its own place.
-
-    A hook's dict entry keeps its key and position and only its value is
-    swapped, so the hook order stays exactly as it was, with nothing to
-    reorder on resume. The entries hold the hook dicts themselves: a summon
-    suspends and resumes its hooks within one context, while its modules are
-    alive.
-    """
+    """Make the hook at each site a no-op (one already suspended, or gone, is left alone), recorded in
+    ``suspended`` for ``resume_hooks``. Only the entry's value is swapped: key, position and hook order stay.
+    The records hold the hook dicts, alive while the summon's modules are (one context suspends and resumes)."""
     for hooks, hook_id in sites:
         hook = hooks.get(hook_id)
         if hook is not None and hook is not _suspended_hook:
@@ -560,20 +532,14 @@ class GroupMark:
 
 
 # [Note: summoned groups]
-# While a context owns a unit's module attributes, FSDP2 must neither all-gather
-# over them (its forward pre-hook would) nor put its sharded parameters back
-# (its forward post-hook and its ``state_dict()`` pre-hook would). A group
-# whose every parameter is summoned is therefore *marked*: its sharded state
-# reads UNSHARDED, so ``unshard()`` is a no-op, and ``post_forward_mesh_info``
-# is ``None``, so ``reshard()`` in forward is a no-op; its ``to_sharded``
-# state-dict save and load pre-hooks are suspended (``group_hook_sites``;
-# ``load_post_hook_sites`` names the per-parameter load post-hooks, suspended
-# for every summoned parameter, marked group or not). Its own all-gather buffers stay freed,
-# since the group really is sharded underneath. From torch 2.14 the forward
-# pre-hook also reads each parameter's ``unsharded_param`` after its (no-op)
-# ``unshard()``; a group never all-gathered has none, so the mark lends the
-# summoned full parameter for the duration. ``unmark`` restores all of it
-# exactly.
+# While a context owns a unit's module attributes, FSDP2 must neither all-gather over them (its forward
+# pre-hook would) nor put its sharded parameters back (its forward post-hook and ``state_dict()`` pre-hook
+# would). A group whose every parameter is summoned is *marked*: its sharded state reads UNSHARDED
+# (``unshard()`` a no-op), ``post_forward_mesh_info`` is None (``reshard()`` in forward a no-op), its
+# ``to_sharded`` state-dict pre-hooks are suspended (``group_hook_sites``), as is every summoned parameter's
+# load post-hook (``load_post_hook_sites``), marked group or not. Its all-gather buffers stay freed: it is
+# sharded underneath. From 2.14 the pre-hook also reads each parameter's ``unsharded_param``; a group never
+# all-gathered has none, so the mark lends the summoned full parameter. ``unmark`` restores all exactly.
 def mark_summoned(mark: GroupMark) -> None:
     """Make FSDP2 leave the group's module attributes alone (see [Note: summoned groups]). Called once every
     parameter of the group holds its summoned full parameter, with the group's ``GroupMark.of``, which the
@@ -581,7 +547,7 @@ def mark_summoned(mark: GroupMark) -> None:
     group = mark.group
     try:
         for fsdp_param in group.fsdp_params:
-            if getattr(fsdp_param, "_unsharded_param", None) is None:  # torch >= 2.14 reads it in pre_forward
+            if getattr(fsdp_param, "_unsharded_param", None) is None:
                 info = fsdp_param._module_info
                 mark.lent_unsharded.append(fsdp_param)  # recorded first: ``unmark`` pops what is not there
                 fsdp_param._unsharded_param = info.module._parameters[info.param_name]  # type: ignore[assignment]  # a registered parameter: never None
@@ -632,8 +598,7 @@ def root_modules(states: list[FSDPState]) -> list[nn.Module]:
 
 def shard_rank(group: FSDPParamGroup) -> int:
     """This rank's coordinate in the group's FSDP shard group (what FSDP1 calls its rank)."""
-    # FSDPMeshInfo (HSDP's subclass too) has shard_mesh_rank; the annotation names the base class.
-    return int(group.mesh_info.shard_mesh_rank)  # type: ignore[attr-defined]  # see the line above
+    return int(group.mesh_info.shard_mesh_rank)  # type: ignore[attr-defined]  # FSDPMeshInfo's (annotated: its base)
 
 
 def gather_mesh(fsdp_param: FSDPParam) -> Any:
@@ -672,18 +637,11 @@ def cuda_backend_name(group: dist.ProcessGroup) -> str | None:
         return None
 
 
-# -- the probe: what this module reads, and whether this torch has it all ----------------------
-# ``READS`` names every FSDP2 (and c10d) internal read above; ``missing_internals``
-# checks them against the installed torch, without a process group.
-
-# [Note: internals probe]
-# What this package reads of FSDP2 and c10d, by owner. A method must be an
-# attribute of its class; a field (set on instances, so invisible on the
-# class) must be named somewhere in the class: an annotation, or an attribute
-# any of its methods loads or stores. A name listed as a tuple needs one of
-# its alternatives (releases differ). Methods include properties. Attributes read with a ``getattr``
-# default are optional and not listed. The probe is static, so it runs
-# without a process group, once, at activation on an unverified torch.
+# -- the probe: what this module reads and writes (``READS``), and whether this torch has it all ---------
+# By owner. A method (or property) must be an attribute of its class; a field, set on instances, must be named
+# in the class: an annotation, or an attribute one of its methods loads or stores. A tuple needs one of its
+# alternatives (releases differ). What is read with a ``getattr`` default is optional and not listed. Static:
+# ``missing_internals`` runs without a process group, once, at activation on an unverified torch.
 _METHODS: dict[type, tuple[str, ...]] = {
     FSDPModule: ("_apply",),  # bypassed inside contexts, replayed
     FSDPState: ("_lazy_init",),
@@ -708,9 +666,8 @@ _STATE_MODULE_NAMES: tuple[str | tuple[str, ...], ...] = (CAST_FN, CAST_WALKS)
 #: own it keeps on states and groups (``unit_summon_cache``, ``group_hook_sites``: nothing to probe).
 _OVERRIDDEN: tuple[str, ...] = ("_apply", "_call_impl")
 _STASHED: dict[type, tuple[str, ...]] = {FSDPState: (_CACHE_ATTR,), FSDPParamGroup: (_SITES_ATTR,)}
-#: What the patch writes on FSDP2's classes: the methods it wraps (``wrap_state_init``, ``wrap_guarded_calls``;
-#: probed as methods, though ``set_reshard_after_forward`` is wrapped where it exists: 2.7 lacks it) and the
-#: attribute it adds (``add_instance_form``: nothing to probe).
+#: What the patch writes on FSDP2's classes: the methods it wraps (probed; 2.7 lacks ``set_reshard_after_forward``,
+#: wrapped where it exists) and the attribute it adds (``add_instance_form``: nothing to probe).
 _WRAPPED: dict[type, tuple[str, ...]] = {FSDPState: ("__init__",), FSDPModule: GUARDED_CALLS}
 _ADDED: dict[type, tuple[str, ...]] = {FSDPModule: (INSTANCE_FORM,)}
 

@@ -1,8 +1,6 @@
-"""Which parameters a call covers: ties, FSDP2 ownership, what enclosing contexts hold, and the summon cache;
-the modules it covers by the ``recurse`` rule, which is ``_scope_rule``'s (refusing mode routes by it without this
-module, whose imports need FSDP2's internals).
-A slot FSDP2 manages may hold its plain unsharded tensor (after forward), so it is resolved through its
-``FSDPParam``, whose sharded DTensor is what is gathered.
+"""Which parameters a call covers (its modules by ``_scope_rule``'s ``recurse`` rule): ties, FSDP2 ownership, what
+enclosing contexts hold; the summon cache. A slot FSDP2 manages may hold its plain unsharded tensor (after
+forward), so it is resolved through its ``FSDPParam``, whose sharded DTensor is what is gathered.
 """
 
 from __future__ import annotations
@@ -271,9 +269,6 @@ def states_of(scope: Scope) -> list[fsdp2.FSDPState]:
     return scope.involved_states
 
 
-# -- the summon cache ---------------------------------------------------------
-
-
 Fingerprint = tuple[tuple[Any, ...], ...]
 
 
@@ -302,10 +297,10 @@ class CachedSummon:
     - every object named by identity is alive (held weakly: a freed one's id may be reused);
     - its scope owns every parameter slot in it: an owner found by searching every state may change with any
       ``fully_shard``, so such a scope is never stored.
-    Never cached: a call inside an enclosing context of the same thread, a module that is not a unit. What
-    may change under the same tree (training state, threads, untracked slots, the meta device, live groups)
-    is checked on every call; the spec checks are skipped only for the very spec objects that passed, and
-    the bucket plan checks its own key. Only ``states_of`` writes to the shared ``scope``.
+    Never cached: a call inside an enclosing context of the same thread, a module that is not a unit. What may
+    change under the same tree (training state, threads, untracked slots, the meta device, live groups) is
+    checked on every call; spec checks are skipped only for the very spec objects that passed, the bucket plan
+    checks its own key. Only ``states_of`` writes to the shared ``scope``.
     """
 
     scope: Scope
@@ -345,7 +340,7 @@ def cached_scope(
     """The scope of a summon from outside any context, and the cached summon that serves it, if it can
     have one: the stored one while it matches, else a new one."""
     cache = fsdp2.unit_summon_cache(module)
-    if cache is None:  # not a unit: nowhere to keep one
+    if cache is None:
         return collect_scope(module, recurse, modules=modules), None
     key = (id(module), recurse)
     cached = cache.get(key)
