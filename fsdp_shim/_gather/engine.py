@@ -1,13 +1,11 @@
 """The gather engine (FSDP2's ``_fsdp_collectives``, for buckets): DTensors in, full tensors out.
 
 Stages a bucket (``stage_bucket``: output, copy-in), launches, waits and copies out, with the ``full_tensor()``
-fallback, through one driver (``BucketGather``) that the summon (``gather_full_tensors``) and the stream
-(``start_gather``) share. It knows nothing of modules or FSDP state, and keeps nothing between calls.
-
-Invariants: every posted work is waited for, whatever raises; no rank runs more than two buckets or batches
-past the last one it saw complete; what a call posted, and what may never complete, goes on the call's record
-(``Posted``), whose owner marks its groups. ``docs/gather-engine.md`` maps the notes and their measurements.
-"""
+fallback, through one driver (``BucketGather``) shared by the summon (``gather_full_tensors``) and the stream
+(``start_gather``). It knows nothing of modules or FSDP state, and keeps nothing between calls. Invariants: every
+posted work is waited for, whatever raises; no rank runs more than two buckets or batches past the last one it saw
+complete; what a call posted, and what may never complete, goes on the call's record (``Posted``), whose owner
+marks its groups. ``docs/gather-engine.md`` maps the notes and their measurements."""
 
 from __future__ import annotations
 
@@ -42,13 +40,12 @@ logger = logging.getLogger("fsdp_shim")
 
 _CPU = torch.device("cpu")
 
-#: ``all_gather_into_tensor`` was renamed ``all_gather_single`` in 2.13 (the old name warns).
 _ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 
 
 def all_gather_single(*args: Any, **kwargs: Any) -> Any:
-    """``dist.all_gather_single`` (``all_gather_into_tensor`` before 2.13), looked up at each call: whatever
-    wraps ``torch.distributed`` (a tracer, the tests' faults) sees the shim's collectives too."""
+    """``dist.all_gather_single`` (``all_gather_into_tensor`` before 2.13; the old name warns since), looked up at
+    each call: whatever wraps ``torch.distributed`` (a tracer, the tests' faults) sees the shim's collectives too."""
     return getattr(dist, _ALL_GATHER)(*args, **kwargs)
 
 
@@ -84,8 +81,7 @@ class InFlight:
 
 @dataclass(eq=False)
 class InPlace(InFlight):
-    """No collective: a shard group of one, or nothing to move. ``padded_fulls``: None where this rank keeps
-    nothing."""
+    """No collective: a shard group of one, or nothing to move. ``padded_fulls``: None where this rank keeps nothing."""
 
     padded_fulls: list[torch.Tensor] | None = None
 
@@ -98,8 +94,8 @@ class InPlace(InFlight):
 @dataclass(eq=False)
 class AllGatherFlight(InFlight):
     """A bucket all-gathered into one flat output of ``W`` rank blocks, copied out afterwards. ``launch``: the
-    collective, until launched; ``gather_input``: what it sends (this rank's block of ``output``, or a shard as
-    it is), held until waited for."""
+    collective, until launched; ``gather_input``: what it sends (its block of ``output``, or a shard as it is), held
+    until waited for."""
 
     output: torch.Tensor | None = None
     blocks: int = 0  # the rank blocks of ``output`` that hold rows (``BucketShape.blocks``)
@@ -147,11 +143,9 @@ def copy_in(
     block: torch.Tensor, unpadded: bool, host_copies: list[Any] | None = None,
 ) -> torch.Tensor:
     """This rank's padded shards, back to back, in ``block`` (its block of the output): the all-gather's input.
-    A bucket of one whose shard needs no padding, cast or move is its own input ([Note: a bucket of one]).
-
-    Shards in host memory (``CPUOffloadPolicy``) move by a ``non_blocking`` copy, which a host write (an
-    optimizer step right after the summon) could tear: each records an event on ``host_copies``, and the
-    gather synchronises the last before it returns (``BucketGather.finish``).
+    A bucket of one whose shard needs no padding, cast or move is its own input ([Note: a bucket of one]). Shards in
+    host memory (``CPUOffloadPolicy``) move by a ``non_blocking`` copy, which a host write (an optimizer step right
+    after the summon) could tear: each records an event on ``host_copies``, synchronised in ``BucketGather.finish``.
     """
     per_rank = sum(split_sizes)
     shards = [s if type(s) is torch.Tensor else gathered_local(s)  # a cast wrapper: its master (_compat)
@@ -173,7 +167,7 @@ def copy_in(
             piece[numel:].zero_()
     torch._foreach_copy_(destinations, sources, non_blocking=True)  # casts and moves in the same pass
     if host_copies is not None and device.type != "cpu" and sources[0].device.type == "cpu":
-        event = getattr(torch, device.type).Event()  # synchronised in ``BucketGather.finish``
+        event = getattr(torch, device.type).Event()
         event.record()
         host_copies.append(event)
     return block
@@ -218,9 +212,8 @@ def _start_alone(
     bucket: list[BucketEntry], split_sizes: list[int], dtype: torch.dtype, device: torch.device,
     padded_fulls: list[torch.Tensor] | None = None,
 ) -> InFlight:
-    """A shard group of one rank (one GPU, HSDP with one shard a replica): each full tensor a fresh copy of
-    its shard, never an alias, so ``writeback=False`` edits are discarded as FSDP1 discards them.
-    ``padded_fulls``: where the copies go, if reserved."""
+    """A shard group of one rank (one GPU, HSDP with one shard a replica): each full tensor a fresh copy of its
+    shard (``padded_fulls``, if reserved), never an alias, so ``writeback=False`` edits are discarded as in FSDP1."""
     if padded_fulls is None:
         padded_fulls = [torch.empty(padded, dtype=dtype, device=device) for padded in split_sizes]
     shards = [s if type(s) is torch.Tensor else gathered_local(s) for s in [b.dtensor._local_tensor for b in bucket]]
@@ -253,8 +246,6 @@ class Reserved(NamedTuple):
 
 
 class _Own(NamedTuple):
-    """A tensor of its own."""
-
     numel: int
     dtype: torch.dtype
     device: torch.device
@@ -295,10 +286,9 @@ def reservation(plan: BucketPlan, buckets: Sequence[list[BucketEntry]], receiver
                 dtensors: Sequence[DTensor], meshes: Meshes) -> Reservation:
     """What ``reserve_buffers`` allocates for ``plan``'s buckets, worked out once and kept on the plan.
 
-    Outputs nobody keeps take turns in one buffer per device, a launch's outputs one turn, even turns at its
-    front, odd at its back, so launches ``k`` and ``k + 1`` (in flight together) never overlap. The agreement's
-    groups are every dim of every mesh, in first-seen order: ranks' own groups differ, whole meshes do not.
-    """
+    Outputs nobody keeps take turns in one buffer per device, a launch's outputs one turn, even turns at its front,
+    odd at its back, so launches ``k`` and ``k + 1`` (in flight together) never overlap. The agreement's groups are
+    every dim of every mesh, in first-seen order: ranks' own groups differ, whole meshes do not."""
     sizes: dict[torch.device, list[int]] = {}  # each device's outputs nobody keeps: bytes a launch, in turn order
     last_launch: dict[torch.device, int] = {}
     landing: dict[torch.device, int] = {}  # the largest output offloaded in pieces, per host device
@@ -428,7 +418,6 @@ class Posted(Protocol):
              part_way: bool = False) -> None: ...
 
 
-
 def resolve_device(device: torch.device | str | int | None) -> torch.device | None:
     """A device as torch means it: ``"cpu:0"`` is the host, ``"cuda"`` the current GPU (results are placed by
     ``==``, which an unresolved ``"cuda"`` never equals)."""
@@ -471,18 +460,18 @@ def completion(works: Sequence[Waitable], device: torch.device) -> Callable[[], 
     """What blocks the host until ``works`` (waited for, on ``device``) have completed.
 
     [Note: bounded run-ahead]
-    On NCCL ``wait()`` returns at once and the watchdog times each collective from its post, so a rank that
-    receives nothing (``rank0_only``, not rank 0) would post a whole sync's gathers while rank 0 works through
-    the first, and the last would time out. So no rank posts bucket (or batch, or call) ``k + 1`` before
-    ``k - 1`` has completed, while ``k`` stays on the wire: on CUDA an event recorded after ``k - 1``'s
-    ``wait()``, on the host the work's own future. Across calls, ``gather_full_tensors`` paces by ``behind``
-    (``_health.CALLS_BEHIND``) on a rank that keeps nothing; a receiving rank's own consumer paces it, so it
-    pays nothing. A host wait chooses no collective, so ranks may differ in it.
+    On NCCL ``wait()`` returns at once and the watchdog times each collective from its post, so a rank that receives
+    nothing (``rank0_only``, not rank 0) would post a whole sync's gathers while rank 0 works through the first, and
+    the last would time out. So no rank posts bucket (or batch, or call) ``k + 1`` before ``k - 1`` has completed,
+    while ``k`` stays on the wire: on CUDA an event recorded after ``k - 1``'s ``wait()``, on the host the work's own
+    future. Across calls, ``gather_full_tensors`` paces by ``behind`` (``_health.CALLS_BEHIND``) on a rank that keeps
+    nothing; a receiving rank's own consumer paces it, so it pays nothing. A host wait chooses no collective, so
+    ranks may differ in it.
     """
     if device.type == "cpu":
-        # Each work's future, chained to one whose value is an int (``id``, a C function: no Python frame, so
-        # no interrupt can land in the callback, which torch would wrap in a RuntimeError): the fence must not
-        # keep the gathered buffers alive past their batch (the stream holds two units at most).
+        # Each work's future, chained to one whose value is an int (``id``, a C function: no Python frame, so no
+        # interrupt can land in the callback, which torch would wrap in a RuntimeError): the fence must not keep the
+        # gathered buffers alive past their batch (the stream holds two units at most).
         futures = [work.get_future().then(id) for work in works]  # type: ignore[attr-defined]  # a dist.Work
         return lambda: [future.wait() for future in futures]
     event = getattr(torch, device.type).Event()
@@ -494,12 +483,11 @@ def _wait_all(flights: Sequence[InFlight]) -> BaseException | None:
     """Wait for every launched collective in ``flights``, each even if another's wait raises; the first error.
 
     [Note: every posted work is waited for]
-    Whatever raises while buckets are in flight (a copy, an allocation, a launch, a ``KeyboardInterrupt``),
-    every collective already launched is waited for, once, before the error propagates, and its buffers are
-    held until then: c10d cannot withdraw a posted collective, a buffer freed under it would be written after
-    free, and one left unmatched would pair with the next call's. A fault on every rank alike raises at the same
-    bucket on each, before its collective, so the ranks stay in step.
-    """
+    Whatever raises while buckets are in flight (a copy, an allocation, a launch, a ``KeyboardInterrupt``), every
+    collective already launched is waited for, once, before the error propagates, and its buffers are held until
+    then: c10d cannot withdraw a posted collective, a buffer freed under it would be written after free, and one left
+    unmatched would pair with the next call's. A fault on every rank alike raises at the same bucket on each, before
+    its collective, so the ranks stay in step."""
     first: BaseException | None = None
     for flight in flights:
         try:
@@ -516,14 +504,13 @@ def _wait_all(flights: Sequence[InFlight]) -> BaseException | None:
 
 def _finish_bucket(flight: InFlight, holds_fulls: bool, out_device: torch.device | None) -> list[torch.Tensor]:
     """Wait for the bucket's collective and copy each tensor out ([Note: bucket layout] in ``layout``). Under
-    ``no_grad``. Offloaded full tensors land in pageable memory, as FSDP1's do: pinned memory would stay with
-    torch's host caching allocator for the life of the process.
+    ``no_grad``. Offloaded full tensors land in pageable memory, as FSDP1's do: pinned memory would stay with torch's
+    host caching allocator for the life of the process.
 
     [Note: a bucket of one]
-    A bucket of one tensor: its output *is* its padded full tensor, so the result is a view and nothing is
-    copied out (nor in, where its shard is already padded, cast and placed). Tensors above the bucket cap
-    always take this path: the gather moves each byte once, as FSDP1's flat parameter does.
-    """
+    A bucket of one tensor: its output *is* its padded full tensor, so the result is a view and nothing is copied
+    out (nor in, where its shard is already padded, cast and placed). Tensors above the bucket cap always take this
+    path: the gather moves each byte once, as FSDP1's flat parameter does."""
     _wait_once(flight)
     if isinstance(flight, InPlace):  # a group of one, or nothing moved: already in place
         return [_to_device(full, out_device) for full in _in_place_results(flight)] if holds_fulls else []
@@ -536,7 +523,7 @@ def _finish_bucket(flight: InFlight, holds_fulls: bool, out_device: torch.device
     if out_device is not None and out_device != output.device:
         # the whole bucket at once, then split where it landed
         output = output.to(out_device) if reserved is None or reserved.host is None else reserved.host.copy_(output)
-    if len(flight.bucket) == 1:  # see [Note: a bucket of one]
+    if len(flight.bucket) == 1:
         padded = [output.view(flight.bucket[0].layout.padded_shape)]
     else:
         padded = _copy_out(output, flight, None if reserved is None else reserved.fulls)
@@ -552,7 +539,7 @@ def _copy_out(output: torch.Tensor, flight: AllGatherFlight, padded: list[torch.
     world_size = flight.bucket[0].layout.world_size
     blocks = flight.blocks
     if padded is None:
-        padded = [output.new_empty(_copy_out_shape(b.layout, blocks)) for b in flight.bucket]  # output's dtype, device
+        padded = [output.new_empty(_copy_out_shape(b.layout, blocks)) for b in flight.bucket]
     sizes = flight.split_sizes  # explicit view sizes, never -1: a tensor may have no elements
     out = [buf.view(blocks, n) for buf, n in zip(padded, sizes, strict=True)]
     blocked = output.view(world_size, sum(sizes))
@@ -588,7 +575,7 @@ def _gather_fallback(
     dtype = gathered_dtype(dtensor, cast_to)
     local = dtensor._local_tensor
     if type(local) is not torch.Tensor:
-        local = gathered_local(local)  # a cast wrapper: its master (_compat)
+        local = gathered_local(local)
     source = dtensor
     if local is not dtensor._local_tensor or (mesh is not None and mesh is not dtensor.device_mesh):
         source = DTensor.from_local(local, dtensor.device_mesh if mesh is None else mesh,  # its owner's: ``Meshes``
@@ -639,7 +626,7 @@ class BucketGather:
     ) -> None:
         self._posted = posted
         self.last_work: tuple[Waitable, torch.device] | None = None  # its last collective: ``gather_full_tensors``
-        self._host_copies: list[Any] = []  # see ``copy_in``
+        self._host_copies: list[Any] = []
         self.plan = bucket_plan(dtensors, bucket_bytes, cast_to, reuse=plan, collective_bytes=collective_bytes,
                                 meshes=meshes, together=together)
         buckets, self._fallback = self.plan.bind(dtensors), list(self.plan.fallback)
@@ -670,8 +657,8 @@ class BucketGather:
     def _reserve_and_agree(self, buckets: list[list[BucketEntry]], keep: Reserve,
                            failure: BaseException | None = None) -> list[Reserved]:
         """``reserve_buffers``, then ``agree_ready`` ([Note: allocate, agree, gather]); ``failure``: one this rank
-        met earlier in the call, agreed on instead. Posted from its start (a fault before the agreement is
-        one-sided as far as this rank knows); ``agree_ready`` clears it where every rank refuses alike."""
+        met earlier in the call, agreed on instead. Posted from its start: a fault before the agreement is one-sided
+        as far as this rank knows."""
         self._posted.any = True
         recipe = self.plan.reservations.get((self._receiver, keep))
         if recipe is None:
@@ -716,9 +703,8 @@ class BucketGather:
         self._to_launch, self._unlaunched = [], False
 
     def wait(self) -> Callable[[], object] | None:
-        """Wait for every launched collective, in bucket order; ``finish`` copies out. The stream waits for batch
-        ``k``, launches ``k + 1``, then copies ``k`` out. Returns what blocks the host until they have completed,
-        if any was posted ([Note: bounded run-ahead])."""
+        """Wait for every launched collective, in bucket order (``finish`` copies out); what blocks the host until
+        they have completed, if any was posted ([Note: bounded run-ahead])."""
         works: list[Waitable] = []
         device = _CPU
         try:
@@ -812,18 +798,17 @@ def gather_full_tensors(
     failure: BaseException | None = None,
     behind: collections.deque[Callable[[], object]] | None = None,
 ) -> Gathered:
-    """All-gather every DTensor in ``dtensors`` to a plain full tensor. A collective: every rank of the meshes
-    calls it with the same tensors in the same order, after the caller refused what cannot be gathered.
+    """All-gather every DTensor in ``dtensors`` to a plain full tensor. A collective: every rank of the meshes calls
+    it with the same tensors in the same order, after the caller refused what cannot be gathered.
 
     [Note: one bucket in flight]
-    Bucket ``k + 1`` is launched before bucket ``k`` is copied out, so the copy-out overlaps the next transfer,
-    and at most two buckets' outputs are alive: beyond the full tensors, two buckets.
+    Bucket ``k + 1`` is launched before bucket ``k`` is copied out, so the copy-out overlaps the next transfer, and
+    at most two buckets' outputs are alive: beyond the full tensors, two buckets.
 
-    ``holds_fulls=False`` (``rank0_only``, other ranks) takes part and returns ``None``s; a ``receiver`` other
-    than ``"all"`` needs it on every rank it does not name (``layout.Delivery``). ``out_device``: where results
-    go (``offload_to_cpu``). Results never alias local shards. ``posted``: the call's record; ``behind``: the
-    process's earlier calls a rank that keeps nothing paces itself by ([Note: bounded run-ahead]).
-    """
+    ``holds_fulls=False`` (``rank0_only``, other ranks) takes part and returns ``None``s; a ``receiver`` other than
+    ``"all"`` needs it on every rank it does not name (``layout.Delivery``). ``out_device``: where results go
+    (``offload_to_cpu``). Results never alias local shards. ``posted``: the call's record; ``behind``: the process's
+    earlier calls a rank that keeps nothing paces itself by ([Note: bounded run-ahead])."""
     paced = None if holds_fulls else behind  # [Note: bounded run-ahead]: call k - 1 done before k + 1
     while paced and len(paced) > 1:
         paced[0]()  # dropped once done: an interrupt in the wait leaves it to the next call

@@ -1,9 +1,6 @@
-"""Planning a gather: the dim-0 layout of each DTensor, its buckets, who receives.
-
-Owns the bucket cap (``bucket_cap``), the bucket plan (``bucket_plan``) and who receives (``Delivery``), for the
-summon and the stream alike, with caches of layouts and mesh dims keyed weakly by spec and mesh. Reads global
-metadata only, so every rank plans the same buckets in the same order. Nothing here moves data.
-"""
+"""Planning a gather, for the summon and the stream alike: each DTensor's dim-0 layout, the bucket cap (``bucket_cap``),
+the bucket plan (``bucket_plan``), who receives (``Delivery``), with caches of layouts and mesh dims keyed weakly by
+spec and mesh. Reads global metadata only, so every rank plans the same buckets in the same order; moves no data."""
 
 from __future__ import annotations
 
@@ -22,23 +19,20 @@ from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim._compat import coalesces_all_gathers, is_dim0_shard, is_replicate
 
 
-#: Environment variable that overrides the default bucket cap, in MiB.
 BUCKET_ENV = "FSDP_SHIM_BUCKET_MB"
-#: Default cap on one bucket's gathered (full, padded) size. Chosen with
-#: ``fsdp-shim bench --bucket-mb``: see docs/performance.md.
+#: Default cap on one bucket's gathered (full, padded) size, chosen with ``fsdp-shim bench --bucket-mb``
+#: (docs/performance.md).
 DEFAULT_BUCKET_MB = 4.0
 
 
-#: A single unit's summon packs its tensors up to the bucket cap in one collective a dtype, as FSDP2's
-#: ``unshard()`` does, unless a bucket size was chosen: a collective's fixed cost grows with the world size
-#: (``docs/host-cost.md``). Tensors above the cap still get one each, into memory that becomes their full
-#: tensor, so the unit is held once (FSDP2's flat buffer holds it twice). Several units keep the cap.
+#: A single unit's summon with no bucket size chosen packs its tensors in one bucket a dtype, as FSDP2's ``unshard()``
+#: does: a collective's fixed cost grows with the world size (``docs/host-cost.md``). Tensors above the cap still get
+#: their own, gathered into their full tensor: the unit is held once (FSDP2's flat buffer holds it twice).
 UNCAPPED = 1 << 62
 
 
 class BucketCap(NamedTuple):
-    """One call's bucket cap, and what a single unit's summon may move in one collective: the one place the
-    cap is decided."""
+    """One call's bucket cap, and what a single unit's summon may move in one collective (``bucket_cap``)."""
 
     bucket_bytes: int
     #: One unit's summon's cap: ``UNCAPPED`` where no size was chosen (see ``UNCAPPED``); else ``None``.
@@ -47,9 +41,7 @@ class BucketCap(NamedTuple):
 
 def bucket_cap(explicit_mb: float | None = None, default_mb: float = DEFAULT_BUCKET_MB) -> BucketCap:
     """``explicit_mb`` MiB, else ``$FSDP_SHIM_BUCKET_MB``, else ``default_mb`` (the summon's 4, the stream's 6).
-
-    Raises ``ValueError`` for a size that is not a positive number: at the call, before anything moves.
-    """
+    Raises ``ValueError`` for a size that is not a positive number: at the call, before anything moves."""
     explicit = explicit_mb
     if explicit is None:
         raw = os.environ.get(BUCKET_ENV)
@@ -68,11 +60,9 @@ class Dim0Layout(NamedTuple):
     """Where one rank's local shard sits in the full tensor.
 
     [Note: dim-0 layout]
-    FSDP2 and ``Shard(0)`` split dim 0 as ``torch.chunk`` does: with ``W`` ranks and ``n`` rows, chunks of
-    ``c = ceil(n / W)`` rows, the trailing ones shorter or empty; rank ``r`` holds rows
-    ``[r * c, min(n, (r + 1) * c))``. Padded to ``c`` rows, every rank's part has one size, so one all-gather
-    gathers a bucket of parameters.
-    """
+    FSDP2 and ``Shard(0)`` split dim 0 as ``torch.chunk`` does: ``W`` ranks, ``n`` rows, chunks of ``c = ceil(n / W)``
+    rows, the trailing ones shorter or empty; rank ``r`` holds rows ``[r * c, min(n, (r + 1) * c))``. Padded to ``c``
+    rows, every rank's part has one size, so one all-gather gathers a bucket of parameters."""
 
     group: dist.ProcessGroup
     world_size: int  # W: ranks on the shard mesh dim
@@ -122,9 +112,9 @@ def rows_held(rows: int, chunk_rows: int, coordinate: int) -> int:
 
 
 def dim0_layout(dtensor: DTensor, mesh: DeviceMesh | None = None) -> Dim0Layout | None:
-    """The batched-gather layout of ``dtensor`` on ``mesh`` (its owner's, else its own: [Note: the group is
-    FSDP2's] in ``_fsdp2``), or ``None`` if only ``full_tensor()`` applies. Cached by spec (held weakly: a DTensor
-    never changes it), local shape and mesh."""
+    """The batched-gather layout of ``dtensor`` on ``mesh`` (its owner's, else its own: [Note: the group is FSDP2's]
+    in ``_fsdp2``), or ``None`` if only ``full_tensor()`` applies. Cached by spec (held weakly: a DTensor never
+    changes it), local shape and mesh."""
     spec = dtensor._spec
     if mesh is None:
         mesh = spec.mesh
@@ -143,9 +133,8 @@ def dim0_layout(dtensor: DTensor, mesh: DeviceMesh | None = None) -> Dim0Layout 
 
 
 def _work_out_dim0_layout(dtensor: DTensor, mesh: DeviceMesh) -> Dim0Layout | None:
-    """``dim0_layout``, uncached: one plain ``Shard(0)`` and ``Replicate`` elsewhere, by exact type (FSDP,
-    HSDP, dim-0 tensor parallel); anything else falls back. Placements only, never the local tensor, so every
-    rank chooses alike."""
+    """``dim0_layout``, uncached: one plain ``Shard(0)`` and ``Replicate`` elsewhere, by exact type (FSDP, HSDP, dim-0
+    tensor parallel); anything else falls back. Placements only, never the local tensor, so every rank chooses alike."""
     placements = dtensor.placements
     shard_dims = [i for i, p in enumerate(placements) if is_dim0_shard(p)]
     if len(shard_dims) != 1 or dtensor.ndim == 0:
@@ -179,7 +168,7 @@ Meshes = Sequence["DeviceMesh | None"] | None
 class BucketEntry(NamedTuple):
     """One DTensor of a bucket: where it sits in the caller's list, and its layout."""
 
-    position: int  # in the caller's list
+    position: int
     dtensor: DTensor
     layout: Dim0Layout
 
@@ -200,12 +189,11 @@ class BucketShape(NamedTuple):
     """What staging one planned bucket needs, worked out with its plan rather than per call.
 
     [Note: bucket layout]
-    A bucket shares one process group, dtype and device. Each rank's input is its padded shards back to back
-    (``S`` elements), written into its own block of the output; viewed as ``(W, S)``, one
-    ``split_with_sizes_copy`` scatters each parameter into its padded buffer. Only the first ``R`` rank blocks
-    hold rows (``R = max ceil(n_i / c_i)``: fewer than ``W`` where a tensor has fewer rows than ranks), so only
-    they are copied, and each buffer has ``R * c_i`` rows; the full tensor is its first ``n_i`` rows.
-    """
+    A bucket shares one process group, dtype and device. Each rank's input is its padded shards back to back (``S``
+    elements), written into its own block of the output; viewed as ``(W, S)``, one ``split_with_sizes_copy``
+    scatters each parameter into its padded buffer. Only the first ``R`` rank blocks hold rows
+    (``R = max ceil(n_i / c_i)``: fewer than ``W`` where a tensor has fewer rows than ranks), so only they are
+    copied, and each buffer has ``R * c_i`` rows; the full tensor is its first ``n_i`` rows."""
 
     split_sizes: list[int]  # each tensor's padded shard, in elements
     dtype: torch.dtype  # what travels: the stored dtype, or the cast one
@@ -224,8 +212,7 @@ class BucketPlan(NamedTuple):
     shapes: list[BucketShape]  # by bucket
     #: The last ``bind``: the DTensors it held and its buckets, reused while the very same objects come.
     bound: list[Any]
-    #: What a summon allocates before its first collective, by who receives and what it keeps (``engine``'s
-    #: ``reservation``): worked out once per plan.
+    #: What a summon allocates before its first collective, by receiver and ``Reserve`` (``engine.reservation``).
     reservations: dict[Any, Any]
     launches: list[int]  # buckets a launch, in bucket order ([Note: one launch a group] in ``engine``)
 
@@ -302,7 +289,7 @@ def split_into_buckets(
         dtype = gathered_dtype(dtensor, cast_to)
         key = (layout.group, dtype, dtensor._local_tensor.device)
         nbytes = layout.world_size * layout.padded_numel * dtype.itemsize
-        if nbytes > bucket_bytes:  # its own collective, the output its full tensor: held once
+        if nbytes > bucket_bytes:
             buckets.append([BucketEntry(index, dtensor, layout)])
             continue
         cap = bucket_bytes if collective_bytes is None else collective_bytes
@@ -318,11 +305,10 @@ def split_into_buckets(
 
 # -- who receives ---------------------------------------------------------
 
-#: Which ranks a gather delivers full tensors to. ``"all"``: every rank (all-gather).
-#: ``"group_rank0"``: rank 0 of each process group gathered over (FSDP1's ``rank0_only``:
-#: each shard group's). ``"global_rank0"``: global rank 0 alone; buckets over groups
-#: without it are skipped (``delivers_over``). Every rank of a gathered group takes
-#: part in its all-gather; the others drop what they received.
+#: Which ranks a gather delivers full tensors to. ``"all"``: every rank. ``"group_rank0"``: rank 0 of each process
+#: group gathered over (FSDP1's ``rank0_only``: each shard group's). ``"global_rank0"``: global rank 0 alone; buckets
+#: over groups without it are skipped (``delivers_over``). Every rank of a gathered group takes part in its
+#: all-gather; the others drop what they received.
 Receiver = Literal["all", "group_rank0", "global_rank0"]
 
 
@@ -330,10 +316,9 @@ class Delivery(NamedTuple):
     """Who receives a call's full tensors, and whether this rank holds them afterwards.
 
     [Note: who receives]
-    Decided here for the summon and the stream; the engine is told. FSDP1's ``rank0_only`` means rank 0 of the
-    shard group (of every replica, under HSDP); with no FSDP2 unit to name one (tensor parallel alone, the
-    stream), global rank 0. Delivering to more ranks than hold the results is correct; to fewer, never.
-    """
+    Decided here for the summon and the stream; the engine is told. FSDP1's ``rank0_only`` means rank 0 of the shard
+    group (of every replica, under HSDP); with no FSDP2 unit to name one (tensor parallel alone, the stream), global
+    rank 0. Delivering to more ranks than hold the results is correct; to fewer, never."""
 
     receiver: Receiver  # which ranks the gather delivers to
     holds_fulls: bool  # whether this rank holds the full tensors once gathered
