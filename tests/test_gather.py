@@ -260,7 +260,7 @@ def test_receivers_deliver_to_exactly_the_ranks_named(dist_run):
 
 # --------------------------------------------------------------------------- staged, then launched
 def rank_staged_buckets_launch_later_and_in_order():
-    """[Note: staged, then launched]: a staged gather moves nothing until launched; order and values hold."""
+    """``start_gather``'s staged, then launched: a staged gather moves nothing until launched; order and values hold."""
     specs = [((37, 5), torch.float32, [Shard(0)]), ((64, 3), torch.float32, [Shard(0)]), ((9,), torch.float32, [Shard(0)])]
     fulls, dtensors = _tensors(specs)
     for receiver in ("all", "global_rank0"):

@@ -67,7 +67,7 @@ class Waitable(Protocol):
 @dataclass(eq=False)
 class InFlight:
     """A staged bucket (``InPlace`` or ``AllGatherFlight``). ``work``, once launched, is waited for before
-    anything it reads or writes, all held here, is let go ([Note: every posted work is waited for])."""
+    anything it reads or writes, all held here, is let go (``_wait_all``)."""
 
     bucket: list[BucketEntry]
     split_sizes: list[int]  # each tensor's padded shard, in elements
@@ -482,7 +482,6 @@ def completion(works: Sequence[Waitable], device: torch.device) -> Callable[[], 
 def _wait_all(flights: Sequence[InFlight]) -> BaseException | None:
     """Wait for every launched collective in ``flights``, each even if another's wait raises; the first error.
 
-    [Note: every posted work is waited for]
     Whatever raises while buckets are in flight (a copy, an allocation, a launch, a ``KeyboardInterrupt``), every
     collective already launched is waited for, once, before the error propagates, and its buffers are held until
     then: c10d cannot withdraw a posted collective, a buffer freed under it would be written after free, and one left
@@ -602,7 +601,7 @@ class BucketGather:
     """The one driver: a list of DTensors' buckets, staged ``ahead`` launches at a time, finished in order.
 
     ``ahead=1`` is the summon's window ([Note: one bucket in flight]); ``ahead=None`` stages every bucket at
-    once, the stream's batch ([Note: staged, then launched]). ``together``: buckets share launches where they can
+    once, the stream's batch (``start_gather``). ``together``: buckets share launches where they can
     ([Note: one launch a group]). A collective: every rank builds, launches and
     finishes the same gathers in the same order; whatever raises, every launched collective is waited for first.
     """
@@ -844,7 +843,6 @@ def start_gather(
     ``cast_to`` each floating shard is cast as it is copied in, so the gather moves the cast bytes; casting is
     elementwise, so this equals casting the full tensor.
 
-    [Note: staged, then launched]
     Staging is the host's part (copy-in, cast, output); launching posts the all-gather. The stream stages batch
     ``k + 1`` before it waits for batch ``k`` and launches it once ``k`` is in: the copies overlap the wire, and
     the group never holds more than one batch's collectives.

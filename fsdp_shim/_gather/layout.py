@@ -59,7 +59,6 @@ def bucket_cap(explicit_mb: float | None = None, default_mb: float = DEFAULT_BUC
 class Dim0Layout(NamedTuple):
     """Where one rank's local shard sits in the full tensor.
 
-    [Note: dim-0 layout]
     FSDP2 and ``Shard(0)`` split dim 0 as ``torch.chunk`` does: ``W`` ranks, ``n`` rows, chunks of ``c = ceil(n / W)``
     rows, the trailing ones shorter or empty; rank ``r`` holds rows ``[r * c, min(n, (r + 1) * c))``. Padded to ``c``
     rows, every rank's part has one size, so one all-gather gathers a bucket of parameters."""
@@ -107,7 +106,7 @@ _layouts: dict[int, tuple[weakref.ref[Any], torch.Size, Dim0Layout | None, weakr
 
 
 def rows_held(rows: int, chunk_rows: int, coordinate: int) -> int:
-    """Rows of a ``rows``-row tensor that shard ``coordinate`` holds under ``Shard(0)``. See [Note: dim-0 layout]."""
+    """Rows of a ``rows``-row tensor that shard ``coordinate`` holds under ``Shard(0)`` (``Dim0Layout``)."""
     return max(0, min(chunk_rows, rows - coordinate * chunk_rows))
 
 
@@ -315,7 +314,6 @@ Receiver = Literal["all", "group_rank0", "global_rank0"]
 class Delivery(NamedTuple):
     """Who receives a call's full tensors, and whether this rank holds them afterwards.
 
-    [Note: who receives]
     Decided here for the summon and the stream; the engine is told. FSDP1's ``rank0_only`` means rank 0 of the shard
     group (of every replica, under HSDP); with no FSDP2 unit to name one (tensor parallel alone, the stream), global
     rank 0. Delivering to more ranks than hold the results is correct; to fewer, never."""
@@ -329,7 +327,7 @@ _EVERY_RANK = Delivery("all", True)
 
 def receivers_for_summon(rank0_only: bool, groups: Collection[fsdp2.FSDPParamGroup], fsdp2_only: bool) -> Delivery:
     """Who receives a summon's full tensors: ``groups`` are the FSDP2 groups in its scope, ``fsdp2_only``
-    whether FSDP2 manages everything in it. See [Note: who receives]."""
+    whether FSDP2 manages everything in it (``Delivery``)."""
     if not rank0_only:
         return _EVERY_RANK
     if not groups:
