@@ -600,11 +600,9 @@ class Gathered(NamedTuple):
 class BucketGather:
     """The one driver: a list of DTensors' buckets, staged ``ahead`` launches at a time, finished in order.
 
-    ``ahead=1`` is the summon's window ([Note: one bucket in flight]); ``ahead=None`` stages every bucket at
-    once, the stream's batch (``start_gather``). ``together``: buckets share launches where they can
-    ([Note: one launch a group]). A collective: every rank builds, launches and
-    finishes the same gathers in the same order; whatever raises, every launched collective is waited for first.
-    """
+    ``ahead=1``: the summon's window ([Note: one bucket in flight]); ``ahead=None``: every bucket at once, the
+    stream's batch (``start_gather``). ``together``: buckets share launches where they can ([Note: one launch a group]).
+    A collective: every rank builds, launches and finishes the same gathers in the same order."""
 
     def __init__(
         self,
@@ -839,13 +837,12 @@ def start_gather(
     posted: Posted,
 ) -> BucketGather:
     """Stage every bucket of ``dtensors`` and launch (unless ``launch=False``) its all-gather: the whole batch in
-    flight while the caller works; ``finish`` collects it, fallbacks (``full_tensor()``) included. With
-    ``cast_to`` each floating shard is cast as it is copied in, so the gather moves the cast bytes; casting is
-    elementwise, so this equals casting the full tensor.
+    flight while the caller works; ``finish`` collects it, fallbacks (``full_tensor()``) included. With ``cast_to``
+    each floating shard is cast as it is copied in, so the gather moves the cast bytes; casting is elementwise, so
+    this equals casting the full tensor.
 
     Staging is the host's part (copy-in, cast, output); launching posts the all-gather. The stream stages batch
-    ``k + 1`` before it waits for batch ``k`` and launches it once ``k`` is in: the copies overlap the wire, and
-    the group never holds more than one batch's collectives.
-    """
+    ``k + 1`` before it waits for batch ``k`` and launches it once ``k`` is in: the copies overlap the wire, and the
+    group never holds more than one batch's collectives."""
     return BucketGather(dtensors, cast_to=cast_to, bucket_bytes=bucket_bytes, receiver=receiver, launch=launch,
                         meshes=meshes, posted=posted, together=True)
