@@ -10,13 +10,6 @@ from typing import Any, NoReturn
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
-# Importers of the rule through ``_common`` (``_summon``, ``_stream``, ``tests/test_units.py``) are to import it
-# from ``_scope_rule``; until they do, the names stay here too.
-from fsdp_shim._scope_rule import holds_distributed as holds_distributed
-from fsdp_shim._scope_rule import is_fsdp1_tree as is_fsdp1_tree
-from fsdp_shim._scope_rule import route as route
-from fsdp_shim._scope_rule import scope_modules as scope_modules
-
 _UNIT_TYPES: tuple[type, ...] = (FullyShardedDataParallel, FSDPModule)
 
 #: The prefix FSDP1 wrappers add to every name below them.

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim import _health as health
 from fsdp_shim import _registry as registry
-from fsdp_shim._common import is_fsdp1_tree, run_each
+from fsdp_shim._common import run_each
 from fsdp_shim._gather.engine import BucketGather, resolve_device, start_gather
 from fsdp_shim._gather.layout import (
     Receiver,
@@ -26,6 +26,7 @@ from fsdp_shim._gather.layout import (
 )
 from fsdp_shim._refusals import on_meta_device, refuse_busy, refuse_placements, untracked_parameter
 from fsdp_shim._scope import fsdp_slot_owners, module_label, slot_key, tracked_sharded
+from fsdp_shim._scope_rule import is_fsdp1_tree
 
 logger = logging.getLogger("fsdp_shim")
 

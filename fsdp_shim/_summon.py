@@ -19,7 +19,7 @@ from torch.utils.hooks import RemovableHandle
 from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim import _health as health
 from fsdp_shim import _registry as registry
-from fsdp_shim._common import refuse_arguments, route, run_each
+from fsdp_shim._common import refuse_arguments, run_each
 from fsdp_shim._gather.engine import Gathered, gather_full_tensors
 from fsdp_shim._gather.layout import BucketCap, Receiver, bucket_cap, receivers_for_summon
 from fsdp_shim._grads import agreed_grads, gather_grads
@@ -41,6 +41,7 @@ from fsdp_shim._scope import (
     slot_fqn,
     states_of,
 )
+from fsdp_shim._scope_rule import route
 
 logger = logging.getLogger("fsdp_shim")
 

@@ -497,9 +497,8 @@ def test_the_probe_lists_what_is_wrapped_and_redirected():
 #: the refusals, the parameters and the groups they share.
 LAYERS: list[set[str]] = [
     {"fsdp_shim._versions", "fsdp_shim._errors"},
-    # the scope room's rule, public torch alone, for refusing mode; below ``_common`` while it re-exports the rule
-    {"fsdp_shim._scope_rule"},
-    {"fsdp_shim._compat", "fsdp_shim._common"},
+    # ``_scope_rule``: the scope room's rule, public torch alone, for refusing mode
+    {"fsdp_shim._compat", "fsdp_shim._common", "fsdp_shim._scope_rule"},
     {"fsdp_shim._fsdp2"},
     {"fsdp_shim._registry"},
     {"fsdp_shim._gather", "fsdp_shim._gather.layout"},

@@ -12,7 +12,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from _helpers import build_lm, shard_lm
-from fsdp_shim import _common
+from fsdp_shim import _common, _scope_rule
 
 
 def _names(root: nn.Module, modules: list[nn.Module]) -> list[str]:
@@ -22,11 +22,11 @@ def _names(root: nn.Module, modules: list[nn.Module]) -> list[str]:
 
 def rank_scope_modules_stop_at_nested_units_without_recurse():
     model = shard_lm(build_lm())
-    everything = _names(model, _common.scope_modules(model, recurse=True))
+    everything = _names(model, _scope_rule.scope_modules(model, recurse=True))
     assert everything == [n for n, _ in model.named_modules()]
-    alone = _names(model, _common.scope_modules(model, recurse=False))
+    alone = _names(model, _scope_rule.scope_modules(model, recurse=False))
     assert "blocks" in alone and not any(n.startswith("blocks.") for n in alone)  # the blocks are units
-    block = _names(model, _common.scope_modules(model.blocks[0], recurse=False))
+    block = _names(model, _scope_rule.scope_modules(model.blocks[0], recurse=False))
     assert block == [n for n in everything if n == "blocks.0" or n.startswith("blocks.0.")]
 
 
@@ -37,14 +37,14 @@ def test_scope_modules_stop_at_nested_units_without_recurse(dist_run):
 def rank_the_distributed_predicate_sees_units_even_when_their_slots_hold_plain_tensors():
     model = fully_shard(nn.Linear(4, 4))
     parent = nn.Sequential(model)  # a plain parent of the FSDP2 root
-    assert _common.route(parent, recurse=True)[0] == "dtensor"
+    assert _scope_rule.route(parent, recurse=True)[0] == "dtensor"
     model(torch.ones(1, 4))  # leaves the root unsharded: its slots hold plain tensors now
     assert not isinstance(model.weight, DTensor)
-    assert _common.holds_distributed(_common.scope_modules(parent, recurse=True))  # the unit, by type
-    assert _common.route(parent, recurse=True)[0] == "dtensor"
+    assert _scope_rule.holds_distributed(_scope_rule.scope_modules(parent, recurse=True))  # the unit, by type
+    assert _scope_rule.route(parent, recurse=True)[0] == "dtensor"
     plain_parent = nn.Sequential(fully_shard(nn.Linear(4, 4)))  # its only DTensors are a nested unit's
-    assert _common.route(plain_parent, recurse=False) == ("none", [plain_parent])
-    assert _common.route(nn.Linear(2, 2), recurse=True)[0] == "none"
+    assert _scope_rule.route(plain_parent, recurse=False) == ("none", [plain_parent])
+    assert _scope_rule.route(nn.Linear(2, 2), recurse=True)[0] == "none"
 
 
 def test_the_distributed_predicate_sees_units_even_when_their_slots_hold_plain_tensors(dist_run):
@@ -56,7 +56,7 @@ def rank_units_and_names_outermost_first():
     units = list(_common.fsdp_units(model))
     assert [n for n, _ in units] == ["", *(f"blocks.{i}" for i in range(len(model.blocks)))]
     assert all(_common.is_fsdp_module(u) for _, u in units) and not _common.is_fsdp_module(model.norm)
-    assert _common.route(model.blocks[0], recurse=False) == ("dtensor", None)  # a unit: no walk needed
+    assert _scope_rule.route(model.blocks[0], recurse=False) == ("dtensor", None)  # a unit: no walk needed
     tied = model.lm_head.weight  # tied to embed: the first name it is reachable under
     assert _common.param_fqn(model, tied) == "embed.weight"
     assert _common.clean_fqn("_fsdp_wrapped_module.blocks.0._fsdp_wrapped_module.fc1.weight") == "blocks.0.fc1.weight"
