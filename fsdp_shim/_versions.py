@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 #: This package's version (setup.cfg reads it from here, without importing torch).
-__version__ = "0.18.0"
+__version__ = "0.19.0"
 
 #: The lowest torch release supported (inclusive) and the first one not yet verified (exclusive).
 MIN_TORCH = "2.7"

@@ -229,14 +229,14 @@ def rank_a_warm_per_unit_summon_runs():
 
 
 def test_a_warm_per_unit_summon_stays_short(dist_run):
-    """A ratchet on what a reader follows (lines run, file-to-file routes, files): 1,234 lines over 24 routes in
+    """A ratchet on what a reader follows (lines run, file-to-file routes, files): 1,235 lines over 24 routes in
     12 files now (0.17.0: 1,428 over 21 in 10; routes and files raised only for rooms issue 59 asked for, each
     once: group health, then the scope room's ``recurse`` rule, ``_scope_rule``; FSDP2's own ``unshard()`` +
     ``reshard()``: 851 over 7 in 6, by this count). Lower the bounds when a change cuts them; never raise them."""
     (lines, routes, files), fsdp2 = dist_run(2, rank_a_warm_per_unit_summon_runs)[0]
     print(f"\nwarm per-unit summon: {lines} lines, {routes} routes, {files} files; FSDP2's unshard() + reshard(): "
           f"{fsdp2[0]} lines, {fsdp2[1]} routes, {fsdp2[2]} files")
-    assert lines <= 1252 and routes <= 24 and files <= 12, (lines, routes, files)
+    assert lines <= 1235 and routes <= 24 and files <= 12, (lines, routes, files)
 
 
 #: FSDP2's private fields and methods the probe lists (``_fsdp2._METHODS``, ``_FIELDS``), the field of
@@ -565,10 +565,10 @@ _CITED = re.compile(r"\[Note:\s+([^\]]+)\]")
 
 
 def test_notes_are_few_and_every_citation_names_one():
-    """Issue 59: notes only where an object needs one (51 before it, at most 25 its target; a ratchet at what
-    is left), and every ``[Note: ...]`` the package, tests, scripts and docs cite is a heading in the package."""
+    """Issue 59: notes only where an object needs one (51 before it, at most 25 its target, 22 now: a ratchet at
+    what is left), and every ``[Note: ...]`` the package, tests, scripts and docs cite is a heading in the package."""
     headings = {" ".join(m.group(1).split()) for path in _runtime_modules() for m in _NOTE.finditer(path.read_text())}
-    assert len(headings) <= 32, sorted(headings)
+    assert len(headings) <= 22, sorted(headings)
     root = PACKAGE.parent
     texts = [*MODULES, *(root / "tests").glob("*.py"), *(root / "scripts").iterdir(), *(root / "docs").glob("*.md"),
              root / "README.md"]
@@ -580,8 +580,8 @@ def test_notes_are_few_and_every_citation_names_one():
 
 
 def test_docstrings_say_little():
-    """Issue 59: no private function or class docstring over 20 lines, and docstrings and comments at most 29% of
-    the runtime's non-blank lines (41% before it; 25% its target): a ratchet."""
+    """Issue 59: no private function or class docstring over 20 lines, and docstrings and comments at most 25% of
+    the runtime's non-blank lines (41% before it; 24.6% now): the issue's target, held."""
     import io
     import tokenize
 
@@ -603,4 +603,4 @@ def test_docstrings_say_little():
         written = {n for n, line in enumerate(text.splitlines(), 1) if line.strip()}
         prose, lines = prose + len(said & written), lines + len(written)
     assert long == []
-    assert prose / lines <= 0.29, f"{prose} of {lines} lines"
+    assert prose / lines <= 0.25, f"{prose} of {lines} lines"
