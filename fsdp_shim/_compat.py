@@ -45,13 +45,16 @@ _COALESCING = ("gloo", "nccl", "fake")
 _COALESCES_UNDER_DETAIL = _TORCH[:2] >= (2, 13)
 
 
-def coalesces_all_gathers(group: dist.ProcessGroup, device: torch.device) -> bool:
-    """Whether one launch may post several all-gathers of one dtype on ``device`` over ``group``. From the
-    backend, the release and the debug level, which every rank shares."""
+def coalesces_all_gathers(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether one launch may post several all-gathers of ``dtype`` on ``device`` over ``group``. From the
+    backend, the release and the debug level, which every rank shares. Never complex: c10d's all-gather views it
+    as real, the process group's own method refuses it."""
     backend = str(dist.get_backend(group)).lower()
-    if ":" in backend:  # a device map: "cpu:gloo,cuda:nccl"
+    if backend == "undefined":  # torch's default map
+        backend = str(getattr(dist.Backend, "default_device_backend_map", {}).get(device.type, ""))
+    elif ":" in backend:  # a device map: "cpu:gloo,cuda:nccl"
         backend = dict(pair.strip().partition(":")[::2] for pair in backend.split(",")).get(device.type, "")
-    if backend not in _COALESCING or backend == "gloo" and device.type != "cpu":
+    if dtype.is_complex or backend not in _COALESCING or backend == "gloo" and device.type != "cpu":
         return False
     return _COALESCES_UNDER_DETAIL or dist.get_debug_level() != dist.DebugLevel.DETAIL
 

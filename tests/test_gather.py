@@ -400,3 +400,90 @@ def rank_hsdp_rank0_only_is_rank0_of_every_shard_group():
 
 def test_hsdp_rank0_only_matches_fsdp1(dist_run):
     assert dist_run(4, rank_hsdp_rank0_only_is_rank0_of_every_shard_group) == [True, False, True, False]
+
+
+# --------------------------------------------------------------------------- one launch a group
+def rank_buckets_of_several_dtypes_launch_a_dtype_each_exactly():
+    """[Note: one launch a group]: a unit's buckets of several dtypes, interleaved, go out a launch a dtype (gloo's
+    coalesced all-gather is wrong across dtypes), each exact; tensors above the cap share their dtype's launch."""
+    big = DEFAULT // (4 * 1024) + 8  # rows of 1,024 fp32: above the cap
+    specs = [((9, 5), torch.float32, [Shard(0)]), ((7, 3), torch.bfloat16, [Shard(0)]),
+             ((big, 1024), torch.float32, [Shard(0)]), ((2 * big, 1024), torch.bfloat16, [Shard(0)]),
+             ((5, 4), torch.float32, [Shard(0)])]
+    fulls, dtensors = _tensors(specs)
+    got = gather_full_tensors(dtensors, bucket_bytes=DEFAULT, collective_bytes=UNCAPPED)
+    for full, out in zip(fulls, got.tensors, strict=True):
+        assert out is not None and out.dtype == full.dtype and torch.equal(out, full)
+    launches, dtypes = got.plan.launches, [shape.dtype for shape in got.plan.shapes]
+    runs = [dtypes[sum(launches[:i]):sum(launches[:i + 1])] for i in range(len(launches))]
+    assert runs == [[torch.float32] * 2, [torch.bfloat16] * 2], runs
+
+
+def test_buckets_of_several_dtypes_launch_a_dtype_each_exactly(dist_run):
+    dist_run(2, rank_buckets_of_several_dtypes_launch_a_dtype_each_exactly)
+
+
+def rank_complex_parameters_are_gathered_one_by_one():
+    """c10d's all-gather views a complex tensor as real; the process group's launch of several refuses it: a
+    unit of complex parameters (one above the cap) still summons exactly, and the next summon too."""
+    import torch.nn as nn
+    from torch.distributed.fsdp import fully_shard
+
+    import fsdp_shim
+
+    torch.manual_seed(0)
+    unit = nn.Module()
+    unit.a = nn.Parameter(torch.randn(DEFAULT // (8 * 256) + 8, 256, dtype=torch.complex64))
+    unit.b = nn.Parameter(torch.randn(8, dtype=torch.complex64))
+    want = {name: p.detach().clone() for name, p in unit.named_parameters()}
+    fully_shard(unit, mesh=mesh1d())
+    for _ in range(2):
+        with fsdp_shim.summon_full_params(unit, recurse=False, writeback=False):
+            for name, p in unit.named_parameters():
+                assert not isinstance(p, DTensor) and torch.equal(p, want[name]), name
+
+
+def test_complex_parameters_are_gathered_one_by_one(dist_run):
+    dist_run(2, rank_complex_parameters_are_gathered_one_by_one)
+
+
+_OVERLAPS = r'''
+import random, torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from fsdp_shim._gather.engine import Reserve, _Turn, reservation
+from fsdp_shim._gather.layout import UNCAPPED, bucket_plan
+dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+mesh, rng, overlaps = init_device_mesh("cpu", (4,)), random.Random(0), 0
+for trial in range(300):
+    dtensors = []
+    for _ in range(rng.randint(1, 9)):
+        rows, cols = rng.choice([1, 3, 8, 40, 300, 1000]), rng.choice([1, 7, 64])
+        chunk = -(-rows // 4)
+        local = torch.zeros(max(0, min(chunk, rows - chunk)), cols, dtype=rng.choice([torch.float32, torch.bfloat16]))
+        dtensors.append(DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size((rows, cols)),
+                                           stride=(cols, 1)))
+    plan = bucket_plan(dtensors, rng.choice([256, 4096, 65536]), collective_bytes=UNCAPPED, together=True)
+    launch_of = [launch for launch, n in enumerate(plan.launches) for _ in range(n)]
+    for keep in (Reserve(False, None), Reserve(True, torch.device("meta"))):  # keeps nothing; offloads
+        made = reservation(plan, plan.bind(dtensors), "group_rank0", keep, dtensors, None)
+        turns = [(launch, out.buffer, out.offset, out.offset + out.numel * out.dtype.itemsize)
+                 for (out, _, _), launch in zip(made.buckets, launch_of) if isinstance(out, _Turn)]
+        assert all(end <= made.shared[b][0] and start % 256 == 0 for _, b, start, end in turns), turns
+        overlaps += sum(abs(l1 - l2) <= 1 and b1 == b2 and s1 < e2 and s2 < e1
+                        for i, (l1, b1, s1, e1) in enumerate(turns) for l2, b2, s2, e2 in turns[i + 1:])
+print(overlaps)
+'''
+
+
+def test_outputs_in_flight_together_never_overlap():
+    """A launch's outputs, and those of the launch beside it, are in flight together: ``reservation`` gives them
+    disjoint, aligned places in the shared buffer, for a rank that keeps nothing and for an offloading one (300
+    random plans on the fake backend, W = 4). On gloo an overlap would not show (it stages a launch's inputs);
+    on NCCL a launch's all-gathers run at once."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _OVERLAPS], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "0", proc.stdout + proc.stderr

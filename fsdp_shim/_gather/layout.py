@@ -240,6 +240,13 @@ def bucket_plan(
     if reuse is not None and reuse.key == key:
         return reuse
     buckets, fallback = split_into_buckets(dtensors, bucket_bytes, cast_to, collective_bytes, meshes)
+    if together:  # a launch's buckets side by side, launches in first-seen order (positions place the results)
+        by_key: dict[tuple[object, torch.dtype, str], list[list[BucketEntry]]] = {}
+        for bucket in buckets:
+            first = bucket[0]
+            by_key.setdefault((first.layout.group, gathered_dtype(first.dtensor, cast_to),
+                               first.dtensor.device_mesh.device_type), []).append(bucket)
+        buckets = [bucket for run in by_key.values() for bucket in run]
     shapes = [
         BucketShape([b.layout.padded_numel for b in bucket], gathered_dtype(bucket[0].dtensor, cast_to),
                     fills_padding(bucket), max(b.layout.blocks_with_rows for b in bucket))
@@ -251,7 +258,8 @@ def bucket_plan(
 
 def _launches(buckets: list[list[BucketEntry]], shapes: list[BucketShape], together: bool) -> list[int]:
     """Buckets a launch, in order: with ``together``, each run of buckets on one process group, dtype and device
-    whose backend coalesces them; else one each. From global metadata: every rank launches alike."""
+    whose backend coalesces them (``bucket_plan`` puts them side by side); else one each. From global metadata:
+    every rank launches alike."""
     sizes: list[int] = []
     last, coalesces = None, False
     for bucket, shape in zip(buckets, shapes, strict=True):
@@ -261,7 +269,7 @@ def _launches(buckets: list[list[BucketEntry]], shapes: list[BucketShape], toget
             sizes[-1] += 1
             continue
         if key != last:
-            last, coalesces = key, together and coalesces_all_gathers(layout.group, device)
+            last, coalesces = key, together and coalesces_all_gathers(layout.group, device, shape.dtype)
         sizes.append(1)
     return sizes
 
