@@ -64,13 +64,13 @@ def inject(operation: str, *, after: int = 0, exception: type[BaseException] = I
 
 def outputs_before_first_launch(model: nn.Module, bucket_mb: float) -> int:
     """The allocations ``iter_full_params(model, bucket_mb=...)`` makes before its first launch: an output a
-    bucket of its first batch, all staged before the batch's one launch."""
+    bucket of its first batch's first launch, all staged before it posts."""
     from fsdp_shim._gather.layout import bucket_cap, bucket_plan
     from fsdp_shim._stream import batch_params
 
     cap = bucket_cap(bucket_mb).bucket_bytes
     first = batch_params(model, cap, None)[0]
-    return len(bucket_plan([t for t in first.tensors if isinstance(t, DTensor)], cap).buckets)
+    return bucket_plan([t for t in first.tensors if isinstance(t, DTensor)], cap, together=True).launches[0]
 
 
 @contextlib.contextmanager
