@@ -39,10 +39,9 @@ def is_strided_shard(placement: Placement) -> bool:
 STRIDED_SHARD_FULL_TENSOR_BROKEN = (2, 10) <= _TORCH[:2] < (2, 12)
 
 
-#: Backends whose ``allgather_into_tensor_coalesced`` is exact for tensors of one dtype and device (gloo's is not
-#: across dtypes). Through ``TORCH_DISTRIBUTED_DEBUG=DETAIL``'s wrapper only from 2.13 (2.7.0 refuses it).
-_COALESCING = ("gloo", "nccl", "fake")
-_COALESCES_UNDER_DETAIL = _TORCH[:2] >= (2, 13)
+#: Backends whose coalesced all-gather is exact for one dtype and device (gloo's is not across dtypes); through
+#: ``TORCH_DISTRIBUTED_DEBUG=DETAIL``'s wrapper only from 2.13 (2.7.0 refuses it).
+_COALESCING, _COALESCES_UNDER_DETAIL = ("gloo", "nccl", "fake"), _TORCH[:2] >= (2, 13)
 
 
 def coalesces_all_gathers(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype) -> bool:

@@ -49,8 +49,7 @@ def all_gather_single(*args: Any, **kwargs: Any) -> Any:
     return getattr(dist, _ALL_GATHER)(*args, **kwargs)
 
 
-def all_gather_coalesced(outputs: list[torch.Tensor], inputs: list[torch.Tensor], group: dist.ProcessGroup
-                         ) -> Waitable:
+def all_gather_coalesced(outputs: list[Any], inputs: list[Any], group: dist.ProcessGroup) -> Any:
     """Several all-gathers over ``group`` in one launch, one dtype and device (``_compat.coalesces_all_gathers``):
     one grouped NCCL call, one gloo collective. The process group's own method, looked up at each call."""
     return group.allgather_into_tensor_coalesced(outputs, inputs)
@@ -121,8 +120,7 @@ class AllGatherFlight(InFlight):
 # which buckets share a launch (``layout.BucketPlan.launches``), from metadata every rank shares; a launch is
 # what ``ahead`` counts and what the run-ahead bound paces, and its buckets share one ``Work``.
 def launched_together(flights: Sequence[InFlight], posted: Posted) -> None:
-    """Launch one launch's collectives: each ``launched()``, or, for several all-gathers, one coalesced call,
-    each flight's ``launch`` dropped first ([Note: posted from the attempt])."""
+    """One launch: each ``launched()``, or several all-gathers coalesced ([Note: posted from the attempt])."""
     gathers = [f for f in flights if isinstance(f, AllGatherFlight) and f.launch is not None]
     if len(gathers) < 2:
         for flight in gathers:
@@ -131,9 +129,8 @@ def launched_together(flights: Sequence[InFlight], posted: Posted) -> None:
     posted.any = True
     for flight in gathers:
         flight.call, flight.launch = posted, None
-    work = all_gather_coalesced([cast(torch.Tensor, f.output) for f in gathers],
-                                [cast(torch.Tensor, f.gather_input) for f in gathers],
-                                gathers[0].bucket[0].layout.group)
+    group = gathers[0].bucket[0].layout.group
+    work = all_gather_coalesced([f.output for f in gathers], [f.gather_input for f in gathers], group)
     for flight in gathers:
         flight.work = work
 

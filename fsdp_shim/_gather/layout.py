@@ -232,21 +232,14 @@ def bucket_plan(
     together: bool = False,
 ) -> BucketPlan:
     """The plan for ``dtensors``: ``reuse`` if made for the same key (each spec by identity, local shape, dtype,
-    device; the caps, the cast, ``together``), else a new one. ``meshes`` is not in the key: it is fixed for given
-    tensors, so a plan reused for the same key was made with them. ``together``: buckets that can share a launch
-    do (``launches``)."""
+    device; the caps, the cast, ``together``: buckets may share launches), else a new one. ``meshes``, fixed for
+    given tensors, is not in the key."""
     key = (bucket_bytes, collective_bytes, cast_to, together,
            *[(id(d._spec), t.shape, t.dtype, t.device) for d in dtensors for t in (d._local_tensor,)])
     if reuse is not None and reuse.key == key:
         return reuse
     buckets, fallback = split_into_buckets(dtensors, bucket_bytes, cast_to, collective_bytes, meshes)
-    if together:  # a launch's buckets side by side, launches in first-seen order (positions place the results)
-        by_key: dict[tuple[object, torch.dtype, str], list[list[BucketEntry]]] = {}
-        for bucket in buckets:
-            first = bucket[0]
-            by_key.setdefault((first.layout.group, gathered_dtype(first.dtensor, cast_to),
-                               first.dtensor.device_mesh.device_type), []).append(bucket)
-        buckets = [bucket for run in by_key.values() for bucket in run]
+    buckets = _side_by_side(buckets, cast_to) if together else buckets
     shapes = [
         BucketShape([b.layout.padded_numel for b in bucket], gathered_dtype(bucket[0].dtensor, cast_to),
                     fills_padding(bucket), max(b.layout.blocks_with_rows for b in bucket))
@@ -256,10 +249,19 @@ def bucket_plan(
                       [d._spec for d in dtensors], shapes, [], {}, _launches(buckets, shapes, together))
 
 
+def _side_by_side(buckets: list[list[BucketEntry]], cast_to: torch.dtype | None) -> list[list[BucketEntry]]:
+    """Buckets that may share a launch (one group, dtype and device) side by side, in first-seen order."""
+    by_key: dict[tuple[object, torch.dtype, str], list[list[BucketEntry]]] = {}
+    for bucket in buckets:
+        first = bucket[0]
+        by_key.setdefault((first.layout.group, gathered_dtype(first.dtensor, cast_to),
+                           first.dtensor.device_mesh.device_type), []).append(bucket)
+    return [bucket for run in by_key.values() for bucket in run]
+
+
 def _launches(buckets: list[list[BucketEntry]], shapes: list[BucketShape], together: bool) -> list[int]:
-    """Buckets a launch, in order: with ``together``, each run of buckets on one process group, dtype and device
-    whose backend coalesces them (``bucket_plan`` puts them side by side); else one each. From global metadata:
-    every rank launches alike."""
+    """Buckets a launch, in order: with ``together``, each run on one group, dtype and device whose backend
+    coalesces them; else one each. From global metadata: every rank launches alike."""
     sizes: list[int] = []
     last, coalesces = None, False
     for bucket, shape in zip(buckets, shapes, strict=True):
