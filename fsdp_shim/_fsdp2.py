@@ -71,6 +71,7 @@ __all__ = [
     "redirect_apply",
     "remove_instance_form",
     "reshard_group",
+    "reshard_groups",
     "restore_methods",
     "resume_hooks",
     "root_modules",
@@ -252,6 +253,12 @@ def adopt_module_params(group: FSDPParamGroup) -> bool:
     return False
 
 
+def reshard_groups(groups: list[FSDPParamGroup]) -> None:
+    """FSDP2's ``reshard()`` of a unit, on these of its groups."""
+    for group in groups:
+        group.reshard()
+
+
 def reshard_group(group: FSDPParamGroup) -> None:
     """Free the unsharded copy and register the sharded parameters, as ``reshard()`` and ``state_dict()``'s
     pre-hook do, for a unit an earlier forward left unsharded (the root, or ``reshard_after_forward=False``)."""
@@ -293,7 +300,7 @@ def unwrap_state_init(handle: Any) -> None:
     wrapt.unwrap_object(FSDPState, "__init__", handle, missing_ok=True)
 
 
-#: ``FSDPModule``'s public calls that act on a unit's group whatever marks it, refused while a live
+#: ``FSDPModule``'s public calls that act on a unit's group whatever marks it, guarded while a live
 #: context holds one of the group's parameters: see [Note: FSDP2's calls inside] in ``_patching``.
 #: ``set_reshard_after_forward`` exists from torch 2.8; the others in every release served.
 GUARDED_CALLS = ("reshard", "unshard", "set_reshard_after_forward")
@@ -645,7 +652,7 @@ def cuda_backend_name(group: dist.ProcessGroup) -> str | None:
 _METHODS: dict[type, tuple[str, ...]] = {
     FSDPModule: ("_apply",),  # bypassed inside contexts, replayed
     FSDPState: ("_lazy_init",),
-    FSDPParamGroup: ("_to_sharded", "is_sharded"),
+    FSDPParamGroup: ("_to_sharded", "is_sharded", "reshard"),
     FSDPParam: ("reset_sharded_param",),
 }
 _FIELDS: dict[type, tuple[str | tuple[str, ...], ...]] = {
@@ -705,8 +712,8 @@ def _names_in(cls: type) -> set[str]:
 def missing_internals() -> list[str]:
     """The internals in ``READS`` this torch lacks, as ``Owner.name``; empty when all are there."""
     missing: list[str] = []
-    for owner, methods in (*_METHODS.items(), *_WRAPPED.items()):
-        missing += [f"{owner.__name__}.{m}" for m in methods if getattr(owner, m, None) is None]
+    for owner, methods in (*_METHODS.items(), *_WRAPPED.items()):  # set_reshard_after_forward: from 2.8, if there
+        missing += [f"{owner.__name__}.{m}" for m in methods if m != GUARDED_CALLS[2] and not hasattr(owner, m)]
     missing += [f"nn.Module.{m}" for m in _OVERRIDDEN if getattr(nn.Module, m, None) is None]
     for owner, fields in _FIELDS.items():
         names = _names_in(owner)

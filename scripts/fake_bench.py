@@ -405,7 +405,7 @@ def _check(config: dict, model, units: list, sync: Callable, deadline: float) ->
     launch = vars(dist.ProcessGroup)["allgather_into_tensor_coalesced"]  # a launch of several: put back as is
 
     def counting_gather(*args, **kwargs):  # (output, input), or a launch's (group, outputs, inputs)
-        several = isinstance(args[1], list)
+        several = len(args) > 2 and isinstance(args[1], list)  # FSDP2 passes keywords
         gathers[0] += len(args[1]) if several else 1
         return (launch.__func__ if several else real_gather)(*args, **kwargs)
 
