@@ -85,27 +85,31 @@ def _refuse_fully_shard_inside(wrapped: Any, instance: Any, args: tuple[Any, ...
 
 
 def _refuse_fsdp2_call_inside(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """FSDP2's ``reshard()``, ``unshard()`` and ``set_reshard_after_forward()`` raise, before they change
-    anything, on a group a live context holds a parameter of.
+    """FSDP2's ``reshard()``, ``unshard()`` and ``set_reshard_after_forward()`` on a group a live context holds.
 
     [Note: FSDP2's calls inside]
-    Each acts on the group whatever marks it: ``reshard()`` puts shards into slots holding full parameters,
-    ``unshard()`` gathers over them, ``set_reshard_after_forward()`` rewrites what the mark keeps (exit would
-    silently revert it). Refused on every rank alike. FSDP2's other setters and own paths (hooks,
-    ``state_dict()``) touch nothing a context holds, and a context redirects ``_apply``.
+    A held group is sharded underneath (entry resharded it) and gets its shards back at exit, so ``reshard()`` is
+    done for it (peft's ``merge_adapter()`` reshards every unit from 0.22), where FSDP2's would put the shards in
+    the full parameters' slots. ``unshard()`` would gather over them, ``set_reshard_after_forward()`` rewrite what
+    exit reverts: refused on every rank alike, before any change. FSDP2's other setters and paths (hooks,
+    ``state_dict()``) touch nothing held, and a context redirects ``_apply``.
     """
     from fsdp_shim import _fsdp2, _registry  # noqa: PLC0415  (not in refusing mode's imports; cached after the first)
 
     if _registry.has_live_slots():
         module, call_args = (instance, args) if instance is not None else (args[0], args[1:])
-        for group in _fsdp2.groups_of_call(module, wrapped.__name__, call_args, kwargs):
-            for fsdp_param in _fsdp2.group_params(group):
-                if any(_registry.owner_of((id(m), n)) is not None for m, n in _fsdp2.param_slots(fsdp_param)):
-                    raise RuntimeError(
-                        f"{type(module).__name__}.{wrapped.__name__}() inside summon_full_params over its "
-                        "parameters is not supported: the context holds them, and restores FSDP2's state "
-                        "on exit. Call it after the context."
-                    )
+        groups = _fsdp2.groups_of_call(module, wrapped.__name__, call_args, kwargs)
+        held = [any(_registry.owner_of((id(m), n)) is not None
+                    for fsdp_param in _fsdp2.group_params(group) for m, n in _fsdp2.param_slots(fsdp_param))
+                for group in groups]
+        if any(held) and wrapped.__name__ == "reshard":  # FSDP2's returns None too
+            return _fsdp2.reshard_groups([group for group, is_held in zip(groups, held, strict=True) if not is_held])
+        if any(held):
+            raise RuntimeError(
+                f"{type(module).__name__}.{wrapped.__name__}() inside summon_full_params over its "
+                "parameters is not supported: the context holds them, and restores FSDP2's state "
+                "on exit. Call it after the context."
+            )
     return wrapped(*args, **kwargs)
 
 

@@ -155,6 +155,15 @@ def rank_several_parameter_groups_on_one_module():
         _train_step(model, ref, opt, ref_opt, tokens)
         with FSDP.summon_full_params(model, writeback=False):
             assert_params_equal(model, ref, exact=False)  # two reduce-scatters: summation order may differ
+        model.blocks[0].unshard()  # both groups unsharded
+        with FSDP.summon_full_params(model.blocks[0].norm1, writeback=False):  # in the first group only
+            held = model.blocks[0].norm1.weight
+            assert model.blocks[0].reshard() is None  # the first group left to the context, the second FSDP2's
+            assert model.blocks[0].norm1.weight is held and groups[1].is_sharded
+        assert all(group.is_sharded for group in groups)
+        _train_step(model, ref, opt, ref_opt, tokens)
+        with FSDP.summon_full_params(model, writeback=False):
+            assert_params_equal(model, ref, exact=False)
     assert isinstance(model.blocks[1].fc1.weight, DTensor)
 
 

@@ -26,6 +26,7 @@ from _helpers import (
     snapshot,
     tokens_for,
 )
+from fsdp_shim import _fsdp2
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
 
@@ -191,7 +192,6 @@ def rank_fsdp2s_own_calls_inside_are_refused_on_every_rank(call: str):
     model.reshard()
     before = snapshot(model)
     calls = {
-        "reshard": lambda: model.reshard(),
         "unshard": lambda: model.blocks[0].unshard(),
         "set_reshard_after_forward": lambda: model.set_reshard_after_forward(False),
         "set_reshard_after_forward_unit": lambda: model.blocks[1].set_reshard_after_forward(True, recurse=False),
@@ -214,9 +214,43 @@ def rank_fsdp2s_own_calls_inside_are_refused_on_every_rank(call: str):
     return torch.equal(loss, ref(tokens).sum())
 
 
-@pytest.mark.parametrize("call", ["reshard", "unshard", "set_reshard_after_forward", "set_reshard_after_forward_unit"])
+@pytest.mark.parametrize("call", ["unshard", "set_reshard_after_forward", "set_reshard_after_forward_unit"])
 def test_fsdp2s_own_calls_inside_are_refused_on_every_rank(dist_run, call):
     assert dist_run(2, rank_fsdp2s_own_calls_inside_are_refused_on_every_rank, call) == [True, True]
+
+
+def rank_reshard_inside_leaves_the_held_groups_to_the_context(scope: str):
+    ref, model = build_lm(), shard_lm(build_lm(), reshard_after_forward=False)
+    tokens = tokens_for(LMConfig())
+    model(tokens)  # every unit left unsharded
+    others = [g for unit in [model, *model.blocks[1:]] for g in _fsdp2.param_groups(_fsdp2.fsdp_state_of(unit))]
+    summoned = model if scope == "model" else model.blocks[0]
+    with patched():
+        with FSDP.summon_full_params(summoned, writeback=True):
+            slots = [(name, p) for name, p in summoned.named_parameters()]
+            with torch.no_grad():
+                next(p for name, p in slots if name.endswith("weight")).add_(1.0)  # an edit, as peft's merge
+            for unit in [model, *model.blocks]:  # as peft's merge_adapter() from 0.22: every unit, every rank
+                assert unit.reshard() is None
+            assert [(name, p) for name, p in summoned.named_parameters()] == slots  # the same full parameters
+            assert all(type(p) is nn.Parameter for _, p in slots)
+            others_sharded = all(g.is_sharded for g in others)  # FSDP2's own reshard() where no context holds
+        name = next(name for name, _ in slots if name.endswith("weight"))
+        with torch.no_grad():
+            ref.get_submodule("" if scope == "model" else "blocks.0").get_parameter(name).add_(1.0)
+    got = full_state(model)
+    exact = all(torch.equal(got[n], p) for n, p in ref.named_parameters())
+    loss = model(tokens).sum()  # the next training step
+    loss.backward()
+    return exact, others_sharded or scope == "model", torch.equal(loss, ref(tokens).sum())
+
+
+@pytest.mark.parametrize("scope", ["model", "block"])
+def test_reshard_inside_leaves_the_held_groups_to_the_context(dist_run, scope):
+    """peft's merge_adapter() reshards every FSDP2 unit from 0.22 (verl merges inside a summon): ``reshard()`` on a
+    group a context holds is done (its shards go back at exit, the edit written back); on any other group it is
+    FSDP2's own (a summon of one block leaves the other units' groups to it)."""
+    assert dist_run(2, rank_reshard_inside_leaves_the_held_groups_to_the_context, scope) == [(True,) * 3] * 2
 
 
 # ----------------------------------------------------------------------------- rank0_only forwards
