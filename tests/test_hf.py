@@ -199,3 +199,31 @@ def rank_lora_merge():
 def test_pattern4_lora_merge_and_unmerge(dist_run):
     pytest.importorskip("peft")
     dist_run(2, rank_lora_merge)
+
+
+def rank_lora_adapter_calls_inside():
+    reference, model = _lora(), _shard(_lora())
+    model(_prompt())
+    lora = [n for n, _ in model.named_parameters() if "lora_" in n]
+    with patched():
+        with FSDP.summon_full_params(model, writeback=True):  # peft 0.22 reshards every unit in each call
+            with model.disable_adapter():
+                base_only = model(_prompt()).logits
+            model.set_requires_grad("default", requires_grad=False)
+        with reference.disable_adapter():
+            assert torch.equal(base_only, reference(_prompt()).logits)
+        params = dict(model.named_parameters())
+        assert all(isinstance(params[n], DTensor) and not params[n].requires_grad for n in lora)  # on the shards
+        with FSDP.summon_full_params(model, writeback=True):
+            model.set_adapter("default")
+        assert all(params[n].requires_grad for n in lora)
+    model(_prompt()).logits.sum().backward()
+    return True
+
+
+def test_lora_adapter_calls_inside_reach_the_shards(dist_run):
+    """peft's ``disable_adapter()``, ``set_requires_grad()`` and ``set_adapter()`` inside a summon: the same
+    logits as unsharded, and ``requires_grad`` carried to the sharded parameters."""
+    if not hasattr(pytest.importorskip("peft").PeftModel, "set_requires_grad"):
+        pytest.skip("PeftModel.set_requires_grad is not in this peft")
+    assert dist_run(2, rank_lora_adapter_calls_inside) == [True, True]
