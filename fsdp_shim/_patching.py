@@ -90,8 +90,10 @@ def _refuse_fsdp2_call_inside(wrapped: Any, instance: Any, args: tuple[Any, ...]
     [Note: FSDP2's calls inside]
     A held group is sharded underneath (entry resharded it) and gets its shards back at exit, so ``reshard()`` is
     done for it (peft's ``merge_adapter()`` reshards every unit from 0.22), where FSDP2's would put the shards in
-    the full parameters' slots. ``unshard()`` would gather over them, ``set_reshard_after_forward()`` rewrite what
-    exit reverts: refused on every rank alike, before any change. FSDP2's other setters and paths (hooks,
+    the full parameters' slots; refused under ``rank0_only``, whose other ranks hold the live shards in the slots
+    (what follows, as peft's merge, would edit them, or run collectives on some ranks only). ``unshard()`` would
+    gather over them, ``set_reshard_after_forward()`` rewrite what exit reverts: refused on every rank alike,
+    before any change. FSDP2's other setters and paths (hooks,
     ``state_dict()``) touch nothing held, and a context redirects ``_apply``.
     """
     from fsdp_shim import _fsdp2, _registry  # noqa: PLC0415  (not in refusing mode's imports; cached after the first)
@@ -99,16 +101,16 @@ def _refuse_fsdp2_call_inside(wrapped: Any, instance: Any, args: tuple[Any, ...]
     if _registry.has_live_slots():
         module, call_args = (instance, args) if instance is not None else (args[0], args[1:])
         groups = _fsdp2.groups_of_call(module, wrapped.__name__, call_args, kwargs)
-        held = [any(_registry.owner_of((id(m), n)) is not None
-                    for fsdp_param in _fsdp2.group_params(group) for m, n in _fsdp2.param_slots(fsdp_param))
-                for group in groups]
-        if any(held) and wrapped.__name__ == "reshard":  # FSDP2's returns None too
-            return _fsdp2.reshard_groups([group for group, is_held in zip(groups, held, strict=True) if not is_held])
-        if any(held):
+        owners = [[owner for fsdp_param in _fsdp2.group_params(group) for m, n in _fsdp2.param_slots(fsdp_param)
+                   if (owner := _registry.owner_of((id(m), n))) is not None] for group in groups]
+        rank0_only = any(owner.rank0_only for found in owners for owner in found)  # shards in the others' slots
+        if any(owners) and wrapped.__name__ == "reshard" and not rank0_only:  # FSDP2's returns None too
+            return _fsdp2.reshard_groups([group for group, found in zip(groups, owners, strict=True) if not found])
+        if any(owners):
             raise RuntimeError(
-                f"{type(module).__name__}.{wrapped.__name__}() inside summon_full_params over its "
-                "parameters is not supported: the context holds them, and restores FSDP2's state "
-                "on exit. Call it after the context."
+                f"{type(module).__name__}.{wrapped.__name__}() inside summon_full_params"
+                f"{'(rank0_only=True)' if rank0_only else ''} over its parameters is not supported: the context "
+                "holds them, and restores FSDP2's state on exit. Call it after the context."
             )
     return wrapped(*args, **kwargs)
 

@@ -40,6 +40,9 @@ class LiveContext(Protocol):
     def writeback(self) -> bool: ...
 
     @property
+    def rank0_only(self) -> bool: ...
+
+    @property
     def summoned(self) -> Sequence[Summoned]: ...
 
 

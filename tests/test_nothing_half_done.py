@@ -245,6 +245,29 @@ def rank_reshard_inside_leaves_the_held_groups_to_the_context(scope: str):
     return exact, others_sharded or scope == "model", torch.equal(loss, ref(tokens).sum())
 
 
+def rank_reshard_inside_rank0_only_is_refused_on_every_rank():
+    _, model = build_lm(), shard_lm(build_lm())
+    tokens = tokens_for(LMConfig())
+    model(tokens)
+    model.reshard()
+    before = snapshot(model)
+    with patched():
+        with FSDP.summon_full_params(model, writeback=False, rank0_only=True):
+            kept = [p for p in model.parameters()]  # full on rank 0, the live shards elsewhere
+            for unit in [model, *model.blocks]:  # peft 0.22's merge would edit the shards on the other ranks
+                with pytest.raises(RuntimeError, match=r"summon_full_params\(rank0_only=True\) over its parameters"):
+                    unit.reshard()
+            assert [p for p in model.parameters()] == kept
+        assert_unchanged(model, before)
+    return True
+
+
+def test_reshard_inside_rank0_only_is_refused_on_every_rank(dist_run):
+    """Under ``rank0_only`` the other ranks' slots hold the live shards, which what follows a ``reshard()``
+    (peft's merge) would edit, or run collectives on through DTensor there alone: refused, as before 0.20."""
+    assert dist_run(2, rank_reshard_inside_rank0_only_is_refused_on_every_rank) == [True, True]
+
+
 @pytest.mark.parametrize("scope", ["model", "block"])
 def test_reshard_inside_leaves_the_held_groups_to_the_context(dist_run, scope):
     """peft's merge_adapter() reshards every FSDP2 unit from 0.22 (verl merges inside a summon): ``reshard()`` on a
