@@ -93,8 +93,8 @@ def _refuse_fsdp2_call_inside(wrapped: Any, instance: Any, args: tuple[Any, ...]
     the full parameters' slots; refused under ``rank0_only``, whose other ranks hold the live shards in the slots
     (what follows, as peft's merge, would edit them, or run collectives on some ranks only). ``unshard()`` would
     gather over them, ``set_reshard_after_forward()`` rewrite what exit reverts: refused on every rank alike,
-    before any change. FSDP2's other setters and paths (hooks,
-    ``state_dict()``) touch nothing held, and a context redirects ``_apply``.
+    before any change. FSDP2's other setters and paths (hooks, ``state_dict()``) touch nothing held, and a
+    context redirects ``_apply``.
     """
     from fsdp_shim import _fsdp2, _registry  # noqa: PLC0415  (not in refusing mode's imports; cached after the first)
 
