@@ -712,8 +712,9 @@ def _names_in(cls: type) -> set[str]:
 def missing_internals() -> list[str]:
     """The internals in ``READS`` this torch lacks, as ``Owner.name``; empty when all are there."""
     missing: list[str] = []
-    for owner, methods in (*_METHODS.items(), *_WRAPPED.items()):  # set_reshard_after_forward: from 2.8, if there
-        missing += [f"{owner.__name__}.{m}" for m in methods if m != GUARDED_CALLS[2] and not hasattr(owner, m)]
+    for owner, methods in (*_METHODS.items(), *_WRAPPED.items()):
+        missing += [f"{owner.__name__}.{m}" for m in methods
+                    if m != "set_reshard_after_forward" and not hasattr(owner, m)]  # wrapped where it exists (2.8+)
     missing += [f"nn.Module.{m}" for m in _OVERRIDDEN if getattr(nn.Module, m, None) is None]
     for owner, fields in _FIELDS.items():
         names = _names_in(owner)
