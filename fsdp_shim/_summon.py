@@ -324,7 +324,7 @@ def _prepare(scope: Scope, resolved: list[DTensor], groups: list[SummonedGroup])
 # ``rank0_only``, slot contents, ``.grad``): a slot tied to a live summon's tensor is that summon's on every rank; a
 # nested call its enclosing contexts cover runs no collective anywhere (FSDP1's answer); which gradients exist is
 # agreed by an all-reduce first, as FSDP1 does. Out-of-step marks are rank-local by nature. Exit and writeback run
-# no collective. CI runs the suite once under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (fails at the first mismatch).
+# no collective. CI's newest row runs the suite under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (fails at the first mismatch).
 
 # [Note: hot path]
 # The weight-sync loop enters one summon a unit, so on NCCL a warm summon's host time is what users wait for

@@ -4,7 +4,9 @@
 test module) on every rank and returns the per-rank results (within the
 pool's 120 s, or ``timeout_s=`` seconds). Pools live for
 the session; a pool whose ranks failed or hung is torn down and the next test
-gets a fresh one. ``FSDP_SHIM_TEST_BACKEND=nccl`` runs the pools on NCCL, one GPU a rank, for the
+gets a fresh one. Under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (CI's newest row) every collective's fingerprint is
+checked across ranks, except in tests marked ``one_sided``, whose ranks diverge by design: their ranks start
+without it, in pools of their own. ``FSDP_SHIM_TEST_BACKEND=nccl`` runs the pools on NCCL, one GPU a rank, for the
 tests written for any backend: the two-group weight sync on 3 GPUs is
 ``FSDP_SHIM_TEST_BACKEND=nccl python -m pytest tests/test_weight_sync.py -k "receives or stream"``.
 """
@@ -24,17 +26,25 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from fsdp_shim.tools.launch import RankPool  # noqa: E402
 
-_pools: dict[int, RankPool] = {}
+_pools: dict[tuple[int, str | None], RankPool] = {}
 _BACKEND = os.environ.get("FSDP_SHIM_TEST_BACKEND", "gloo")
+_DEBUG = "TORCH_DISTRIBUTED_DEBUG"
 
 
 def _pool(world_size: int) -> RankPool:
     if _BACKEND == "nccl" and world_size > torch.cuda.device_count():
         pytest.skip(f"{world_size} ranks on NCCL need {world_size} GPUs, {torch.cuda.device_count()} visible")
-    pool = _pools.get(world_size)
+    key = (world_size, os.environ.get(_DEBUG))  # spawned ranks read the debug level as they start
+    pool = _pools.get(key)
     if pool is None or not pool.alive:
-        pool = _pools[world_size] = RankPool(world_size, backend=_BACKEND, timeout_s=120)
+        pool = _pools[key] = RankPool(world_size, backend=_BACKEND, timeout_s=120)
     return pool
+
+
+@pytest.fixture(autouse=True)
+def _one_sided_without_detail(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if request.node.get_closest_marker("one_sided") is not None:
+        monkeypatch.delenv(_DEBUG, raising=False)
 
 
 @pytest.fixture(scope="session")

@@ -2,8 +2,8 @@
 
 Under ``rank0_only`` only some ranks hold full tensors; gradients may exist
 on some ranks only. Each case here hung, aborted or lost a value silently on
-0.10.0 (issue 43). Run under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (``.ci/run``
-does, once), a rank whose collectives diverge fails within a second instead
+0.10.0 (issue 43). Run under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (``.ci/run``'s
+newest torch row does), a rank whose collectives diverge fails within a second instead
 of waiting for the group's timeout.
 """
 
