@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from fsdp_shim.tools.launch import free_port
@@ -101,11 +102,13 @@ def test_run_launcher_behaves_like_python(tmp_path):
     (tmp_path / "pkg" / "__init__.py").write_text("")
     in_package = SCRIPT.replace("os.path.dirname(os.path.abspath(__file__))", "os.getcwd()")
     (tmp_path / "pkg" / "train.py").write_text(in_package)
+    launchers = ([], [sys.executable, "-m", "fsdp_shim.run"], ["fsdp-shim", "run"])  # [] is plain python
     for program in (["train.py", "3", "--flag"], ["-m", "pkg.train", "4", "--help"]):
-        plain = _run(sys.executable, *program, cwd=tmp_path)
-        for launcher in ([sys.executable, "-m", "fsdp_shim.run"], ["fsdp-shim", "run"]):
-            launched = _run(*launcher, *program, cwd=tmp_path)
-            assert (launched.returncode, launched.stdout) == (plain.returncode, plain.stdout), launched.stderr
+        with ThreadPoolExecutor(max_workers=2) as pool:  # fresh interpreters that import torch: two at a time
+            plain, *launched = pool.map(lambda launcher, program=program: _run(
+                *(launcher or [sys.executable]), *program, cwd=tmp_path), launchers)
+        for run in launched:
+            assert (run.returncode, run.stdout) == (plain.returncode, plain.stdout), run.stderr
         assert plain.returncode == int(program[-2]) and "name __main__ path0 True" in plain.stdout
 
 

@@ -8,6 +8,7 @@ import inspect
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -127,10 +128,11 @@ def _python(code: str, **env: str) -> str:
     return result.stdout.strip()
 
 
-def test_fsdp_shim_disable_imports_without_patching():
-    code = "import fsdp_shim; print(fsdp_shim.is_patched())"
-    assert _python(code, FSDP_SHIM_DISABLE="1") == "False"
-    assert _python(code, FSDP_SHIM_DISABLE="") == "True"
+def _two_at_a_time(run, calls):
+    """``run(*args, **env)`` for each ``(args, env)`` of ``calls``, two at a time: each is a fresh interpreter that
+    imports torch (seconds apiece, mostly one core's work)."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return list(pool.map(lambda call: run(*call[0], **call[1]), calls))
 
 
 @pytest.mark.parametrize("first", ["fsdp_shim", "torch.distributed.fsdp"])
@@ -183,11 +185,12 @@ def test_versions_are_data_and_the_guard_reads_them():
     assert all(f"| {v} " in versions for v in _versions.VERIFIED_TORCH)  # the table of verified runs
 
 
-@pytest.mark.parametrize("value", ["1", "TRUE", "yes", "On"])
-def test_fsdp_shim_disable_takes_the_usual_truthy_spellings(value):
+def test_fsdp_shim_disable_takes_the_usual_truthy_spellings_and_imports_without_patching():
     code = "import fsdp_shim; print(fsdp_shim.is_patched())"
-    assert _python(code, FSDP_SHIM_DISABLE=value) == "False"
-    assert _python(code, FSDP_SHIM_DISABLE="0") == "True"
+    values = ["1", "TRUE", "yes", "On", "", "0"]
+    patched = _two_at_a_time(_python, [((code,), {"FSDP_SHIM_DISABLE": value}) for value in values])
+    assert dict(zip(values, patched, strict=True)) == {
+        "1": "False", "TRUE": "False", "yes": "False", "On": "False", "": "True", "0": "True"}
 
 
 # A summon of a real FSDP2 model (a world of one on gloo) under a faked torch: it gathers, or it
@@ -249,38 +252,42 @@ def test_a_newer_torch_with_every_internal_present_is_served_with_a_warning():
 
 
 def test_a_newer_torch_missing_an_internal_refuses_dtensor_summons_by_name():
-    out, err = _summon_under("2.16.0", remove=("_to_sharded",))
+    (out, err), allowed = _two_at_a_time(_summon_under, [
+        (("2.16.0", ("_to_sharded",)), {}),
+        (("2.16.0", ("_to_sharded",)), {"FSDP_SHIM_ALLOW_UNSUPPORTED_TORCH": "1"}),
+    ])
     assert out == "True True refused plain parent refused"
     assert "torch 2.16.0 lacks FSDP2 internals fsdp_shim reads: FSDPParamGroup._to_sharded" in err
     assert "FSDP_SHIM_ALLOW_UNSUPPORTED_TORCH=1" in err and "silently do nothing" in err
     # the override gathers anyway, and says so
-    out, err = _summon_under("2.16.0", remove=("_to_sharded",), FSDP_SHIM_ALLOW_UNSUPPORTED_TORCH="1")
+    out, err = allowed
     assert out == "True False gathered plain parent missing" and "gathering although" in err  # at your own risk
 
 
 def test_an_older_torch_refuses_dtensor_summons_unless_allowed():
-    out, err = _summon_under("2.6.0")
+    (out, err), other_rank, allowed = _two_at_a_time(_summon_under, [
+        (("2.6.0",), {}),
+        (("2.6.0",), {"RANK": "1"}),  # under torchrun: rank 0 speaks for the job
+        (("2.6.0",), {"FSDP_SHIM_ALLOW_UNSUPPORTED_TORCH": "1"}),
+    ])
     assert out == "True True refused plain parent refused"
     assert "torch 2.6.0 is outside the supported torch >= 2.7, < 2.16" in err
-    other_rank = _summon_under("2.6.0", RANK="1")  # under torchrun: rank 0 speaks for the job
     assert other_rank[0] == "True True refused plain parent refused" and "refuses DTensor summons" not in other_rank[1]
-    out, err = _summon_under("2.6.0", FSDP_SHIM_ALLOW_UNSUPPORTED_TORCH="1")
+    out, err = allowed
     assert out == "True False gathered plain parent wrapper" and "gathering although" in err
 
 
 def test_internals_that_cannot_be_imported_refuse_dtensor_summons():
     hide = "import torch.distributed.fsdp\nsys.modules['torch.distributed.fsdp._fully_shard._fsdp_state'] = None"
-    out, err = _summon_under(torch_version(), before=hide)
+    public = ("import sys, torch.distributed.fsdp\n"
+              "sys.modules['torch.distributed.fsdp._fully_shard._fsdp_state'] = None\n"
+              "import fsdp_shim\ntry:\n    fsdp_shim.summon_full_params(None)\n"
+              "except RuntimeError as exc:\n    print('refuses' in str(exc))")
+    (out, err), refused = _two_at_a_time(lambda run, *args: run(*args), [
+        ((_summon_under, torch_version(), (), hide), {}), ((_python, public), {})])
     assert out == "True True refused plain parent refused"
     assert "lacks the FSDP2 internals fsdp_shim uses" in err
-    refused = subprocess.run(
-        [sys.executable, "-c", "import sys, torch.distributed.fsdp\n"
-         "sys.modules['torch.distributed.fsdp._fully_shard._fsdp_state'] = None\n"
-         "import fsdp_shim\ntry:\n    fsdp_shim.summon_full_params(None)\n"
-         "except RuntimeError as exc:\n    print('refuses' in str(exc))"],
-        capture_output=True, text=True, check=True,
-    )
-    assert refused.stdout.strip() == "True"  # the public API refuses too
+    assert refused == "True"  # the public API refuses too
 
 
 def torch_version() -> str:
