@@ -3,9 +3,10 @@ probe of it.
 
 FSDP2 exposes ``unshard()`` and ``reshard()``, not the per-parameter bookkeeping ``summon_full_params``
 needs. This module reads and changes that bookkeeping, FSDP2's forward-cast globals, its classes (methods
-wrapped, the instance form added), its units' ``_apply`` and ``_call_impl`` (overridden for a context), and
-c10d's world of live groups; nothing else does (``tests/test_house.py``). ``READS`` names each; past the
-verified torch range ``missing_internals`` checks them at activation ([Note: version policy] in ``_versions``).
+wrapped, the instance form added), its units' ``_apply`` and ``_call_impl`` and its states' ``_pre_forward``
+(overridden for a context), and c10d's world of live groups; nothing else does (``tests/test_house.py``).
+``READS`` names each; past the verified torch range ``missing_internals`` checks them at activation ([Note:
+version policy] in ``_versions``).
 Release differences are handled where they matter: ``param_groups`` (2.12), ``lazy_init_root`` (2.7),
 ``mark_summoned`` (2.14), ``param_dtype_for_forward`` (2.15), all read against 2.7.0 through 2.15.0; 2.15's
 ``set_keep_unsharded_storage`` needs nothing (the shim always gathers from the shards).
@@ -56,6 +57,7 @@ __all__ = [
     "group_hook_sites",
     "group_modules",
     "group_params",
+    "guard_forward_methods",
     "groups_of_call",
     "has_cast_walk",
     "is_live_group",
@@ -81,6 +83,7 @@ __all__ = [
     "sharded_param",
     "sharded_params",
     "suspend_hooks",
+    "unguard_forward_methods",
     "unit_summon_cache",
     "unsharded_param_if_any",
     "unwrap_cast_walks",
@@ -336,7 +339,8 @@ def remove_instance_form(form: staticmethod[..., Any]) -> None:
 
 # -- what a context overrides on FSDP2's units (and on plain modules alike), listed in ``READS`` too ------
 # ``nn.Module._apply`` (see [Note: conversions inside] in ``_group``) and ``_call_impl`` (see [Note: casts
-# never outlive their forward] there), each on the instance, for the context's duration.
+# never outlive their forward] there), each on the instance, for the context's duration; and, where a forward is
+# refused, ``FSDPState._pre_forward`` (``guard_forward_methods``).
 
 _How = TypeVar("_How")  # what a redirected ``_apply`` hands its ``run``: the caller's
 
@@ -373,6 +377,52 @@ def restore_methods(overridden: list[nn.Module], name: str) -> None:
         if name in attrs:
             del attrs[name]
     overridden.clear()
+
+
+class _PreForwardGuard:
+    """A state's FSDP2 ``_pre_forward``, after each live context's check (``guard_forward_methods``)."""
+
+    def __init__(self, pre_forward: Callable[..., Any]) -> None:
+        self.pre_forward = pre_forward
+        self.checks: list[Callable[[nn.Module], None]] = []
+
+    def __call__(self, module: nn.Module, *args: Any) -> Any:
+        for check in list(self.checks):
+            check(module)
+        return self.pre_forward(module, *args)
+
+
+def guard_forward_methods(units: Iterable[nn.Module], check: Callable[[nn.Module], None],
+                          guarded: list[FSDPState]) -> None:
+    """``check(module)`` first whenever a forward method registered on one of ``units`` (FSDP2's
+    ``register_fsdp_forward_method``) runs: it calls its state's ``_pre_forward`` itself, past ``_call_impl`` and
+    every forward pre-hook, and all-gathers before a refusal could speak. An instance-level ``_pre_forward`` on the
+    state, shared by nested contexts; FSDP2's forward hook keeps the method it bound at ``fully_shard``. Each state
+    is recorded in ``guarded`` before it is changed."""
+    for unit in units:
+        if not isinstance(unit, FSDPModule):  # FSDP2 registers forward methods on its units only
+            continue
+        state = fsdp_state_of(unit)
+        if state is None or state in guarded:
+            continue
+        guarded.append(state)
+        guard = state.__dict__.get("_pre_forward")
+        if not isinstance(guard, _PreForwardGuard):
+            guard = state.__dict__["_pre_forward"] = _PreForwardGuard(state._pre_forward)
+        guard.checks.append(check)
+
+
+def unguard_forward_methods(guarded: list[FSDPState], check: Callable[[nn.Module], None]) -> None:
+    """``guard_forward_methods`` undone for ``check``; a state's guard goes with its last check. All again, if
+    interrupted: ``guarded`` is emptied last."""
+    for state in guarded:
+        guard = state.__dict__.get("_pre_forward")
+        if isinstance(guard, _PreForwardGuard):
+            if check in guard.checks:
+                guard.checks.remove(check)
+            if not guard.checks:
+                del state.__dict__["_pre_forward"]
+    guarded.clear()
 
 
 def convert_bypassing_fsdp2(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> nn.Module:
@@ -651,7 +701,7 @@ def cuda_backend_name(group: dist.ProcessGroup) -> str | None:
 # ``missing_internals`` runs without a process group, once, at activation on an unverified torch.
 _METHODS: dict[type, tuple[str, ...]] = {
     FSDPModule: ("_apply",),  # bypassed inside contexts, replayed
-    FSDPState: ("_lazy_init",),
+    FSDPState: ("_lazy_init", "_pre_forward"),  # ``_pre_forward``: guarded per instance for a context
     FSDPParamGroup: ("_to_sharded", "is_sharded", "reshard"),
     FSDPParam: ("reset_sharded_param",),
 }
@@ -688,6 +738,7 @@ READS: tuple[str, ...] = (
     + ("TrainingState.IDLE", "ShardedState.UNSHARDED", "torch._C._current_graph_task_id",
        "distributed_c10d._world.pg_map")
     + tuple(f"nn.Module.{name} (overridden per instance)" for name in _OVERRIDDEN)
+    + ("FSDPState._pre_forward (guarded per instance)",)
     + tuple(f"{owner.__name__}.{name} (the shim's own)" for owner, names in _STASHED.items() for name in names)
     + tuple(f"{owner.__name__}.{name} (wrapped)" for owner, names in _WRAPPED.items() for name in names)
     + tuple(f"{owner.__name__}.{name} (added to the class)" for owner, names in _ADDED.items() for name in names)

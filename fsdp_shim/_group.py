@@ -29,15 +29,32 @@ from fsdp_shim._scope import Scope, SlotOwner, module_label, slot_owners, states
 Conversion = tuple[nn.Module, tuple[Any, ...], dict[str, Any]]
 
 
-def refuse_forwards(modules: Iterable[nn.Module], message: Callable[[], str]) -> RemovableHandle:
-    """A forward through any of ``modules`` raises before their own (FSDP2's) hooks: one global pre-hook."""
-    refused = set(modules)  # identity hashes: no call a module
+class ForwardRefusal:
+    """A forward through any of ``modules`` raises before FSDP2 runs anything for it: a global pre-hook (ahead of
+    their own hooks), and the guard on forward methods registered on them (``_fsdp2.guard_forward_methods``),
+    which reach FSDP2's all-gather without ``_call_impl``. ``remove()`` takes both away."""
 
-    def refuse(module: nn.Module, args: Any) -> None:  # the message is written when it raises
-        if module in refused:
-            raise RuntimeError(message())
+    def __init__(self, modules: Iterable[nn.Module], message: Callable[[], str]) -> None:
+        refused = set(modules)  # identity hashes: no call a module
 
-    return register_module_forward_pre_hook(refuse)
+        def refuse(module: nn.Module, *_: Any) -> None:  # the message is written when it raises
+            if module in refused:
+                raise RuntimeError(message())
+
+        self._refuse = refuse
+        self._guarded: list[fsdp2.FSDPState] = []
+        self._handle: RemovableHandle | None = None
+        try:
+            self._handle = register_module_forward_pre_hook(refuse)
+            fsdp2.guard_forward_methods(refused, refuse, self._guarded)
+        except BaseException:
+            self.remove()
+            raise
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+        fsdp2.unguard_forward_methods(self._guarded, self._refuse)
 
 
 class _RefuseBackward(torch.autograd.Function):
@@ -238,7 +255,7 @@ class SummonedGroup:
         self.units = fsdp2.group_modules(group)
         self._mark: fsdp2.GroupMark | None = None
         self._suspended: fsdp2.Suspended = []
-        self._hooks: list[RemovableHandle] = []
+        self._hooks: list[RemovableHandle | ForwardRefusal] = []
         self._switch: _ForwardInParamDtype | None = None
         self._guarded: list[nn.Module] = []  # units whose ``_call_impl`` is ``_switch``'s guard
         self._roots: Callable[[], list[nn.Module]] | None = None  # set where forwards inside may run
@@ -271,7 +288,7 @@ class SummonedGroup:
         """Each hook goes into ``_hooks`` as it is made: ``release`` removes those made before a raise."""
         units, hooks = self.units, self._hooks
         if not self.fully_summoned:
-            hooks.append(refuse_forwards([*units, *roots()], lambda: (
+            hooks.append(ForwardRefusal([*units, *roots()], lambda: (
                 f"forward through FSDP unit {', '.join(module_label(m) for m in units)} while only some "
                 "of its parameters are summoned is not supported: summon the unit itself"
             )))
@@ -343,7 +360,7 @@ class SummonedGroup:
 def summon_groups(
     groups: list[SummonedGroup], summoned: list[SummonedParam], scope: Scope, conversions: Conversions,
     holds_fulls: bool, rank0_only: bool,
-) -> RemovableHandle | None:
+) -> ForwardRefusal | None:
     """Every FSDP2 group of a call summoned, conversions redirected; under ``rank0_only`` every forward refused
     (ranks would disagree on which units need an all-gather): returns that refusal's handle."""
     by_group: dict[fsdp2.FSDPParamGroup, list[SummonedParam]] = {}
@@ -364,7 +381,7 @@ def summon_groups(
     if not rank0_only:
         return None
     root = scope.root  # every module whose slots differ between ranks, and the roots above
-    return refuse_forwards([root, *roots(), *units, *scope.owner_modules], lambda: (
+    return ForwardRefusal([root, *roots(), *units, *scope.owner_modules], lambda: (
         f"forward inside summon_full_params({module_label(root)}, rank0_only=True) "
         "is not supported: only rank 0 (of each FSDP shard group) holds full parameters"
     ))

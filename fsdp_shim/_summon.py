@@ -14,7 +14,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
-from torch.utils.hooks import RemovableHandle
 
 from fsdp_shim import _fsdp2 as fsdp2
 from fsdp_shim import _health as health
@@ -23,7 +22,7 @@ from fsdp_shim._common import refuse_arguments, run_each
 from fsdp_shim._gather.engine import Gathered, gather_full_tensors
 from fsdp_shim._gather.layout import BucketCap, Receiver, bucket_cap, receivers_for_summon
 from fsdp_shim._grads import agreed_grads, gather_grads
-from fsdp_shim._group import Conversions, SummonedGroup, summon_groups
+from fsdp_shim._group import Conversions, ForwardRefusal, SummonedGroup, summon_groups
 from fsdp_shim._param import SummonedParam, carry_requires_grad, inspect_slots, to_full, to_sharded, write_back
 from fsdp_shim._refusals import (
     refuse_before_anything,
@@ -122,7 +121,7 @@ class DTensorSummon:
         self.summoned: list[SummonedParam] = []
         self.groups: list[SummonedGroup] = []
         self.conversions = Conversions()
-        self._forward_refusal: RemovableHandle | None = None  # under ``rank0_only``: every forward refused
+        self._forward_refusal: ForwardRefusal | None = None  # under ``rank0_only``: every forward refused
         self._claimed: list[dist.ProcessGroup] | None = None
         self._body_ran = self._holds_fulls = False  # a writeback only after the body ran: [Note: faults]
 

@@ -1,5 +1,5 @@
 """``_group``: what a summoned group changes on FSDP2's state and its units, undone exactly by
-``release``; and ``refuse_forwards``, on a real 2-rank FSDP2 model. Then, through
+``release``; and ``ForwardRefusal``, on a real 2-rank FSDP2 model. Then, through
 ``FSDP.summon_full_params``: forwards inside (``generate``, and those refused), a backward through them
 refused, ``state_dict`` and ``load_state_dict`` inside, a conversion other than through a module."""
 
@@ -68,11 +68,11 @@ def test_summon_then_release_leaves_fsdp2_as_it_was(dist_run):
     assert dist_run(2, rank_summon_then_release_leaves_fsdp2_as_it_was) == [(True, True, True)] * 2
 
 
-def test_refuse_forwards_refuses_only_its_modules_and_comes_off():
-    from fsdp_shim._group import refuse_forwards
+def test_a_forward_refusal_refuses_only_its_modules_and_comes_off():
+    from fsdp_shim._group import ForwardRefusal
 
     guarded, free = nn.Linear(2, 2), nn.Linear(2, 2)
-    handle = refuse_forwards([guarded], lambda: "refused here")
+    handle = ForwardRefusal([guarded], lambda: "refused here")
     try:
         free(torch.ones(2))
         with pytest.raises(RuntimeError, match="refused here"):
@@ -80,6 +80,61 @@ def test_refuse_forwards_refuses_only_its_modules_and_comes_off():
     finally:
         handle.remove()
     guarded(torch.ones(2))
+
+
+def rank_a_registered_forward_method_is_refused_before_fsdp2_gathers(case: str) -> list:
+    """FSDP2's ``register_fsdp_forward_method`` calls the state's ``_pre_forward`` itself, past ``_call_impl``:
+    the summon's refusals held only for ``_call_impl``, so under ``rank0_only`` the ranks that hold no full
+    tensors all-gathered the root's group alone (the unit's parameters replaced on rank 1, FSDP2's state
+    changed on rank 0), and a summon of part of a unit let the method all-gather over the summoned slot."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    from fsdp_shim import _fsdp2 as fsdp2
+
+    reference, model = _models()
+    config = LMConfig()
+    tokens, x = tokens_for(config), torch.randn(2, 8, config.width)
+    model(tokens)  # FSDP2's lazy init
+    model.reshard()  # the root (2.7 leaves it unsharded after a forward; a summon reshards it: see the README)
+    register_fsdp_forward_method(model, "generate")
+    register_fsdp_forward_method(model.blocks[0], "ffn")
+    before = snapshot(model)
+    said = []
+    with patched():
+        if case == "whole":  # every rank holds every full parameter: the method runs on them, as FSDP1's would
+            with FSDP.summon_full_params(model, writeback=False):
+                said.append(torch.equal(model.generate(tokens, 2), reference.generate(tokens, 2)))
+        else:
+            with pytest.raises(RuntimeError, match="is not supported") as refused:
+                if case == "rank0_only":
+                    with FSDP.summon_full_params(model, writeback=False, rank0_only=True):
+                        model.generate(tokens, 2)
+                else:  # part of a unit, an edit inside: written back although the body raised, as FSDP1 does
+                    with FSDP.summon_full_params(model.blocks[0].fc1, writeback=True):
+                        with torch.no_grad():
+                            model.blocks[0].fc1.weight.add_(1.0)
+                        model.blocks[0].ffn(x)
+            said.append(str(refused.value).split(":")[0])
+    if case == "part_of_a_unit":
+        with torch.no_grad():
+            reference.blocks[0].fc1.weight.add_(1.0)
+    assert_unchanged(model, before, values=case != "part_of_a_unit")
+    full = full_state(model)
+    assert all(torch.equal(full[name], value) for name, value in reference.named_parameters())
+    assert not [s for s in fsdp2.all_fsdp_states() if "_pre_forward" in s.__dict__], "a guard outlived its context"
+    assert torch.equal(model(tokens), reference(tokens))  # and FSDP2 gathers on
+    return said
+
+
+@pytest.mark.parametrize("case", ["whole", "rank0_only", "part_of_a_unit"])
+def test_a_registered_forward_method_is_refused_before_fsdp2_gathers(dist_run, case):
+    said = dist_run(2, rank_a_registered_forward_method_is_refused_before_fsdp2_gathers, case, timeout_s=60)
+    assert said[0] == said[1] == {
+        "whole": [True],
+        "rank0_only": ["forward inside summon_full_params(FSDPTinyLM, rank0_only=True) is not supported"],
+        "part_of_a_unit": ["forward through FSDP unit FSDPBlock while only some of its parameters are summoned is "
+                           "not supported"],
+    }[case]
 
 
 def rank_hook_sites_are_kept_only_once_fsdp2_registered_them():
