@@ -41,6 +41,7 @@ __all__ = [
     "FSDPParamGroup",
     "FSDPState",
     "GroupMark",
+    "Guarded",
     "READS",
     "Suspended",
     "add_instance_form",
@@ -77,11 +78,13 @@ __all__ = [
     "restore_methods",
     "resume_hooks",
     "root_modules",
+    "roots_of",
     "settle_forward",
     "shard_rank",
     "sharded_behind",
     "sharded_param",
     "sharded_params",
+    "states_of_units",
     "suspend_hooks",
     "unguard_forward_methods",
     "unit_summon_cache",
@@ -99,6 +102,16 @@ Slot = tuple[nn.Module, str]
 
 def fsdp_state_of(module: nn.Module) -> FSDPState | None:
     return _get_module_fsdp_state(module)
+
+
+def states_of_units(modules: Iterable[nn.Module]) -> list[FSDPState]:
+    """The FSDP2 states of the units among ``modules``, each once."""
+    states: dict[int, FSDPState] = {}
+    for module in modules:
+        state = _get_module_fsdp_state(module) if isinstance(module, FSDPModule) else None
+        if state is not None:
+            states.setdefault(id(state), state)
+    return list(states.values())
 
 
 def all_fsdp_states() -> list[FSDPState]:
@@ -380,10 +393,11 @@ def restore_methods(overridden: list[nn.Module], name: str) -> None:
 
 
 class _PreForwardGuard:
-    """A state's FSDP2 ``_pre_forward``, after each live context's check (``guard_forward_methods``)."""
+    """A state's ``_pre_forward`` (FSDP2's, or what its instance held: ``previous``, put back with the last
+    check), after each live context's check (``guard_forward_methods``)."""
 
-    def __init__(self, pre_forward: Callable[..., Any]) -> None:
-        self.pre_forward = pre_forward
+    def __init__(self, pre_forward: Callable[..., Any], previous: Any) -> None:
+        self.pre_forward, self.previous = pre_forward, previous
         self.checks: list[Callable[[nn.Module], None]] = []
 
     def __call__(self, module: nn.Module, *args: Any) -> Any:
@@ -392,37 +406,42 @@ class _PreForwardGuard:
         return self.pre_forward(module, *args)
 
 
-def guard_forward_methods(units: Iterable[nn.Module], check: Callable[[nn.Module], None],
-                          guarded: list[FSDPState]) -> None:
-    """``check(module)`` first whenever a forward method registered on one of ``units`` (FSDP2's
+#: What ``guard_forward_methods`` changed: each state, and the guard that holds the context's check.
+Guarded = list[tuple[FSDPState, _PreForwardGuard]]
+
+
+def guard_forward_methods(states: Iterable[FSDPState], check: Callable[[nn.Module], None], guarded: Guarded) -> None:
+    """``check(module)`` first whenever a forward method registered on a module of one of ``states`` (FSDP2's
     ``register_fsdp_forward_method``) runs: it calls its state's ``_pre_forward`` itself, past ``_call_impl`` and
     every forward pre-hook, and all-gathers before a refusal could speak. An instance-level ``_pre_forward`` on the
     state, shared by nested contexts; FSDP2's forward hook keeps the method it bound at ``fully_shard``. Each state
     is recorded in ``guarded`` before it is changed."""
-    for unit in units:
-        if not isinstance(unit, FSDPModule):  # FSDP2 registers forward methods on its units only
-            continue
-        state = fsdp_state_of(unit)
-        if state is None or state in guarded:
-            continue
-        guarded.append(state)
-        guard = state.__dict__.get("_pre_forward")
-        if not isinstance(guard, _PreForwardGuard):
-            guard = state.__dict__["_pre_forward"] = _PreForwardGuard(state._pre_forward)
-        guard.checks.append(check)
+    for state in states:  # on the hot path ([Note: hot path] in ``_summon``): no method call but the guard's
+        attrs = state.__dict__
+        guard = attrs["_pre_forward"] if "_pre_forward" in attrs else None
+        if type(guard) is not _PreForwardGuard:
+            guard = _PreForwardGuard(state._pre_forward, guard)
+        elif check in guard.checks:
+            continue  # listed twice
+        guarded += ((state, guard),)
+        attrs["_pre_forward"] = guard
+        guard.checks += (check,)
 
 
-def unguard_forward_methods(guarded: list[FSDPState], check: Callable[[nn.Module], None]) -> None:
-    """``guard_forward_methods`` undone for ``check``; a state's guard goes with its last check. All again, if
-    interrupted: ``guarded`` is emptied last."""
-    for state in guarded:
-        guard = state.__dict__.get("_pre_forward")
-        if isinstance(guard, _PreForwardGuard):
-            if check in guard.checks:
-                guard.checks.remove(check)
-            if not guard.checks:
-                del state.__dict__["_pre_forward"]
-    guarded.clear()
+def unguard_forward_methods(guarded: Guarded, check: Callable[[nn.Module], None]) -> None:
+    """``guard_forward_methods`` undone for ``check``, from the guards themselves (wherever they now sit); a guard
+    still in its state's place goes with its last check. All again, if interrupted: ``guarded`` is emptied last."""
+    for state, guard in guarded:
+        checks = guard.checks
+        if check in checks:
+            checks.remove(check)
+        attrs = state.__dict__
+        if not checks and "_pre_forward" in attrs and attrs["_pre_forward"] is guard:
+            if guard.previous is None:
+                del attrs["_pre_forward"]
+            else:
+                attrs["_pre_forward"] = guard.previous
+    del guarded[:]
 
 
 def convert_bypassing_fsdp2(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> nn.Module:
@@ -634,9 +653,9 @@ def settle_forward(group: FSDPParamGroup, modules: Iterable[nn.Module]) -> None:
                 context.iter_forward_root = None
 
 
-def root_modules(states: list[FSDPState]) -> list[nn.Module]:
-    """The modules of the initialised FSDP2 roots these states run under (their forward starts it all)."""
-    roots: dict[int, nn.Module] = {}
+def roots_of(states: list[FSDPState]) -> tuple[list[FSDPState], list[nn.Module]]:
+    """The initialised FSDP2 roots these states run under (their forward starts it all), and their modules."""
+    roots: dict[int, FSDPState] = {}
     contexts: set[int] = set()
     for state in states:
         candidates: list[FSDPState] = [state]
@@ -648,9 +667,17 @@ def root_modules(states: list[FSDPState]) -> list[nn.Module]:
             candidates += all_states[:1] if all_states and all_states[0]._is_root else all_states
         for candidate in candidates:
             if candidate._is_root:
-                for module in candidate._modules:
-                    roots.setdefault(id(module), module)
-    return list(roots.values())
+                roots.setdefault(id(candidate), candidate)
+    states_found = list(roots.values())
+    modules: list[nn.Module] = []
+    for root in states_found:
+        modules += root._modules  # a module has one state
+    return states_found, modules
+
+
+def root_modules(states: list[FSDPState]) -> list[nn.Module]:
+    """``roots_of``'s modules."""
+    return roots_of(states)[1]
 
 
 def shard_rank(group: FSDPParamGroup) -> int:

@@ -32,9 +32,11 @@ Conversion = tuple[nn.Module, tuple[Any, ...], dict[str, Any]]
 class ForwardRefusal:
     """A forward through any of ``modules`` raises before FSDP2 runs anything for it: a global pre-hook (ahead of
     their own hooks), and the guard on forward methods registered on them (``_fsdp2.guard_forward_methods``),
-    which reach FSDP2's all-gather without ``_call_impl``. ``remove()`` takes both away."""
+    which reach FSDP2's all-gather without ``_call_impl`` (``states``: those of the FSDP2 units among ``modules``).
+    ``remove()`` takes both away."""
 
-    def __init__(self, modules: Iterable[nn.Module], message: Callable[[], str]) -> None:
+    def __init__(self, modules: Iterable[nn.Module], message: Callable[[], str],
+                 states: Iterable[fsdp2.FSDPState]) -> None:
         refused = set(modules)  # identity hashes: no call a module
 
         def refuse(module: nn.Module, *_: Any) -> None:  # the message is written when it raises
@@ -42,11 +44,11 @@ class ForwardRefusal:
                 raise RuntimeError(message())
 
         self._refuse = refuse
-        self._guarded: list[fsdp2.FSDPState] = []
+        self._guarded: fsdp2.Guarded = []
         self._handle: RemovableHandle | None = None
         try:
             self._handle = register_module_forward_pre_hook(refuse)
-            fsdp2.guard_forward_methods(refused, refuse, self._guarded)
+            fsdp2.guard_forward_methods(states, refuse, self._guarded)
         except BaseException:
             self.remove()
             raise
@@ -288,10 +290,11 @@ class SummonedGroup:
         """Each hook goes into ``_hooks`` as it is made: ``release`` removes those made before a raise."""
         units, hooks = self.units, self._hooks
         if not self.fully_summoned:
-            hooks.append(ForwardRefusal([*units, *roots()], lambda: (
+            refused = [*units, *roots()]
+            hooks.append(ForwardRefusal(refused, lambda: (
                 f"forward through FSDP unit {', '.join(module_label(m) for m in units)} while only some "
                 "of its parameters are summoned is not supported: summon the unit itself"
-            )))
+            ), fsdp2.states_of_units(refused)))
             return
         self._roots = roots
         methods = []
@@ -372,7 +375,8 @@ def summon_groups(
             if group is not None:
                 by_group.setdefault(group, []).append(param)
 
-    roots = functools.partial(fsdp2.root_modules, states_of(scope))  # the roots found only where a forward is refused
+    states = states_of(scope)
+    roots = functools.partial(fsdp2.root_modules, states)  # the roots found only where a forward is refused
     units: list[nn.Module] = []
     for summoned_group in groups:
         summoned_group.summon(by_group.get(summoned_group.group, []), holds_fulls, not rank0_only, roots)
@@ -381,7 +385,8 @@ def summon_groups(
     if not rank0_only:
         return None
     root = scope.root  # every module whose slots differ between ranks, and the roots above
-    return ForwardRefusal([root, *roots(), *units, *scope.owner_modules], lambda: (
+    root_states, root_modules = fsdp2.roots_of(states)
+    return ForwardRefusal([root, *root_modules, *units, *scope.owner_modules], lambda: (
         f"forward inside summon_full_params({module_label(root)}, rank0_only=True) "
         "is not supported: only rank 0 (of each FSDP shard group) holds full parameters"
-    ))
+    ), [*root_states, *states])

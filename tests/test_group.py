@@ -72,7 +72,7 @@ def test_a_forward_refusal_refuses_only_its_modules_and_comes_off():
     from fsdp_shim._group import ForwardRefusal
 
     guarded, free = nn.Linear(2, 2), nn.Linear(2, 2)
-    handle = ForwardRefusal([guarded], lambda: "refused here")
+    handle = ForwardRefusal([guarded], lambda: "refused here", [])
     try:
         free(torch.ones(2))
         with pytest.raises(RuntimeError, match="refused here"):
@@ -135,6 +135,40 @@ def test_a_registered_forward_method_is_refused_before_fsdp2_gathers(dist_run, c
         "part_of_a_unit": ["forward through FSDP unit FSDPBlock while only some of its parameters are summoned is "
                            "not supported"],
     }[case]
+
+
+def rank_forward_refusals_nest_and_put_back_what_they_found() -> bool:
+    """Two refusals sharing a unit's state, removed in either order, and a ``_pre_forward`` someone else set on
+    the state's instance: each refusal speaks while it lives, and what was there before comes back."""
+    from torch.distributed.fsdp import fully_shard
+
+    from fsdp_shim import _fsdp2 as fsdp2
+    from fsdp_shim._group import ForwardRefusal
+
+    unit = fully_shard(nn.Linear(4, 4))
+    state = fsdp2.fsdp_state_of(unit)
+    theirs = state._pre_forward  # bound: FSDP2's own, as an object of its own
+    for order in ("inner first", "outer first"):
+        state.__dict__["_pre_forward"] = theirs
+        outer = ForwardRefusal([unit], lambda: "outer", [state])
+        inner = ForwardRefusal([unit], lambda: "inner", [state, state])  # listed twice: guarded once
+        with pytest.raises(RuntimeError, match="outer"):
+            state._pre_forward(unit, (torch.ones(4),), {})
+        first, second = (inner, outer) if order == "inner first" else (outer, inner)
+        first.remove()
+        with pytest.raises(RuntimeError, match="inner" if first is outer else "outer"):
+            state._pre_forward(unit, (torch.ones(4),), {})
+        second.remove()
+        assert state.__dict__["_pre_forward"] is theirs, order
+    del state.__dict__["_pre_forward"]
+    refusal = ForwardRefusal([unit], lambda: "refused", [state])
+    refusal.remove()
+    refusal.remove()  # twice: nothing more
+    return "_pre_forward" not in state.__dict__ and unit(torch.ones(2, 4)).shape == (2, 4)
+
+
+def test_forward_refusals_nest_and_put_back_what_they_found(dist_run):
+    assert dist_run(2, rank_forward_refusals_nest_and_put_back_what_they_found) == [True, True]
 
 
 def rank_hook_sites_are_kept_only_once_fsdp2_registered_them():

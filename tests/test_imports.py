@@ -4,7 +4,9 @@ A submodule imported first imports FSDP part way through its own import;
 see ``fsdp_shim._activate``. Each module gets a process of its own, forked
 from one that imported ``torch`` alone (``torch.distributed.fsdp`` and
 fsdp_shim not yet): ``import torch`` is most of a fresh interpreter's
-seconds, and the order under test starts after it.
+seconds, and the order under test starts after it. fsdp_shim imported before
+torch itself (its import hooks in place while torch imports) is
+``test_patching``'s import-order test, in fresh interpreters.
 """
 
 from __future__ import annotations
