@@ -3,10 +3,10 @@ probe of it.
 
 FSDP2 exposes ``unshard()`` and ``reshard()``, not the per-parameter bookkeeping ``summon_full_params``
 needs. This module reads and changes that bookkeeping, FSDP2's forward-cast globals, its classes (methods
-wrapped, the instance form added), its units' ``_apply`` and ``_call_impl`` and its states' ``_pre_forward``
-(overridden for a context), and c10d's world of live groups; nothing else does (``tests/test_house.py``).
-``READS`` names each; past the verified torch range ``missing_internals`` checks them at activation ([Note:
-version policy] in ``_versions``).
+wrapped, the instance form added), its units' ``_apply`` and ``_call_impl``, its states' ``_pre_forward`` and
+its groups' ``pre_forward``, ``post_forward`` and ``_to_sharded`` (overridden for a context), and c10d's world of
+live groups; nothing else does (``tests/test_house.py``). ``READS`` names each; past the verified torch range
+``missing_internals`` checks them at activation ([Note: version policy] in ``_versions``).
 Release differences are handled where they matter: ``param_groups`` (2.12), ``lazy_init_root`` (2.7),
 ``mark_summoned`` (2.14), ``param_dtype_for_forward`` (2.15), all read against 2.7.0 through 2.15.0; 2.15's
 ``set_keep_unsharded_storage`` needs nothing (the shim always gathers from the shards).
@@ -87,12 +87,14 @@ __all__ = [
     "states_of_units",
     "suspend_hooks",
     "unguard_forward_methods",
+    "unwrap_group_forward",
     "unit_summon_cache",
     "unsharded_param_if_any",
     "unwrap_cast_walks",
     "unwrap_guarded_calls",
     "unwrap_state_init",
     "wrap_cast_walks",
+    "wrap_group_forward",
     "wrap_guarded_calls",
     "wrap_state_init",
 ]
@@ -352,8 +354,9 @@ def remove_instance_form(form: staticmethod[..., Any]) -> None:
 
 # -- what a context overrides on FSDP2's units (and on plain modules alike), listed in ``READS`` too ------
 # ``nn.Module._apply`` (see [Note: conversions inside] in ``_group``) and ``_call_impl`` (see [Note: casts
-# never outlive their forward] there), each on the instance, for the context's duration; and, where a forward is
-# refused, ``FSDPState._pre_forward`` (``guard_forward_methods``).
+# never outlive their forward] there), each on the instance, for the context's duration; where a forward is
+# refused, ``FSDPState._pre_forward`` (``guard_forward_methods``); where it runs in ``param_dtype``, the group's
+# ``pre_forward`` and ``post_forward`` (``wrap_group_forward``).
 
 _How = TypeVar("_How")  # what a redirected ``_apply`` hands its ``run``: the caller's
 
@@ -390,6 +393,47 @@ def restore_methods(overridden: list[nn.Module], name: str) -> None:
         if name in attrs:
             del attrs[name]
     overridden.clear()
+
+
+def wrap_group_forward(group: FSDPParamGroup, before: Callable[[nn.Module, Any], None],
+                       after: Callable[[nn.Module, Any, Any], None], wrapped: list[FSDPParamGroup]) -> None:
+    """``before(module, args)`` ahead of FSDP2's pre-forward of ``group``, ``after(module, args, output)`` once its
+    post-forward ran or its pre-forward raised: every forward of the group's units passes there, through
+    ``_call_impl`` or through a method registered with ``register_fsdp_forward_method`` (which calls the state's
+    ``_pre_forward`` itself). On the group's instance unless an enclosing context's is there; the group recorded
+    in ``wrapped`` before anything is installed (``unwrap_group_forward``)."""
+    attrs = group.__dict__
+    if "pre_forward" in attrs:
+        return
+    cls = type(group)
+    pre, post = cls.pre_forward, cls.post_forward
+
+    def pre_forward(module: nn.Module, args: Any, kwargs: Any) -> Any:
+        before(module, args)
+        try:
+            return pre(group, module, args, kwargs)
+        except BaseException:
+            after(module, args, None)
+            raise
+
+    def post_forward(module: nn.Module, args: Any, output: Any) -> Any:
+        try:
+            return post(group, module, args, output)
+        finally:
+            after(module, args, output)
+
+    wrapped += (group,)
+    attrs["pre_forward"], attrs["post_forward"] = pre_forward, post_forward
+
+
+def unwrap_group_forward(wrapped: list[FSDPParamGroup]) -> None:
+    """``wrap_group_forward`` undone: FSDP2's own methods again on each group, then ``wrapped`` emptied."""
+    for group in wrapped:
+        attrs = group.__dict__
+        for name in ("pre_forward", "post_forward"):
+            if name in attrs:
+                del attrs[name]
+    wrapped.clear()
 
 
 class _PreForwardGuard:
@@ -589,18 +633,24 @@ class GroupMark:
     group: FSDPParamGroup
     sharded_state: ShardedState
     post_forward_mesh_info: Any
+    to_sharded: Any  # the instance's own ``_to_sharded`` (an enclosing context's), or None
     lent_unsharded: list[FSDPParam] = field(default_factory=list)
 
     @classmethod
     def of(cls, group: FSDPParamGroup) -> GroupMark:
         """What marking ``group`` will change, as it is now: made (and kept by the caller) before
         ``mark_summoned`` changes anything, so that an interrupt anywhere leaves a mark to undo."""
-        return cls(group, group._sharded_state, group.post_forward_mesh_info)
+        return cls(group, group._sharded_state, group.post_forward_mesh_info, group.__dict__.get("_to_sharded"))
 
     def unmark(self) -> None:
         """Undo ``mark_summoned``. See [Note: summoned groups]."""
-        self.group._sharded_state = self.sharded_state
-        self.group.post_forward_mesh_info = self.post_forward_mesh_info
+        group = self.group
+        if self.to_sharded is None:
+            group.__dict__.pop("_to_sharded", None)
+        else:
+            group.__dict__["_to_sharded"] = self.to_sharded
+        group._sharded_state = self.sharded_state
+        group.post_forward_mesh_info = self.post_forward_mesh_info
         lent = self.lent_unsharded
         while lent:  # one at a time, each forgotten once gone: a second call finishes an interrupted first
             vars(lent[-1]).pop("_unsharded_param", None)
@@ -612,10 +662,17 @@ class GroupMark:
 # pre-hook would) nor put its sharded parameters back (its forward post-hook and ``state_dict()`` pre-hook
 # would). A group whose every parameter is summoned is *marked*: its sharded state reads UNSHARDED
 # (``unshard()`` a no-op), ``post_forward_mesh_info`` is None (``reshard()`` in forward a no-op), its
-# ``to_sharded`` state-dict pre-hooks are suspended (``group_hook_sites``), as is every summoned parameter's
-# load post-hook (``load_post_hook_sites``), marked group or not. Its all-gather buffers stay freed: it is
+# ``_to_sharded`` does nothing (any other ``reshard()``: ``_stay_summoned``), its ``to_sharded`` state-dict
+# pre-hooks are suspended (``group_hook_sites``), as is every summoned parameter's load post-hook
+# (``load_post_hook_sites``), marked group or not. Its all-gather buffers stay freed: it is
 # sharded underneath. From 2.14 the pre-hook also reads each parameter's ``unsharded_param``; a group never
 # all-gathered has none, so the mark lends the summoned full parameter. ``unmark`` restores all exactly.
+def _stay_summoned() -> None:
+    """A marked group's ``_to_sharded``: FSDP2 reaches it past the mark where a forward method registered with
+    ``register_fsdp_forward_method`` nests a forward of its own unit (the inner post-forward leaves the group
+    idle, so the outer one's ``reshard()`` shards it), and it would put the shards back in the slots."""
+
+
 def mark_summoned(mark: GroupMark) -> None:
     """Make FSDP2 leave the group's module attributes alone (see [Note: summoned groups]). Called once every
     parameter of the group holds its summoned full parameter, with the group's ``GroupMark.of``, which the
@@ -629,6 +686,7 @@ def mark_summoned(mark: GroupMark) -> None:
                 fsdp_param._unsharded_param = info.module._parameters[info.param_name]  # type: ignore[assignment]  # a registered parameter: never None
         group._sharded_state = ShardedState.UNSHARDED
         group.post_forward_mesh_info = None
+        group.__dict__["_to_sharded"] = _stay_summoned
     except BaseException:  # interrupted part way: undone here too (``unmark`` may run twice)
         mark.unmark()
         raise
@@ -729,7 +787,7 @@ def cuda_backend_name(group: dist.ProcessGroup) -> str | None:
 _METHODS: dict[type, tuple[str, ...]] = {
     FSDPModule: ("_apply",),  # bypassed inside contexts, replayed
     FSDPState: ("_lazy_init", "_pre_forward"),  # ``_pre_forward``: guarded per instance for a context
-    FSDPParamGroup: ("_to_sharded", "is_sharded", "reshard"),
+    FSDPParamGroup: ("_to_sharded", "is_sharded", "reshard", "pre_forward", "post_forward"),  # see below
     FSDPParam: ("reset_sharded_param",),
 }
 _FIELDS: dict[type, tuple[str | tuple[str, ...], ...]] = {
@@ -765,7 +823,9 @@ READS: tuple[str, ...] = (
     + ("TrainingState.IDLE", "ShardedState.UNSHARDED", "torch._C._current_graph_task_id",
        "distributed_c10d._world.pg_map")
     + tuple(f"nn.Module.{name} (overridden per instance)" for name in _OVERRIDDEN)
-    + ("FSDPState._pre_forward (guarded per instance)",)
+    + ("FSDPState._pre_forward (guarded per instance)",
+       "FSDPParamGroup.pre_forward, post_forward (wrapped per instance)",
+       "FSDPParamGroup._to_sharded (a no-op per instance, while marked)")
     + tuple(f"{owner.__name__}.{name} (the shim's own)" for owner, names in _STASHED.items() for name in names)
     + tuple(f"{owner.__name__}.{name} (wrapped)" for owner, names in _WRAPPED.items() for name in names)
     + tuple(f"{owner.__name__}.{name} (added to the class)" for owner, names in _ADDED.items() for name in names)

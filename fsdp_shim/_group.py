@@ -114,10 +114,12 @@ class _ForwardInParamDtype:
     edit through ``.data`` moves no version counter, so no cached cast can be proven valid.
 
     [Note: casts never outlive their forward]
-    Put back by the post-forward hook, an ``always_call`` hook on an ``Exception``, and for any other
-    ``BaseException`` (no hook runs) by ``SummonedGroup``'s guard on the unit's ``_call_impl``. A fault part way
-    puts back the casts placed so far (``held``), and exit ``unwind``s what a compiled forward left before it
-    reads the slots: exit never takes a cast for the user's replacement.
+    Placed in FSDP2's pre-forward of the group and put back in its post-forward (``_fsdp2.wrap_group_forward``),
+    which a forward through ``_call_impl`` and a method registered with ``register_fsdp_forward_method`` both
+    reach. A forward through ``_call_impl`` that raises is put back by ``SummonedGroup``'s guard on it; a
+    registered method that raises (nothing wraps its body) leaves its casts in the slots until exit. A fault part
+    way puts back the casts placed so far (``held``), and exit ``unwind``s whatever is left before it reads the
+    slots: exit never takes a cast for the user's replacement.
     """
 
     __slots__ = ("_items", "_depth", "_held")
@@ -248,8 +250,8 @@ class SummonedGroup:
     summoned, by this call or an enclosing one. ``prepare`` runs before the gather, ``summon`` once the
     parameters are in their slots; ``release`` undoes whatever ``summon`` reached."""
 
-    __slots__ = ("group", "fully_summoned", "units", "_mark", "_suspended", "_hooks", "_switch", "_guarded",
-                 "_roots", "_cut_short")
+    __slots__ = ("group", "fully_summoned", "units", "_mark", "_suspended", "_hooks", "_switch", "_wrapped",
+                 "_guarded", "_roots", "_cut_short")
 
     def __init__(self, group: fsdp2.FSDPParamGroup, fully_summoned: bool) -> None:
         self.group = group
@@ -259,6 +261,7 @@ class SummonedGroup:
         self._suspended: fsdp2.Suspended = []
         self._hooks: list[RemovableHandle | ForwardRefusal] = []
         self._switch: _ForwardInParamDtype | None = None
+        self._wrapped: list[fsdp2.FSDPParamGroup] = []  # the group, while its forward is ``_switch``'s
         self._guarded: list[nn.Module] = []  # units whose ``_call_impl`` is ``_switch``'s guard
         self._roots: Callable[[], list[nn.Module]] | None = None  # set where forwards inside may run
         self._cut_short = False  # a forward through the units raised (their ``_call_impl`` guard)
@@ -327,9 +330,7 @@ class SummonedGroup:
                 items.append((param, dtype))
         if items:
             switch = self._switch = _ForwardInParamDtype(items)
-            for module in units:
-                hooks.append(module.register_forward_pre_hook(switch.pre_forward))
-                hooks.append(module.register_forward_hook(switch.post_forward, always_call=True))
+            fsdp2.wrap_group_forward(self.group, switch.pre_forward, switch.post_forward, self._wrapped)
 
     def release(self) -> None:
         """Undo ``summon``: unmark, resume and remove hooks, settle a forward cut short. Each step runs even if
@@ -353,6 +354,8 @@ class SummonedGroup:
         """Any cast a forward left put back, then the hooks off, one at a time (an interrupt leaves the rest)."""
         if self._switch is not None:
             self._switch.unwind()
+        if self._wrapped:
+            fsdp2.unwrap_group_forward(self._wrapped)
         fsdp2.restore_methods(self._guarded, "_call_impl")
         hooks = self._hooks
         while hooks:

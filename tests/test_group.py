@@ -137,6 +137,56 @@ def test_a_registered_forward_method_is_refused_before_fsdp2_gathers(dist_run, c
     }[case]
 
 
+def rank_a_registered_forward_method_on_a_held_unit_runs_as_a_forward(mixed: bool) -> list:
+    """A method registered with ``register_fsdp_forward_method`` on a unit the context holds (``generate`` on
+    the root, ``ffn`` on a block) runs as a forward through ``_call_impl`` does: in FSDP2's ``param_dtype`` on
+    the summoned values (an edit inside included), and the unit's slots keep the full parameters (FSDP2's own
+    outer post-forward, run after the inner forward left the group idle, resharded them: a ``writeback`` exit
+    then raised and the edit was lost, and under a policy the method ran on a stale cast)."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if mixed else None
+    reference, model = _models(mp_policy=policy)
+    config = LMConfig()
+    tokens, x = tokens_for(config), torch.randn(2, 8, config.width)
+    model(tokens)
+    model.reshard()
+    register_fsdp_forward_method(model, "generate")
+    register_fsdp_forward_method(model.blocks[0], "ffn")
+    with torch.no_grad():
+        ffn_before = model.blocks[0].ffn(x)  # FSDP2's own, outside any context
+    generated_before = model.generate(tokens, 3)
+    said = []
+    with patched():
+        with FSDP.summon_full_params(model, writeback=True):
+            said.append(torch.equal(model.generate(tokens, 3), generated_before))
+            said.append(not any(isinstance(p, DTensor) for p in model.parameters()))
+            model(tokens)  # an ordinary forward between: the next method must not see its casts
+            with torch.no_grad():
+                said.append(torch.equal(model.blocks[0].ffn(x), ffn_before))
+                model.blocks[0].fc1.weight.add_(0.5)  # an edit: the methods after it and the writeback see it
+                model.embed.weight.mul_(1.5)
+                reference.blocks[0].fc1.weight.add_(0.5)
+                reference.embed.weight.mul_(1.5)
+                ffn_edited = model.blocks[0].ffn(x)
+            generated_edited = model.generate(tokens, 3)
+            said.append(not any(isinstance(p, DTensor) for p in model.parameters()))
+    full = full_state(model)
+    said.append(all(torch.equal(full[name], value) for name, value in reference.named_parameters()))
+    with torch.no_grad():
+        said.append(torch.equal(model.blocks[0].ffn(x), ffn_edited))  # FSDP2's own again, on the edited shards
+    said.append(torch.equal(model.generate(tokens, 3), generated_edited))
+    if not mixed:
+        said.append(torch.equal(generated_edited, reference.generate(tokens, 3)))
+    return said
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16-policy"])
+def test_a_registered_forward_method_on_a_held_unit_runs_as_a_forward(dist_run, mixed):
+    said = dist_run(2, rank_a_registered_forward_method_on_a_held_unit_runs_as_a_forward, mixed, timeout_s=90)
+    assert said[0] == said[1] == [True] * (7 if mixed else 8)
+
+
 def rank_forward_refusals_nest_and_put_back_what_they_found() -> bool:
     """Two refusals sharing a unit's state, removed in either order, and a ``_pre_forward`` someone else set on
     the state's instance: each refusal speaks while it lives, and what was there before comes back."""
