@@ -103,7 +103,7 @@ def _refuse_fsdp2_call_inside(wrapped: Any, instance: Any, args: tuple[Any, ...]
         groups = _fsdp2.groups_of_call(module, wrapped.__name__, call_args, kwargs)
         owners = [[owner for fsdp_param in _fsdp2.group_params(group) for m, n in _fsdp2.param_slots(fsdp_param)
                    if (owner := _registry.owner_of((id(m), n))) is not None] for group in groups]
-        rank0_only = any(owner.rank0_only for found in owners for owner in found)  # shards in the others' slots
+        rank0_only = any(owner.call.rank0_only for found in owners for owner in found)  # shards in the others' slots
         if any(owners) and wrapped.__name__ == "reshard" and not rank0_only:  # FSDP2's returns None too
             return _fsdp2.reshard_groups([group for group, found in zip(groups, owners, strict=True) if not found])
         if any(owners):

@@ -152,7 +152,7 @@ def gather_extension(fqn: str, subclass: type) -> NotImplementedError:
 
 def refuse_writeback_inside_no_writeback(module: nn.Module, enclosing: Iterable[registry.LiveContext]) -> None:
     """A nested ``writeback=True`` call whose parameters an enclosing ``writeback=False`` context holds."""
-    if any(not live.writeback for live in enclosing):
+    if any(not live.call.writeback for live in enclosing):
         raise RuntimeError(
             f"summon_full_params({module_label(module)}, writeback=True) inside an enclosing "
             "writeback=False context that already holds some of its parameters: their edits would "

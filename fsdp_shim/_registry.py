@@ -37,13 +37,20 @@ class LiveContext(Protocol):
     def thread(self) -> int: ...
 
     @property
+    def call(self) -> Call: ...
+
+    @property
+    def summoned(self) -> Sequence[Summoned]: ...
+
+
+class Call(Protocol):
+    """What the registry's readers need of a live context's arguments (``_summon.SummonCall``)."""
+
+    @property
     def writeback(self) -> bool: ...
 
     @property
     def rank0_only(self) -> bool: ...
-
-    @property
-    def summoned(self) -> Sequence[Summoned]: ...
 
 
 @dataclass(eq=False, slots=True)

@@ -7,7 +7,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, ContextManager
+from typing import Any, ContextManager, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -83,8 +83,22 @@ def summon(
         return contextlib.nullcontext()
     # At the call; FSDP1 checks at __enter__, which a with statement runs at once.
     validate_args(writeback, rank0_only, offload_to_cpu, with_grads)
-    return DTensorSummon(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads, bucket_cap(bucket_mb),
-                         modules)
+    return DTensorSummon(SummonCall(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads,
+                                    bucket_cap(bucket_mb), modules))
+
+
+class SummonCall(NamedTuple):
+    """One call's arguments (FSDP1's five and the module), its bucket cap, and the scope's modules if routing
+    walked them (reused by the scope)."""
+
+    module: nn.Module
+    recurse: bool
+    writeback: bool
+    rank0_only: bool
+    offload_to_cpu: bool
+    with_grads: bool
+    cap: BucketCap
+    modules: list[nn.Module] | None = None
 
 
 # [Note: faults]
@@ -105,46 +119,38 @@ class DTensorSummon:
     prepares, gathers and installs, every rank's collectives aligned, or undoes what it did; ``__exit__``
     restores ([Note: faults], [Note: exit always restores])."""
 
-    __slots__ = ("module", "recurse", "writeback", "rank0_only", "offload_to_cpu", "with_grads", "cap", "_modules",
-                 "_entered", "thread", "scope", "summoned", "groups", "conversions", "_forward_refusal", "_body_ran",
-                 "_claimed", "_live", "_holds_fulls")
+    __slots__ = ("call", "thread", "scope", "summoned", "groups", "conversions", "_forward_refusal", "_claimed",
+                 "_live", "_holds_fulls")
 
-    def __init__(
-        self, module: nn.Module, recurse: bool, writeback: bool, rank0_only: bool, offload_to_cpu: bool,
-        with_grads: bool, cap: BucketCap, modules: list[nn.Module] | None = None,
-    ) -> None:
-        self.module, self.recurse, self.writeback = module, recurse, writeback
-        self.rank0_only, self.offload_to_cpu, self.with_grads = rank0_only, offload_to_cpu, with_grads
-        self.cap = cap
-        self._modules = modules  # the scope's modules, if routing walked them; dropped at entry
-        self._entered = self._live = False
+    def __init__(self, call: SummonCall) -> None:
+        self.call = call
+        self._live: bool | None = None  # None until entered; True from the gather's start to exit
         self.summoned: list[SummonedParam] = []
         self.groups: list[SummonedGroup] = []
         self.conversions = Conversions()
         self._forward_refusal: ForwardRefusal | None = None  # under ``rank0_only``: every forward refused
         self._claimed: list[dist.ProcessGroup] | None = None
-        self._body_ran = self._holds_fulls = False  # a writeback only after the body ran: [Note: faults]
+        self._holds_fulls = False
 
     def __enter__(self) -> None:
-        if self._entered:
+        if self._live is not None:
             raise RuntimeError("a summon_full_params context can be entered once; call summon_full_params again")
-        self._entered = True
+        self._live = False
+        call = self.call
         self.thread = thread = health.current_thread()
-        scope, cached = _scope_of_call(self.module, self.recurse, self.writeback, thread, self._modules)
-        self._modules = None
+        scope, cached = _scope_of_call(call.module, call.recurse, call.writeback, thread, call.modules)
         if not scope.params:
             return  # no-op: nothing distributed in scope, or all summoned by an enclosing call
         # 1. refuse: alike on every rank, before any change or collective
-        process_groups, shardeds = refuse_before_anything(self.module, scope, self.writeback, thread, cached)
+        process_groups, shardeds = refuse_before_anything(call.module, scope, call.writeback, thread, cached)
         grad_enabled = torch.is_grad_enabled()
         self.scope, self._live = scope, True  # from here on there is something to undo
         self._claimed = process_groups
         try:  # the claim inside the try that releases it ([Note: claims] in ``_health``)
-            health.claim(self, thread, process_groups, lambda: f"summon_full_params({module_label(self.module)})",
+            health.claim(self, thread, process_groups, lambda: f"summon_full_params({module_label(call.module)})",
                            context=True)
             self.groups = [SummonedGroup(group, fully) for group, fully in scope.groups.items()]  # 2. prepare
             self._gather_and_install(_prepare(scope, shardeds, self.groups), cached, process_groups)  # 3. and 4.
-            self._body_ran = True
         except BaseException as error:
             self._live = False
             self._release_after(error, grad_enabled)  # the body never ran: nothing inspected or written back
@@ -166,18 +172,18 @@ class DTensorSummon:
                             process_groups: list[dist.ProcessGroup]) -> None:
         """3. gather; 4. install where this rank holds full tensors. Registered on every rank alike: nested
         calls decide from the registry ([Note: every rank decides alike])."""
-        scope, started = self.scope, time.perf_counter()
-        receiver, holds_fulls = receivers_for_summon(self.rank0_only, scope.groups, scope.fsdp2_only)
+        scope, call, started = self.scope, self.call, time.perf_counter()
+        receiver, holds_fulls = receivers_for_summon(call.rank0_only, scope.groups, scope.fsdp2_only)
         self._holds_fulls = holds_fulls
         posted, grad_inputs, failure = health.Call(), None, None
         try:  # left part way once a collective was posted, this rank marks the call's groups
-            if self.with_grads:
-                grad_inputs, grad_groups, failure = agreed_grads(self.module, scope, dtensors, self.writeback, self,
+            if call.with_grads:
+                grad_inputs, grad_groups, failure = agreed_grads(call.module, scope, dtensors, call.writeback, self,
                                                                  posted)
                 if grad_groups:
                     self._claimed = [*process_groups, *grad_groups]  # a new list: the cached summon has the first
-            gathered, grads = _gather(scope, dtensors, cached, self.cap, receiver, holds_fulls,
-                                      torch.device("cpu") if self.offload_to_cpu else None, grad_inputs, posted,
+            gathered, grads = _gather(scope, dtensors, cached, call.cap, receiver, holds_fulls,
+                                      torch.device("cpu") if call.offload_to_cpu else None, grad_inputs, posted,
                                       failure)
         except BaseException as error:
             if posted.any:  # [Note: a one-sided fault leaves its own mark] in ``_health``
@@ -185,23 +191,23 @@ class DTensorSummon:
             raise
         self.summoned += map(SummonedParam, scope.params, dtensors, gathered.layouts)  # see [Note: hot path]
         if holds_fulls:
-            to_full(self.summoned, gathered.tensors, grads, self.writeback)
+            to_full(self.summoned, gathered.tensors, grads, call.writeback)
         del gathered, grads
         registry.register(self)
         self._forward_refusal = summon_groups(self.groups, self.summoned, scope, self.conversions, holds_fulls,
-                                              self.rank0_only)
+                                              call.rank0_only)
         if logger.isEnabledFor(logging.DEBUG):
             _log_gathered(self, dtensors, started)
 
     def restore(self) -> None:
         """Hooks off, inspect, release, then replay and write back if the body ran ([Note: exit always restores])."""
-        inspected, released, grad_enabled = False, False, torch.is_grad_enabled()
+        inspected, released, grad_enabled, call = False, False, torch.is_grad_enabled(), self.call
         try:
             try:
                 for group in self.groups:  # one at a time: if a removal is interrupted, the release finishes
                     group.remove_hooks()
                 if self._holds_fulls:  # elsewhere the slots kept their shards: nothing to inspect
-                    inspect_slots(self.summoned, self.conversions.exit_dtype if self.writeback else None)
+                    inspect_slots(self.summoned, self.conversions.exit_dtype if call.writeback else None)
                 inspected = True
             finally:
                 self._release()
@@ -209,8 +215,8 @@ class DTensorSummon:
             if inspected:
                 carry_requires_grad(self.summoned)
                 self.conversions.replay(self.summoned, self._name)
-                if self.writeback and self._body_ran:
-                    write_back(self.summoned, self._name, self.with_grads)
+                if call.writeback:  # exit runs only after the body did: [Note: faults]
+                    write_back(self.summoned, self._name, call.with_grads)
                     fsdp2.order_after_writeback(states_of(self.scope))
         finally:
             if released:  # else exit's second release needs the records (``_release_after``)
@@ -276,8 +282,8 @@ def _log_gathered(context: DTensorSummon, dtensors: list[DTensor], started: floa
     nbytes = sum(d.numel() * d.element_size() for d in dtensors)
     logger.debug(
         "summon_full_params(%s): %d tensors, %.1f MiB gathered in %.1f ms (rank0_only=%s, full tensors "
-        "on this rank=%s)", module_label(context.module), len(dtensors), nbytes / 2**20,
-        (time.perf_counter() - started) * 1e3, context.rank0_only, context._holds_fulls,
+        "on this rank=%s)", module_label(context.call.module), len(dtensors), nbytes / 2**20,
+        (time.perf_counter() - started) * 1e3, context.call.rank0_only, context._holds_fulls,
     )
 
 

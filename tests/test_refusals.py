@@ -78,10 +78,13 @@ def test_refusals_before_anything_leave_the_model_as_it_was(dist_run):
 
 
 def test_a_nested_writeback_is_refused_inside_a_context_that_would_discard_it():
-    outer = types.SimpleNamespace(writeback=False)  # the registry's record of an enclosing context
+    def live(writeback: bool) -> types.SimpleNamespace:  # the registry's record of an enclosing context
+        return types.SimpleNamespace(call=types.SimpleNamespace(writeback=writeback))
+
+    outer = live(writeback=False)
     with pytest.raises(RuntimeError, match=r"summon_full_params\(Linear, writeback=True\) inside an enclosing "):
-        _refusals.refuse_writeback_inside_no_writeback(nn.Linear(2, 2), [types.SimpleNamespace(writeback=True), outer])
-    _refusals.refuse_writeback_inside_no_writeback(nn.Linear(2, 2), [types.SimpleNamespace(writeback=True)])
+        _refusals.refuse_writeback_inside_no_writeback(nn.Linear(2, 2), [live(writeback=True), outer])
+    _refusals.refuse_writeback_inside_no_writeback(nn.Linear(2, 2), [live(writeback=True)])
 
 
 def rank_misuse_raises_fsdp1_types_before_any_swap():
