@@ -3,10 +3,11 @@ probe of it.
 
 FSDP2 exposes ``unshard()`` and ``reshard()``, not the per-parameter bookkeeping ``summon_full_params``
 needs. This module reads and changes that bookkeeping, FSDP2's forward-cast globals, its classes (methods
-wrapped, the instance form added), its units' ``_apply`` and ``_call_impl``, its states' ``_pre_forward`` and
-its groups' ``pre_forward``, ``post_forward`` and ``_to_sharded`` (overridden for a context), and c10d's world of
-live groups; nothing else does (``tests/test_house.py``). ``READS`` names each; past the verified torch range
-``missing_internals`` checks them at activation ([Note: version policy] in ``_versions``).
+wrapped, the instance form added), and, for a context, its units' ``_apply``, ``_call_impl`` and methods made
+forwards by ``register_fsdp_forward_method``, its states' ``_pre_forward`` and its groups' ``_to_sharded``
+(overridden on the instance), and c10d's world of live groups; nothing else does (``tests/test_house.py``).
+``READS`` names each; past the verified torch range ``missing_internals`` checks them at activation ([Note:
+version policy] in ``_versions``).
 Release differences are handled where they matter: ``param_groups`` (2.12), ``lazy_init_root`` (2.7),
 ``mark_summoned`` (2.14), ``param_dtype_for_forward`` (2.15), all read against 2.7.0 through 2.15.0; 2.15's
 ``set_keep_unsharded_storage`` needs nothing (the shim always gathers from the shards).
@@ -27,7 +28,7 @@ import torch.nn as nn
 import wrapt
 from torch.distributed import distributed_c10d
 from torch.distributed._composable_state import _module_state_mapping
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, ParamModuleInfo, ShardedState
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
@@ -44,6 +45,7 @@ __all__ = [
     "Guarded",
     "READS",
     "Suspended",
+    "Wrapped",
     "add_instance_form",
     "adopt_module_params",
     "all_fsdp_states",
@@ -53,6 +55,7 @@ __all__ = [
     "convert_bypassing_fsdp2",
     "cuda_backend_name",
     "forward_cut_short",
+    "forward_methods",
     "fsdp_state_of",
     "gather_mesh",
     "group_hook_sites",
@@ -87,14 +90,14 @@ __all__ = [
     "states_of_units",
     "suspend_hooks",
     "unguard_forward_methods",
-    "unwrap_group_forward",
+    "unwrap_forward_methods",
     "unit_summon_cache",
     "unsharded_param_if_any",
     "unwrap_cast_walks",
     "unwrap_guarded_calls",
     "unwrap_state_init",
     "wrap_cast_walks",
-    "wrap_group_forward",
+    "wrap_forward_methods",
     "wrap_guarded_calls",
     "wrap_state_init",
 ]
@@ -355,8 +358,8 @@ def remove_instance_form(form: staticmethod[..., Any]) -> None:
 # -- what a context overrides on FSDP2's units (and on plain modules alike), listed in ``READS`` too ------
 # ``nn.Module._apply`` (see [Note: conversions inside] in ``_group``) and ``_call_impl`` (see [Note: casts
 # never outlive their forward] there), each on the instance, for the context's duration; where a forward is
-# refused, ``FSDPState._pre_forward`` (``guard_forward_methods``); where it runs in ``param_dtype``, the group's
-# ``pre_forward`` and ``post_forward`` (``wrap_group_forward``).
+# refused, ``FSDPState._pre_forward`` (``guard_forward_methods``); where it runs, each method
+# ``register_fsdp_forward_method`` made a forward (``wrap_forward_methods``).
 
 _How = TypeVar("_How")  # what a redirected ``_apply`` hands its ``run``: the caller's
 
@@ -395,45 +398,44 @@ def restore_methods(overridden: list[nn.Module], name: str) -> None:
     overridden.clear()
 
 
-def wrap_group_forward(group: FSDPParamGroup, before: Callable[[nn.Module, Any], None],
-                       after: Callable[[nn.Module, Any, Any], None], wrapped: list[FSDPParamGroup]) -> None:
-    """``before(module, args)`` ahead of FSDP2's pre-forward of ``group``, ``after(module, args, output)`` once its
-    post-forward ran or its pre-forward raised: every forward of the group's units passes there, through
-    ``_call_impl`` or through a method registered with ``register_fsdp_forward_method`` (which calls the state's
-    ``_pre_forward`` itself). On the group's instance unless an enclosing context's is there; the group recorded
-    in ``wrapped`` before anything is installed (``unwrap_group_forward``)."""
-    attrs = group.__dict__
-    if "pre_forward" in attrs:
-        return
-    cls = type(group)
-    pre, post = cls.pre_forward, cls.post_forward
-
-    def pre_forward(module: nn.Module, args: Any, kwargs: Any) -> Any:
-        before(module, args)
-        try:
-            return pre(group, module, args, kwargs)
-        except BaseException:
-            after(module, args, None)
-            raise
-
-    def post_forward(module: nn.Module, args: Any, output: Any) -> Any:
-        try:
-            return post(group, module, args, output)
-        finally:
-            after(module, args, output)
-
-    wrapped += (group,)
-    attrs["pre_forward"], attrs["post_forward"] = pre_forward, post_forward
+def _registered_code() -> types.CodeType | None:
+    """The code of the wrapper ``register_fsdp_forward_method`` installs (a constant of its own code), or None."""
+    for const in register_fsdp_forward_method.__code__.co_consts:
+        if isinstance(const, types.CodeType) and const.co_name == "wrapped_method":
+            return const
+    return None
 
 
-def unwrap_group_forward(wrapped: list[FSDPParamGroup]) -> None:
-    """``wrap_group_forward`` undone: FSDP2's own methods again on each group, then ``wrapped`` emptied."""
-    for group in wrapped:
-        attrs = group.__dict__
-        for name in ("pre_forward", "post_forward"):
-            if name in attrs:
-                del attrs[name]
-    wrapped.clear()
+_REGISTERED_CODE = _registered_code()
+
+
+def forward_methods(module: nn.Module) -> list[tuple[str, Callable[..., Any]]]:
+    """The methods ``register_fsdp_forward_method`` made forwards on ``module`` (bound, in its instance dict):
+    each calls the state's ``_pre_forward`` and ``_post_forward`` itself, past ``_call_impl`` and its hooks."""
+    code = _REGISTERED_CODE
+    return [(name, value) for name, value in module.__dict__.items()
+            if value.__class__ is types.MethodType and value.__func__.__code__ is code]
+
+
+#: Forward methods a context wrapped: each module, the method's name, and FSDP2's bound wrapper it replaced.
+Wrapped = list[tuple[nn.Module, str, Callable[..., Any]]]
+
+
+def wrap_forward_methods(methods: Iterable[tuple[nn.Module, str, Callable[..., Any], Callable[..., Any]]],
+                         wrapped: Wrapped) -> None:
+    """Each ``(module, name, registered, wrapper)``: ``wrapper`` in the registered method's place, recorded in
+    ``wrapped`` before it is installed (``unwrap_forward_methods`` puts the registered one back)."""
+    for module, name, registered, wrapper in methods:
+        wrapped.append((module, name, registered))
+        module.__dict__[name] = wrapper
+
+
+def unwrap_forward_methods(wrapped: Wrapped) -> None:
+    """``wrap_forward_methods`` undone, last first, each forgotten once put back (all again, if interrupted)."""
+    while wrapped:
+        module, name, registered = wrapped[-1]
+        module.__dict__[name] = registered
+        wrapped.pop()
 
 
 class _PreForwardGuard:
@@ -787,7 +789,7 @@ def cuda_backend_name(group: dist.ProcessGroup) -> str | None:
 _METHODS: dict[type, tuple[str, ...]] = {
     FSDPModule: ("_apply",),  # bypassed inside contexts, replayed
     FSDPState: ("_lazy_init", "_pre_forward"),  # ``_pre_forward``: guarded per instance for a context
-    FSDPParamGroup: ("_to_sharded", "is_sharded", "reshard", "pre_forward", "post_forward"),  # see below
+    FSDPParamGroup: ("_to_sharded", "is_sharded", "reshard"),
     FSDPParam: ("reset_sharded_param",),
 }
 _FIELDS: dict[type, tuple[str | tuple[str, ...], ...]] = {
@@ -824,8 +826,8 @@ READS: tuple[str, ...] = (
        "distributed_c10d._world.pg_map")
     + tuple(f"nn.Module.{name} (overridden per instance)" for name in _OVERRIDDEN)
     + ("FSDPState._pre_forward (guarded per instance)",
-       "FSDPParamGroup.pre_forward, post_forward (wrapped per instance)",
-       "FSDPParamGroup._to_sharded (a no-op per instance, while marked)")
+       "FSDPParamGroup._to_sharded (a no-op per instance, while marked)",
+       "register_fsdp_forward_method's wrapped_method (its methods wrapped per instance, where found)")
     + tuple(f"{owner.__name__}.{name} (the shim's own)" for owner, names in _STASHED.items() for name in names)
     + tuple(f"{owner.__name__}.{name} (wrapped)" for owner, names in _WRAPPED.items() for name in names)
     + tuple(f"{owner.__name__}.{name} (added to the class)" for owner, names in _ADDED.items() for name in names)

@@ -114,12 +114,11 @@ class _ForwardInParamDtype:
     edit through ``.data`` moves no version counter, so no cached cast can be proven valid.
 
     [Note: casts never outlive their forward]
-    Placed in FSDP2's pre-forward of the group and put back in its post-forward (``_fsdp2.wrap_group_forward``),
-    which a forward through ``_call_impl`` and a method registered with ``register_fsdp_forward_method`` both
-    reach. A forward through ``_call_impl`` that raises is put back by ``SummonedGroup``'s guard on it; a
-    registered method that raises (nothing wraps its body) leaves its casts in the slots until exit. A fault part
-    way puts back the casts placed so far (``held``), and exit ``unwind``s whatever is left before it reads the
-    slots: exit never takes a cast for the user's replacement.
+    Put back by the post-forward hook, an ``always_call`` hook on an ``Exception``, and for any other
+    ``BaseException`` (no hook runs) by ``SummonedGroup``'s guard on the unit's ``_call_impl``. A method
+    ``register_fsdp_forward_method`` made a forward runs past both: ``SummonedGroup`` wraps it to cast and put back
+    the same way. A fault part way puts back the casts placed so far (``held``), and exit ``unwind``s what a
+    compiled forward left before it reads the slots: exit never takes a cast for the user's replacement.
     """
 
     __slots__ = ("_items", "_depth", "_held")
@@ -261,7 +260,7 @@ class SummonedGroup:
         self._suspended: fsdp2.Suspended = []
         self._hooks: list[RemovableHandle | ForwardRefusal] = []
         self._switch: _ForwardInParamDtype | None = None
-        self._wrapped: list[fsdp2.FSDPParamGroup] = []  # the group, while its forward is ``_switch``'s
+        self._wrapped: fsdp2.Wrapped = []  # forward methods registered on the units, while wrapped
         self._guarded: list[nn.Module] = []  # units whose ``_call_impl`` is ``_switch``'s guard
         self._roots: Callable[[], list[nn.Module]] | None = None  # set where forwards inside may run
         self._cut_short = False  # a forward through the units raised (their ``_call_impl`` guard)
@@ -330,7 +329,37 @@ class SummonedGroup:
                 items.append((param, dtype))
         if items:
             switch = self._switch = _ForwardInParamDtype(items)
-            fsdp2.wrap_group_forward(self.group, switch.pre_forward, switch.post_forward, self._wrapped)
+            for module in units:
+                hooks.append(module.register_forward_pre_hook(switch.pre_forward))
+                hooks.append(module.register_forward_hook(switch.post_forward, always_call=True))
+        registered = [(module, name, method) for module in units for name, method in fsdp2.forward_methods(module)]
+        if registered:
+            fsdp2.wrap_forward_methods([(module, name, method, self._forward_method(module, method, no_backward))
+                                        for module, name, method in registered], self._wrapped)
+
+    def _forward_method(self, unit: nn.Module, method: Callable[..., Any], no_backward: _RaiseOnBackward
+                        ) -> Callable[..., Any]:
+        """A method ``register_fsdp_forward_method`` made a forward, as the unit's guarded call and its hooks
+        treat a forward: FSDP2 calls its pre- and post-forward itself, past ``_call_impl`` and every hook."""
+
+        def forward_method(*args: Any, **kwargs: Any) -> Any:
+            switch = self._switch
+            depth = 0 if switch is None else switch._depth
+            try:
+                if switch is not None:
+                    switch.pre_forward(unit, args)
+                output = method(*args, **kwargs)
+            except BaseException:
+                self._cut_short = True
+                fsdp2.settle_forward(self.group, self.units)
+                raise
+            finally:
+                if switch is not None:
+                    switch.unwind(depth)  # its casts put back, whatever happened
+            refused = no_backward(unit, args, output)
+            return output if refused is None else refused
+
+        return forward_method
 
     def release(self) -> None:
         """Undo ``summon``: unmark, resume and remove hooks, settle a forward cut short. Each step runs even if
@@ -355,7 +384,7 @@ class SummonedGroup:
         if self._switch is not None:
             self._switch.unwind()
         if self._wrapped:
-            fsdp2.unwrap_group_forward(self._wrapped)
+            fsdp2.unwrap_forward_methods(self._wrapped)
         fsdp2.restore_methods(self._guarded, "_call_impl")
         hooks = self._hooks
         while hooks:
