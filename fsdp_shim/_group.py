@@ -10,7 +10,7 @@ before FSDP2's pre-forward changes anything.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -30,30 +30,30 @@ Conversion = tuple[nn.Module, tuple[Any, ...], dict[str, Any]]
 
 
 class ForwardRefusal:
-    """A forward through any of ``modules`` raises before FSDP2 runs anything for it: a global pre-hook (ahead of
-    their own hooks), and the guard on forward methods registered on them (``_fsdp2.guard_forward_methods``),
-    which reach FSDP2's all-gather without ``_call_impl`` (``states``: those of the FSDP2 units among ``modules``).
-    ``remove()`` takes both away."""
+    """A forward through any of ``modules`` raises before FSDP2 runs anything for it, once ``install``ed: a global
+    pre-hook (ahead of their own hooks), and the guard on forward methods registered on them
+    (``_fsdp2.guard_forward_methods``), which reach FSDP2's all-gather without ``_call_impl`` (``states``: those of
+    the FSDP2 units among ``modules``). Kept by its owner before it is installed; ``remove()`` takes both away,
+    and first empties what it refuses, so a hook whose handle an interrupt lost refuses nothing."""
 
     def __init__(self, modules: Iterable[nn.Module], message: Callable[[], str],
                  states: Iterable[fsdp2.FSDPState]) -> None:
-        refused = set(modules)  # identity hashes: no call a module
+        self._refused: Collection[nn.Module] = set(modules)  # identity hashes: no call a module
 
         def refuse(module: nn.Module, *_: Any) -> None:  # the message is written when it raises
-            if module in refused:
+            if module in self._refused:
                 raise RuntimeError(message())
 
-        self._refuse = refuse
+        self._refuse, self._states = refuse, states
         self._guarded: fsdp2.Guarded = []
         self._handle: RemovableHandle | None = None
-        try:
-            self._handle = register_module_forward_pre_hook(refuse)
-            fsdp2.guard_forward_methods(states, refuse, self._guarded)
-        except BaseException:
-            self.remove()
-            raise
+
+    def install(self) -> None:
+        self._handle = register_module_forward_pre_hook(self._refuse)
+        fsdp2.guard_forward_methods(self._states, self._refuse, self._guarded)
 
     def remove(self) -> None:
+        self._refused = ()
         if self._handle is not None:
             self._handle.remove()
         fsdp2.unguard_forward_methods(self._guarded, self._refuse)
@@ -94,8 +94,12 @@ class _RaiseOnBackward:
     def __init__(self, modules: tuple[nn.Module, ...]) -> None:
         self._modules = modules
 
+    def remove(self) -> None:
+        """Refuse nothing more: a hook whose handle an interrupt lost does nothing."""
+        self._modules = ()
+
     def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if not torch.is_grad_enabled():
+        if not self._modules or not torch.is_grad_enabled():
             return None
         message = (f"backward through outputs of FSDP unit {', '.join(module_label(m) for m in self._modules)} "
                    "computed inside summon_full_params is not supported (FSDP1 forbids it too)")
@@ -157,6 +161,11 @@ class _ForwardInParamDtype:
             self._depth = depth
         if self._depth == 0 and self._held:
             self._put_back()
+
+    def retire(self) -> None:
+        """Every cast put back, and nothing left to cast: a hook whose handle an interrupt lost casts nothing."""
+        self.unwind()
+        self._items = []
 
 
 class Conversions:
@@ -258,7 +267,7 @@ class SummonedGroup:
         self.units = fsdp2.group_modules(group)
         self._mark: fsdp2.GroupMark | None = None
         self._suspended: fsdp2.Suspended = []
-        self._hooks: list[RemovableHandle | ForwardRefusal] = []
+        self._hooks: list[RemovableHandle | ForwardRefusal | _RaiseOnBackward] = []
         self._switch: _ForwardInParamDtype | None = None
         self._wrapped: fsdp2.Wrapped = []  # forward methods registered on the units, while wrapped
         self._guarded: list[nn.Module] = []  # units whose ``_call_impl`` is ``_switch``'s guard
@@ -293,10 +302,12 @@ class SummonedGroup:
         units, hooks = self.units, self._hooks
         if not self.fully_summoned:
             refused = [*units, *roots()]
-            hooks.append(ForwardRefusal(refused, lambda: (
+            refusal = ForwardRefusal(refused, lambda: (
                 f"forward through FSDP unit {', '.join(module_label(m) for m in units)} while only some "
                 "of its parameters are summoned is not supported: summon the unit itself"
-            ), fsdp2.states_of_units(refused)))
+            ), fsdp2.states_of_units(refused))
+            hooks.append(refusal)
+            refusal.install()
             return
         self._roots = roots
         methods = []
@@ -320,6 +331,7 @@ class SummonedGroup:
             methods.append((module, guarded_call))
         fsdp2.override_methods("_call_impl", methods, self._guarded)
         no_backward = _RaiseOnBackward(units)
+        hooks.append(no_backward)  # kept before its hooks: removed after them
         for module in units:
             hooks.append(module.register_forward_hook(no_backward))
         items = []
@@ -343,6 +355,8 @@ class SummonedGroup:
         treat a forward: FSDP2 calls its pre- and post-forward itself, past ``_call_impl`` and every hook."""
 
         def forward_method(*args: Any, **kwargs: Any) -> Any:
+            if not self._wrapped:  # a reference kept past the context: FSDP2's own method
+                return method(*args, **kwargs)
             switch = self._switch
             depth = 0 if switch is None else switch._depth
             try:
@@ -382,7 +396,7 @@ class SummonedGroup:
     def remove_hooks(self) -> None:
         """Any cast a forward left put back, then the hooks off, one at a time (an interrupt leaves the rest)."""
         if self._switch is not None:
-            self._switch.unwind()
+            self._switch.retire()
         if self._wrapped:
             fsdp2.unwrap_forward_methods(self._wrapped)
         fsdp2.restore_methods(self._guarded, "_call_impl")
@@ -421,4 +435,4 @@ def summon_groups(
     return ForwardRefusal([root, *root_modules, *units, *scope.owner_modules], lambda: (
         f"forward inside summon_full_params({module_label(root)}, rank0_only=True) "
         "is not supported: only rank 0 (of each FSDP shard group) holds full parameters"
-    ), [*root_states, *states])
+    ), [*root_states, *states])  # installed by the caller once it keeps it

@@ -196,6 +196,8 @@ class DTensorSummon:
         registry.register(self)
         self._forward_refusal = summon_groups(self.groups, self.summoned, scope, self.conversions, holds_fulls,
                                               call.rank0_only)
+        if self._forward_refusal is not None:
+            self._forward_refusal.install()
         if logger.isEnabledFor(logging.DEBUG):
             _log_gathered(self, dtensors, started)
 

@@ -1,4 +1,4 @@
-"""Record before acting: an interrupt between two statements changes nothing (issue 58, D2 to D6, D8).
+"""Record before acting: an interrupt between two statements changes nothing (issue 58, D2 to D6, D8; D9).
 
 Each test raises ``KeyboardInterrupt`` at one place a real Ctrl-C can reach: a
 line event right after a call returns, or part way through a loop. The place
@@ -263,3 +263,87 @@ def rank_d8_the_completion_fence_runs_no_python_callback() -> list[str]:
 
 def test_d8_the_completion_fence_runs_no_python_callback(dist_run):
     assert dist_run(2, rank_d8_the_completion_fence_runs_no_python_callback) == [[], []]
+
+
+@contextlib.contextmanager
+def _interrupt_before_return(callee: Callable[..., Any], caller: Callable[..., Any]) -> Iterator[list[bool]]:
+    """Raise ``KeyboardInterrupt`` in ``callee``'s frame at the line of its last ``return``, when ``caller`` called
+    it: its work done, its result (a hook's handle) not yet handed back. Yields ``[fired]``."""
+    import ast
+    import inspect
+    import textwrap
+
+    lines, start = inspect.getsourcelines(callee)
+    tree = ast.parse(textwrap.dedent("".join(lines)))
+    last = max(node.lineno for node in ast.walk(tree) if isinstance(node, ast.Return)) + start - 1
+    code, caller_code = callee.__code__, caller.__code__
+    fired = [False]
+
+    def in_callee(frame, event, arg):
+        if event == "line" and frame.f_lineno == last and not fired[0]:
+            fired[0] = True
+            raise KeyboardInterrupt(f"before {callee.__qualname__} returned to {caller.__qualname__}")
+        return in_callee
+
+    sys.settrace(lambda frame, event, arg: in_callee if frame.f_code is code and frame.f_back is not None
+                 and frame.f_back.f_code is caller_code else None)
+    try:
+        yield fired
+    finally:
+        sys.settrace(None)
+
+
+#: Where a hook a summon installs is registered and its handle not yet kept: (the registering call, its caller,
+#: how: ``before``, the interrupt in the registering call at its ``return``, or ``after`` it returned; the
+#: summon's keywords; whether the model computes in bf16).
+_HOOK_WINDOWS = {
+    "rank0_only refusal's hook": ("register_module_forward_pre_hook", "ForwardRefusal.install", "before",
+                                  {"rank0_only": True}, False),
+    "rank0_only refusal made, not installed": ("summon_groups", "DTensorSummon._gather_and_install", "after",
+                                               {"rank0_only": True}, False),
+    "partial unit refusal's hook": ("register_module_forward_pre_hook", "ForwardRefusal.install", "before",
+                                    {"unit": "fc1"}, False),
+    "backward refusal hook": ("register_forward_hook", "SummonedGroup._hook_forwards", "before", {}, False),
+    "param_dtype cast hook": ("register_forward_pre_hook", "SummonedGroup._hook_forwards", "before", {}, True),
+}
+
+
+def rank_d9_an_interrupt_while_a_hook_is_registered_leaves_it_inert(window: str) -> list[bool]:
+    """D9: an interrupt after a summon's hook was registered and before its handle was kept left the hook live
+    after the failed entry: every later forward of the model refused (``rank0_only``, a unit summoned in part),
+    every backward refused, or every forward cast by a stale switch. Now each such hook is emptied at release: a
+    lost one does nothing. Against a twin never summoned (same seed), FSDP2 trains on exactly alike."""
+    import torch.nn as nn
+    from torch.nn.modules import module as module_file
+
+    from fsdp_shim import _group
+
+    callee_name, caller_name, how, kwargs, mixed = _HOOK_WINDOWS[window]
+    callee = getattr(nn.Module, callee_name, None) or getattr(module_file, callee_name, None) \
+        or getattr(_group, callee_name)
+    owner, method = caller_name.split(".")
+    caller = getattr(getattr(_group, owner, None) or getattr(_summon, owner), method)
+    interrupt = _interrupt_before_return if how == "before" else _interrupt_after_return
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if mixed else None
+    model, twin = shard_lm(build_lm(CONFIG), mp_policy=policy), shard_lm(build_lm(CONFIG), mp_policy=policy)
+    tokens = tokens_for(CONFIG)
+    summoned = model.blocks[0].fc1 if kwargs.get("unit") == "fc1" else model
+    with patched(), interrupt(callee, caller) as fired, pytest.raises(KeyboardInterrupt):
+        with FSDP.summon_full_params(summoned, writeback=False, rank0_only=kwargs.get("rank0_only", False)):
+            pass
+    said = [fired[0]]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, twin)]
+    for _ in range(2):
+        losses = [m(tokens).float().pow(2).mean() for m in (model, twin)]
+        said.append(torch.equal(losses[0], losses[1]))
+        for loss, optimizer in zip(losses, optimizers, strict=True):
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return said
+
+
+@pytest.mark.parametrize("window", list(_HOOK_WINDOWS))
+def test_d9_an_interrupt_while_a_hook_is_registered_leaves_it_inert(dist_run, window):
+    assert dist_run(2, rank_d9_an_interrupt_while_a_hook_is_registered_leaves_it_inert, window) == [
+        [True, True, True]] * 2

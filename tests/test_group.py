@@ -75,6 +75,7 @@ def test_a_forward_refusal_refuses_only_its_modules_and_comes_off():
 
     guarded, free = nn.Linear(2, 2), nn.Linear(2, 2)
     handle = ForwardRefusal([guarded], lambda: "refused here", [])
+    handle.install()
     try:
         free(torch.ones(2))
         with pytest.raises(RuntimeError, match="refused here"):
@@ -328,7 +329,9 @@ def rank_forward_refusals_nest_and_put_back_what_they_found() -> bool:
     for order in ("inner first", "outer first"):
         state.__dict__["_pre_forward"] = theirs
         outer = ForwardRefusal([unit], lambda: "outer", [state])
+        outer.install()
         inner = ForwardRefusal([unit], lambda: "inner", [state, state])  # listed twice: guarded once
+        inner.install()
         with pytest.raises(RuntimeError, match="outer"):
             state._pre_forward(unit, (torch.ones(4),), {})
         first, second = (inner, outer) if order == "inner first" else (outer, inner)
@@ -339,6 +342,7 @@ def rank_forward_refusals_nest_and_put_back_what_they_found() -> bool:
         assert state.__dict__["_pre_forward"] is theirs, order
     del state.__dict__["_pre_forward"]
     refusal = ForwardRefusal([unit], lambda: "refused", [state])
+    refusal.install()
     refusal.remove()
     refusal.remove()  # twice: nothing more
     return "_pre_forward" not in state.__dict__ and unit(torch.ones(2, 4)).shape == (2, 4)

@@ -195,7 +195,7 @@ def stage_bucket(bucket: list[BucketEntry], shape: BucketShape, receiver: Receiv
         return _start_alone(bucket, split_sizes, dtype, comm_device, None if reserved is None else reserved.fulls)
     per_rank = sum(split_sizes)
     if reserved is not None:
-        output = cast(torch.Tensor, reserved.output)
+        output: torch.Tensor = reserved.output  # type: ignore[assignment]  # set for a gather (no cast(): hot path)
     else:
         output = torch.empty(world_size * per_rank, dtype=dtype, device=comm_device)
     gather_input = copy_in(bucket, split_sizes, dtype, comm_device, output[rank * per_rank:(rank + 1) * per_rank],
