@@ -410,15 +410,17 @@ _REGISTERED_CODE = _registered_code()
 
 
 def forward_methods(module: nn.Module) -> list[tuple[str, Callable[..., Any]]]:
-    """The methods ``register_fsdp_forward_method`` made forwards on ``module`` (bound, in its instance dict):
-    each calls the state's ``_pre_forward`` and ``_post_forward`` itself, past ``_call_impl`` and its hooks."""
+    """The methods in ``module``'s instance dict that ``register_fsdp_forward_method`` made forwards (bound; on
+    this module, or an alias of another's): each calls its state's ``_pre_forward`` and ``_post_forward`` itself,
+    past ``_call_impl`` and its hooks."""
     code = _REGISTERED_CODE
     return [(name, value) for name, value in module.__dict__.items()
-            if value.__class__ is types.MethodType and value.__func__.__code__ is code]
+            if value.__class__ is types.MethodType and getattr(value.__func__, "__code__", None) is code]
 
 
-#: Forward methods a context wrapped: each module, the method's name, and FSDP2's bound wrapper it replaced.
-Wrapped = list[tuple[nn.Module, str, Callable[..., Any]]]
+#: Forward methods a context wrapped: each module, the method's name, FSDP2's bound wrapper it replaced, and
+#: the context's wrapper.
+Wrapped = list[tuple[nn.Module, str, Callable[..., Any], Callable[..., Any]]]
 
 
 def wrap_forward_methods(methods: Iterable[tuple[nn.Module, str, Callable[..., Any], Callable[..., Any]]],
@@ -426,15 +428,17 @@ def wrap_forward_methods(methods: Iterable[tuple[nn.Module, str, Callable[..., A
     """Each ``(module, name, registered, wrapper)``: ``wrapper`` in the registered method's place, recorded in
     ``wrapped`` before it is installed (``unwrap_forward_methods`` puts the registered one back)."""
     for module, name, registered, wrapper in methods:
-        wrapped.append((module, name, registered))
+        wrapped.append((module, name, registered, wrapper))
         module.__dict__[name] = wrapper
 
 
 def unwrap_forward_methods(wrapped: Wrapped) -> None:
-    """``wrap_forward_methods`` undone, last first, each forgotten once put back (all again, if interrupted)."""
+    """``wrap_forward_methods`` undone, last first, where the wrapper still sits (the user's assignment or deletion
+    inside stands), each forgotten once put back (all again, if interrupted)."""
     while wrapped:
-        module, name, registered = wrapped[-1]
-        module.__dict__[name] = registered
+        module, name, registered, wrapper = wrapped[-1]
+        if module.__dict__.get(name) is wrapper:
+            module.__dict__[name] = registered
         wrapped.pop()
 
 
@@ -870,6 +874,8 @@ def missing_internals() -> list[str]:
         alternatives = (wanted,) if isinstance(wanted, str) else wanted
         if not any(callable(getattr(state_module, a, None)) for a in alternatives):
             missing.append(f"_fsdp_state.{' or '.join(alternatives)}")
+    if _REGISTERED_CODE is None:
+        missing.append("register_fsdp_forward_method's wrapped_method")
     if not callable(getattr(torch._C, "_current_graph_task_id", None)):
         missing.append("torch._C._current_graph_task_id")
     world = getattr(distributed_c10d, "_world", None)

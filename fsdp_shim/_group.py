@@ -120,9 +120,10 @@ class _ForwardInParamDtype:
     [Note: casts never outlive their forward]
     Put back by the post-forward hook, an ``always_call`` hook on an ``Exception``, and for any other
     ``BaseException`` (no hook runs) by ``SummonedGroup``'s guard on the unit's ``_call_impl``. A method
-    ``register_fsdp_forward_method`` made a forward runs past both: ``SummonedGroup`` wraps it to cast and put back
-    the same way. A fault part way puts back the casts placed so far (``held``), and exit ``unwind``s what a
-    compiled forward left before it reads the slots: exit never takes a cast for the user's replacement.
+    ``register_fsdp_forward_method`` made a forward runs past both: ``SummonedGroup`` wraps the unit's attribute
+    to cast and put back the same way (a reference taken before entry is not wrapped: the README's Limits). A
+    fault part way puts back the casts placed so far (``held``), and exit ``unwind``s what a compiled forward left
+    before it reads the slots: exit never takes a cast for the user's replacement.
     """
 
     __slots__ = ("_items", "_depth", "_held")
@@ -351,9 +352,11 @@ class SummonedGroup:
 
     def _forward_method(self, unit: nn.Module, method: Callable[..., Any], no_backward: _RaiseOnBackward
                         ) -> Callable[..., Any]:
-        """A method ``register_fsdp_forward_method`` made a forward, as the unit's guarded call and its hooks
-        treat a forward: FSDP2 calls its pre- and post-forward itself, past ``_call_impl`` and every hook."""
+        """A method ``register_fsdp_forward_method`` made a forward, reached through the unit's attribute, as the
+        unit's guarded call and its hooks treat a forward: FSDP2 calls its pre- and post-forward itself, past
+        ``_call_impl`` and every hook. (A reference taken before entry, or a decorator's, is not wrapped.)"""
 
+        @functools.wraps(method)
         def forward_method(*args: Any, **kwargs: Any) -> Any:
             if not self._wrapped:  # a reference kept past the context: FSDP2's own method
                 return method(*args, **kwargs)
@@ -369,7 +372,10 @@ class SummonedGroup:
                 raise
             finally:
                 if switch is not None:
-                    switch.unwind(depth)  # its casts put back, whatever happened
+                    try:
+                        switch.unwind(depth)
+                    finally:  # an interrupt part way: the put-back resumes where it stopped
+                        switch.unwind(depth)
             refused = no_backward(unit, args, output)
             return output if refused is None else refused
 

@@ -199,7 +199,7 @@ def _left_behind(model: nn.Module) -> list:
     left += [("_pre_forward", "FSDPState") for state in fsdp2.all_fsdp_states() if "_pre_forward" in state.__dict__]
     left += [(name, type(m).__name__) for m in model.modules() for name in ("_call_impl", "_apply") if name in m.__dict__]
     return left + [(name, type(m).__name__) for m in model.modules() for name, value in m.__dict__.items()
-                   if getattr(value, "__func__", None) is not None and value.__func__.__code__.co_name == "forward_method"]
+                   if getattr(getattr(value, "__code__", None), "co_name", None) == "forward_method"]  # the shim's
 
 
 def rank_a_grouped_unit_runs_its_forwards_inside_in_param_dtype() -> list:
@@ -313,6 +313,70 @@ def rank_a_backward_through_a_registered_method_inside_is_refused() -> tuple:
 
 def test_a_backward_through_a_registered_method_inside_is_refused(dist_run):
     assert dist_run(2, rank_a_backward_through_a_registered_method_inside_is_refused) == [(True, [], [], True)] * 2
+
+
+def rank_a_held_units_methods_are_theirs_again_after_exit(case: str) -> list:
+    """What the context does to a held unit's forward methods ends with it: a bound method over a callable
+    without code in its dict is left alone (it broke every summon of the unit), the user's assignment or deletion
+    of a registered method inside stands, and an interrupt while the wrapper puts its casts back (bf16) is
+    finished there: an edit after it reaches the full parameter and is written back exactly (it went into a cast
+    and exit wrote back rounded values)."""
+    import functools
+    import types
+
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    from fsdp_shim import _param
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if case == "interrupted_put_back" else None
+    (_, own), (_, model) = _models(mp_policy=policy), _models(mp_policy=policy)
+    config = LMConfig()
+    tokens, x = tokens_for(config), torch.randn(2, 8, config.width)
+    block = model.blocks[0]
+    block.branch = block.ffn
+    register_fsdp_forward_method(block, "branch")
+    register_fsdp_forward_method(model, "generate")
+    block.scaled = types.MethodType(functools.partial(lambda factor, self, t: factor * t, 2.0), block)
+    registered = model.__dict__["generate"]
+    said = []
+    with patched(), FSDP.summon_full_params(model, writeback=True):
+        said.append(torch.equal(block.scaled(x), 2.0 * x))
+        if case == "reassigned":
+            model.generate = "theirs"
+        elif case == "deleted":
+            del model.generate
+        elif case == "interrupted_put_back":
+            put_back, calls = _param.SummonedParam.put_back, []
+
+            def interrupted(self, held):  # the first put-back raises before it places anything
+                calls.append(1)
+                if len(calls) == 1:
+                    raise KeyboardInterrupt("while the casts are put back")
+                return put_back(self, held)
+
+            _param.SummonedParam.put_back = interrupted
+            try:
+                with pytest.raises(KeyboardInterrupt):
+                    block.branch(x)
+            finally:
+                _param.SummonedParam.put_back = put_back
+            said.append(block.fc1.weight.dtype == torch.float32)
+            with torch.no_grad():
+                block.fc1.weight.add_(0.25)
+                own.blocks[0].fc1.weight.add_(0.25)
+    said.append({"reassigned": model.__dict__.get("generate") == "theirs",
+                 "deleted": "generate" not in model.__dict__,
+                 "untouched": model.__dict__.get("generate") is registered,
+                 "interrupted_put_back": torch.equal(full_state(model)["blocks.0.fc1.weight"],
+                                                     full_state(own)["blocks.0.fc1.weight"])}[case])
+    said.append(_left_behind(model) == [])
+    return said
+
+
+@pytest.mark.parametrize("case", ["untouched", "reassigned", "deleted", "interrupted_put_back"])
+def test_a_held_units_methods_are_theirs_again_after_exit(dist_run, case):
+    want = [True] * (4 if case == "interrupted_put_back" else 3)
+    assert dist_run(2, rank_a_held_units_methods_are_theirs_again_after_exit, case) == [want] * 2
 
 
 def rank_forward_refusals_nest_and_put_back_what_they_found() -> bool:
